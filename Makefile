@@ -1,0 +1,50 @@
+# Every target creates the virtual environment on first use and installs what it needs.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+# torch 2.13.0: the CPU build on these machines; a newer torch pulls a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: help venv demo test test-fast lint bench bench-lhotse soak fuzz clean
+
+help:
+	@echo "make demo | test | lint | bench | bench-lhotse | soak | fuzz | clean"
+
+$(STAMP):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test,dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) benchmarks/bench_lhotse.py --demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not dist"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tensorcast tests benchmarks
+	$(VENV)/bin/ruff format --check tensorcast
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_broadcast.py --json bench-results/broadcast.json
+
+bench-lhotse: $(STAMP)
+	$(PY) benchmarks/bench_lhotse.py --compare
+
+soak: $(STAMP)
+	$(PY) benchmarks/soak.py
+
+fuzz: $(STAMP)
+	$(PY) benchmarks/fuzz_header.py
+
+clean:
+	rm -rf $(VENV) bench-results .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -1,0 +1,49 @@
+"""tensorcast: hand a training batch from one rank to its TP/CP peers, tensor-natively.
+
+The source flattens each batch tree into a small header (structure, dtypes, shapes,
+small values) and ONE packed, aligned buffer, broadcasts both on the flattened
+``(cp, tp)`` group, and every other rank rebuilds the tree as views into the buffer.
+Nothing is pickled: receivers never execute bytes from the wire.
+"""
+
+from __future__ import annotations
+
+from tensorcast._broadcast import broadcast, broadcast_batch
+from tensorcast._codec import Packed, pack, read_header, unpack
+from tensorcast._collate import packed_collate
+from tensorcast._errors import (
+    DesyncError,
+    HeaderError,
+    PeerError,
+    SourceError,
+    TensorcastError,
+    UnsupportedLeafError,
+)
+from tensorcast._loader import BroadcastingDataLoader
+from tensorcast._mesh import is_dp_source_rank
+from tensorcast._registry import register_type
+from tensorcast._schema import FORMAT_VERSION, LeafSpec, Schema
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMAT_VERSION",
+    "BroadcastingDataLoader",
+    "DesyncError",
+    "HeaderError",
+    "LeafSpec",
+    "Packed",
+    "PeerError",
+    "Schema",
+    "SourceError",
+    "TensorcastError",
+    "UnsupportedLeafError",
+    "broadcast",
+    "broadcast_batch",
+    "is_dp_source_rank",
+    "pack",
+    "packed_collate",
+    "read_header",
+    "register_type",
+    "unpack",
+]

@@ -1,0 +1,259 @@
+"""pack / unpack: a batch tree <-> a header and ONE packed, aligned uint8 buffer.
+
+The data path, top to bottom::
+
+    tree --flatten--> tokens + buffer leaves --layout--> leaf table --encode--> header
+                                              \\--write--> buffer (one copy per leaf)
+    header --decode/validate--> leaf table --views into buffer--> leaves --build--> tree
+
+Nothing here knows about process groups; ``_transport`` moves headers and buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, overload
+
+import numpy as np
+import torch
+
+from tensorcast import _schema, _tree
+from tensorcast._dtypes import CODE_ITEMSIZE, numpy_dtype, torch_dtype
+from tensorcast._errors import HeaderError
+from tensorcast._schema import LeafSpec, Schema
+
+__all__ = ["PackPlan", "Packed", "pack", "plan", "read_header", "resolve_device", "unpack", "views"]
+
+DEFAULT_ALIGN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A packed batch: a header and one contiguous 1-D ``torch.uint8`` buffer.
+
+    Attributes:
+        header: the encoded schema (tree structure, dtypes, shapes, small leaves).
+        buffer: every tensor / ndarray / large bytes leaf's bytes, each at an aligned offset.
+    """
+
+    header: bytes
+    buffer: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """The buffer's size in bytes."""
+        return int(self.buffer.numel())
+
+    def pin_memory(self) -> Packed:
+        """A copy with the buffer in pinned memory (``DataLoader(pin_memory=True)`` calls this)."""
+        return Packed(self.header, self.buffer.pin_memory())
+
+
+def resolve_device(device: torch.device | str | int | None) -> torch.device | None:
+    """Normalise a device argument; a bare ``"cuda"`` means the current CUDA device."""
+    if device is None:
+        return None
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _align_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+class PackPlan:
+    """A batch flattened and laid out, ready to be written into any large-enough buffer."""
+
+    __slots__ = ("header", "nbytes", "leaves", "offsets", "device")
+
+    def __init__(self, header: bytes, nbytes: int, leaves: list[_tree.BufferLeaf],
+                 offsets: list[int], device: torch.device):
+        self.header = header
+        self.nbytes = nbytes
+        self.leaves = leaves
+        self.offsets = offsets
+        #: the device of the batch's tensors (cpu when it has none)
+        self.device = device
+
+    def write(self, buffer: torch.Tensor) -> None:
+        """Copy every leaf's bytes into ``buffer[:self.nbytes]`` at its offset."""
+        on_cpu = buffer.device.type == "cpu"
+        host = buffer.numpy() if on_cpu else None
+        for leaf, off in zip(self.leaves, self.offsets):
+            data = leaf.data
+            if leaf.kind == "tensor":
+                if data.numel():
+                    n = data.numel() * data.element_size()
+                    buffer[off : off + n].view(data.dtype).view(data.shape).copy_(data)
+                continue
+            if leaf.kind == "ndarray":
+                if data.size == 0:
+                    continue
+                src = data
+                n = data.nbytes
+            else:  # bytes / str, already encoded
+                src = np.frombuffer(data, dtype=np.uint8)
+                n = len(data)
+            if host is not None:
+                host[off : off + n].view(src.dtype).reshape(src.shape)[...] = src
+            else:
+                staged = torch.empty(n, dtype=torch.uint8)
+                staged.numpy().view(src.dtype).reshape(src.shape)[...] = src
+                buffer[off : off + n].copy_(staged)
+
+
+def plan(tree: Any, *, align: int = DEFAULT_ALIGN) -> PackPlan:
+    """Flatten ``tree`` and lay its leaves out; no buffer is touched yet.
+
+    Raises:
+        UnsupportedLeafError: a leaf, key or container cannot travel.
+        ValueError: bad ``align``, tensors on more than one device, a cyclic tree.
+    """
+    if type(align) is not int or not 1 <= align <= _schema.MAX_ALIGN or align & (align - 1):
+        raise ValueError(f"align must be a power of two in [1, {_schema.MAX_ALIGN}], got {align!r}")
+    tokens, leaves = _tree.flatten(tree)
+    table: list[list[Any]] = []
+    offsets: list[int] = []
+    device: torch.device | None = None
+    device_leaf: _tree.BufferLeaf | None = None
+    end = 0
+    for leaf in leaves:
+        itemsize = CODE_ITEMSIZE[leaf.code]
+        size = math.prod(leaf.shape) * itemsize
+        off = _align_up(end, align if align >= itemsize else itemsize)
+        if leaf.kind == "tensor":
+            dev = leaf.data.device
+            if device is None:
+                device, device_leaf = dev, leaf
+            elif dev != device:
+                assert device_leaf is not None
+                raise ValueError(
+                    f"tensors on mixed devices: `{_tree.render_path(device_leaf.path, 'batch')}` "
+                    f"is on {device} but `{_tree.render_path(leaf.path, 'batch')}` is on {dev}; "
+                    f"move the batch to one device before sending it"
+                )
+        table.append([leaf.kind, leaf.code, list(leaf.shape), off, size])
+        offsets.append(off)
+        end = off + size
+    if end > _schema.MAX_BUFFER_BYTES:
+        raise ValueError(f"the batch needs {end} bytes, over the {_schema.MAX_BUFFER_BYTES} limit")
+    header = _schema.encode(end, align, table, tokens)
+    return PackPlan(header, end, leaves, offsets, device or torch.device("cpu"))
+
+
+def pack(tree: Any, *, device: torch.device | str | None = None, align: int = DEFAULT_ALIGN) -> Packed:
+    """Flatten a batch tree into a header and ONE contiguous uint8 buffer.
+
+    Args:
+        tree: nested dict / list / tuple / OrderedDict / registered types of tensors,
+            numpy arrays and small Python values.
+        device: where the buffer lives. Defaults to the device of the batch's tensors
+            (CPU when it has none).
+        align: every leaf's offset is a multiple of this (a power of two).
+
+    Returns:
+        A :class:`Packed` whose ``buffer`` holds every tensor, ndarray and large
+        bytes/str leaf.
+
+    Raises:
+        UnsupportedLeafError: a leaf cannot travel; the message names its path.
+        ValueError: bad ``align``, tensors on more than one device, a cyclic tree.
+    """
+    p = plan(tree, align=align)
+    dev = resolve_device(device) or p.device
+    if dev.type == "cuda" and p.device.type == "cpu":
+        staging = torch.empty(p.nbytes, dtype=torch.uint8, pin_memory=True)
+        p.write(staging)
+        buffer = staging.to(dev, non_blocking=True)
+    else:
+        buffer = torch.empty(p.nbytes, dtype=torch.uint8, device=dev)
+        p.write(buffer)
+    return Packed(p.header, buffer)
+
+
+def views(decoded: _schema.Decoded, buffer: torch.Tensor) -> list[Any]:
+    """The buffer leaves of ``decoded`` as views into ``buffer`` (ndarrays: CPU views)."""
+    values: list[Any] = []
+    host: torch.Tensor | None = buffer if buffer.device.type == "cpu" else None
+    for kind, code, shape, off, n in decoded.leaves:
+        if kind == "tensor":
+            values.append(buffer[off : off + n].view(torch_dtype(code)).view(shape))
+            continue
+        piece = buffer[off : off + n] if host is not None else buffer[off : off + n].cpu()
+        if kind == "ndarray":
+            values.append(piece.numpy().view(numpy_dtype(code)).reshape(shape))
+        elif kind == "bytes":
+            values.append(piece.numpy().tobytes())
+        else:
+            try:
+                values.append(piece.numpy().tobytes().decode("utf-8", "surrogatepass"))
+            except UnicodeDecodeError as e:
+                raise HeaderError(f"a str leaf holds invalid UTF-8: {e}") from None
+    return values
+
+
+def _check_buffer(buffer: Any, nbytes: int) -> None:
+    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise TypeError(
+            f"the buffer must be a 1-D torch.uint8 tensor, got "
+            f"{getattr(buffer, 'dtype', type(buffer).__name__)} with shape "
+            f"{tuple(getattr(buffer, 'shape', ()))}"
+        )
+    if not buffer.is_contiguous():
+        raise ValueError("the buffer must be contiguous; call .contiguous() first")
+    if buffer.numel() != nbytes:
+        raise HeaderError(f"the header describes a {nbytes}-byte buffer but the buffer has {buffer.numel()}")
+
+
+@overload
+def unpack(packed: Packed, /, *, device: torch.device | str | None = None) -> Any: ...
+@overload
+def unpack(header: bytes, buffer: torch.Tensor, /, *, device: torch.device | str | None = None) -> Any: ...
+
+
+def unpack(packed_or_header: Packed | bytes, buffer: torch.Tensor | None = None, /, *,
+           device: torch.device | str | None = None) -> Any:
+    """Rebuild the tree from a header and its buffer.
+
+    Tensor leaves are views into ``buffer`` (no copy), unless ``device`` differs from the
+    buffer's device: then the buffer is copied there once and the leaves view the copy.
+    numpy leaves are always CPU arrays; bytes and str leaves are copies.
+
+    Raises:
+        HeaderError: the header is invalid or does not match the buffer's size.
+        TypeError: the buffer is not a 1-D uint8 tensor.
+    """
+    if isinstance(packed_or_header, Packed):
+        if buffer is not None:
+            raise TypeError("unpack(packed) takes no buffer; use unpack(header, buffer)")
+        header, buffer = packed_or_header.header, packed_or_header.buffer
+    else:
+        if buffer is None:
+            raise TypeError("unpack(header, buffer): the buffer is missing")
+        header = packed_or_header
+    decoded = _schema.decode(header)
+    _check_buffer(buffer, decoded.nbytes)
+    dev = resolve_device(device)
+    if dev is not None and dev != buffer.device:
+        buffer = buffer.to(dev)
+    tree, _ = _tree.build(decoded.tokens, views(decoded, buffer), len(decoded.leaves))
+    return tree
+
+
+def read_header(header: bytes) -> Schema:
+    """Decode and validate a header without touching any buffer.
+
+    Raises:
+        HeaderError: the header is not valid for this version of tensorcast.
+    """
+    decoded = _schema.decode(header)
+    _, paths = _tree.build(decoded.tokens, None, len(decoded.leaves), want_paths=True)
+    assert paths is not None
+    leaves = tuple(
+        LeafSpec(_tree.render_path(path), kind, code, tuple(shape), off, n)
+        for (kind, code, shape, off, n), path in zip(decoded.leaves, paths)
+    )
+    return Schema(leaves, decoded.nbytes, _schema.FORMAT_VERSION, decoded.align)

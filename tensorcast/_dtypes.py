@@ -1,0 +1,95 @@
+"""The closed table of dtype codes that travel in headers.
+
+Codes are short ASCII strings in the spirit of safetensors (``"F32"``, ``"BF16"``,
+``"F8_E4M3"``). A header never carries ``repr(dtype)``; an unknown code is a
+``HeaderError`` on the decoding side.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CODE_ITEMSIZE",
+    "NUMPY_CODES",
+    "TORCH_CODES",
+    "numpy_code",
+    "numpy_dtype",
+    "torch_code",
+    "torch_dtype",
+]
+
+# code -> torch dtype. Optional dtypes are looked up by name so an older torch simply
+# lacks the code instead of failing to import.
+_TORCH_BY_NAME: dict[str, str] = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "C64": "complex64",
+    "C128": "complex128",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F4_E2M1_X2": "float4_e2m1fn_x2",
+}
+
+TORCH_CODES: dict[str, torch.dtype] = {
+    code: getattr(torch, name) for code, name in _TORCH_BY_NAME.items() if hasattr(torch, name)
+}
+_CODE_OF_TORCH: dict[torch.dtype, str] = {dtype: code for code, dtype in TORCH_CODES.items()}
+
+NUMPY_CODES: dict[str, np.dtype] = {
+    code: np.dtype(name)
+    for code, name in {
+        "BOOL": "bool",
+        "U8": "uint8",
+        "I8": "int8",
+        "U16": "uint16",
+        "I16": "int16",
+        "U32": "uint32",
+        "I32": "int32",
+        "U64": "uint64",
+        "I64": "int64",
+        "F16": "float16",
+        "F32": "float32",
+        "F64": "float64",
+        "C64": "complex64",
+        "C128": "complex128",
+    }.items()
+}
+_CODE_OF_NUMPY: dict[np.dtype, str] = {dtype: code for code, dtype in NUMPY_CODES.items()}
+
+CODE_ITEMSIZE: dict[str, int] = {
+    code: torch.empty((), dtype=dtype).element_size() for code, dtype in TORCH_CODES.items()
+}
+
+
+def torch_code(dtype: torch.dtype) -> str | None:
+    """The code of a torch dtype, or None when it cannot travel."""
+    return _CODE_OF_TORCH.get(dtype)
+
+
+def numpy_code(dtype: np.dtype) -> str | None:
+    """The code of a native-byte-order numpy dtype, or None when it cannot travel."""
+    return _CODE_OF_NUMPY.get(dtype) if dtype.isnative else None
+
+
+def torch_dtype(code: str) -> torch.dtype:
+    return TORCH_CODES[code]
+
+
+def numpy_dtype(code: str) -> np.dtype:
+    return NUMPY_CODES[code]

@@ -1,0 +1,290 @@
+"""BroadcastingDataLoader: one real loader per DP slot, its batches broadcast to its peers.
+
+How a pass runs on each rank::
+
+    source:    next(source) -> encode -> send frame ------\\
+    receivers:                          recv frame <-------/ -> rebuild tree
+    every rank: yield the rebuilt tree; END frame -> StopIteration together
+
+With ``prefetch=k > 0`` a background thread runs the producer up to ``k`` batches ahead of
+the consumer, so the broadcast of batch i+1 overlaps the caller's work on batch i. The
+lookahead is bounded by credits that only the consumer hands out, so every rank posts
+exactly the same collectives: a loop broken on every rank after the same batch leaves
+no collective pending. ``state_dict()`` then describes the position after the last batch
+*yielded*, from a snapshot taken right after that batch was pulled from the source.
+
+This module knows nothing of byte layouts (``_codec``) or frame formats (``_transport``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tensorcast import _mesh
+from tensorcast._broadcast import unpack_if_packed
+from tensorcast._codec import resolve_device
+from tensorcast._errors import PeerError, SourceError
+from tensorcast._transport import Channel
+
+__all__ = ["BroadcastingDataLoader"]
+
+
+class _End:
+    """The source is exhausted."""
+
+
+_END = _End()
+
+
+class _Failure:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class _Item:
+    __slots__ = ("tree", "state")
+
+    def __init__(self, tree: Any, state: Any):
+        self.tree = tree
+        self.state = state
+
+
+class _Prefetcher:
+    """Runs ``produce`` in a thread, at most ``depth`` items ahead of ``take``."""
+
+    def __init__(self, produce: Any, depth: int, join_timeout: float):
+        self._produce = produce
+        self._credits = threading.Semaphore(depth)
+        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._stop = False
+        self._join_timeout = join_timeout
+        self._thread = threading.Thread(target=self._run, name="tensorcast-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._credits.acquire()
+            if self._stop:
+                return
+            try:
+                item = self._produce()
+            except BaseException as e:  # handed to the consumer, never swallowed
+                item = _Failure(e)
+            self._items.put(item)
+            if not isinstance(item, _Item):
+                return
+
+    def take(self) -> Any:
+        item = self._items.get()
+        self._credits.release()
+        return item
+
+    def close(self) -> None:
+        self._stop = True
+        self._credits.release()
+        self._thread.join(self._join_timeout)
+        if self._thread.is_alive():
+            raise PeerError(
+                "the prefetch thread is still inside a collective after the loop ended: the "
+                "ranks did not stop after the same batch. Break out of the loop on every rank "
+                "of the group after the same batch."
+            )
+
+
+class BroadcastingDataLoader:
+    """Iterate a loader on one source rank per DP slot; every peer gets the same batches.
+
+    Args:
+        source: the real loader (any iterable) on the source rank; ``None`` on the others
+            (a loader passed on a receiver is never iterated).
+        device_mesh: a ``DeviceMesh`` whose ``axes`` span the ranks that share batches.
+        axes: the mesh dimensions to broadcast across.
+        prefetch: how many batches are broadcast ahead of the consumer; 0 = none.
+        device: where output tensors land (default: the group's transfer device).
+        group: instead of a mesh, the process group to broadcast on...
+        src: ...and the *global* rank of its source.
+        timeout: seconds (or a timedelta) any rank waits for one collective before raising
+            ``PeerError``; None means the process group's timeout.
+        verify: carry a CRC32 of every buffer and check it on receivers.
+
+    Raises:
+        ValueError: on a source rank whose ``source`` is None; on bad arguments.
+    """
+
+    def __init__(
+        self,
+        source: Iterable[Any] | None = None,
+        device_mesh: Any = None,
+        axes: Sequence[str] | str = ("cp", "tp"),
+        prefetch: int = 1,
+        device: torch.device | str | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        src: int | None = None,
+        timeout: float | datetime.timedelta | None = None,
+        verify: bool = False,
+    ) -> None:
+        if type(prefetch) is not int or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        if device_mesh is not None and group is not None:
+            raise ValueError("pass either device_mesh= or group= (with src=), not both")
+        if (group is None) != (src is None):
+            raise ValueError("group= and src= go together: src is the group's source, a global rank")
+        self.source = source
+        self.prefetch = prefetch
+        self.device = resolve_device(device)
+        self.axes = _mesh.normalize_axes(axes)
+        self._channel: Channel | None = None
+        self._pass = 0
+        self._active: Iterator[Any] | None = None
+        self._state: Any = None
+        self._noop = True
+        self._is_source = True
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if group is not None:
+            assert src is not None
+            if dist.get_world_size(group) == 1:
+                return
+            self._channel = Channel(group, src, timeout=timeout, verify=verify)
+        elif _mesh.spanning_axes(device_mesh, self.axes):
+            sub = _mesh.resolve_submesh(device_mesh, self.axes)
+            self._channel = Channel(sub.group, sub.src, axes=sub.axes, timeout=timeout, verify=verify)
+        else:
+            return
+        self._noop = False
+        self._is_source = self._channel.is_source
+        if self._is_source and source is None:
+            raise ValueError(
+                f"rank {dist.get_rank()} is the source of its group (global ranks "
+                f"{list(self._channel.ranks)}) but source is None; build the real loader on "
+                f"this rank, e.g. source=loader if tensorcast.is_dp_source_rank(mesh) else None"
+            )
+        self._join_timeout = (
+            self._channel.timeout.total_seconds() if self._channel.timeout is not None else 1800.0
+        )
+
+    # -- iteration -----------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._noop:
+            return map(unpack_if_packed, self.source if self.source is not None else ())
+        if self._active is not None:
+            active, self._active = self._active, None
+            active.close()  # type: ignore[attr-defined]
+        self._pass += 1
+        self._state = None
+        self._active = self._run_pass(self._pass)
+        return self._active
+
+    def _run_pass(self, pass_index: int) -> Iterator[Any]:
+        channel = self._channel
+        assert channel is not None
+        channel.start_pass(pass_index)
+        if self._is_source:
+            assert self.source is not None
+            it = iter(self.source)
+            snapshot = self.prefetch > 0 and hasattr(self.source, "state_dict")
+            if snapshot:
+                self._state = self.source.state_dict()
+
+            def produce() -> Any:
+                return self._produce_source(it, snapshot)
+        else:
+
+            def produce() -> Any:
+                return self._produce_receiver()
+
+        prefetcher = _Prefetcher(produce, self.prefetch, self._join_timeout) if self.prefetch else None
+        done = False
+        try:
+            while True:
+                item = prefetcher.take() if prefetcher is not None else produce()
+                if isinstance(item, _End):
+                    done = True
+                    return
+                if isinstance(item, _Failure):
+                    done = True
+                    raise item.error
+                if item.state is not None:
+                    self._state = item.state
+                yield item.tree
+        finally:
+            if prefetcher is not None and not done:
+                prefetcher.close()
+
+    def _produce_source(self, it: Iterator[Any], snapshot: bool) -> Any:
+        channel = self._channel
+        assert channel is not None and self.source is not None
+        try:
+            batch = next(it)
+        except StopIteration:
+            channel.send(channel.end_frame())
+            return _END
+        except BaseException as e:
+            channel.send(channel.error_frame(f"source iterator failed: {type(e).__name__}: {e}"))
+            return _Failure(e)
+        state = self.source.state_dict() if snapshot else None  # type: ignore[attr-defined]
+        # An unencodable batch is announced to the receivers, then raised here.
+        return _Item(channel.send_batch(batch, device=self.device), state)
+
+    def _produce_receiver(self) -> Any:
+        channel = self._channel
+        assert channel is not None
+        kind, value = channel.recv(device=self.device)
+        if kind == "end":
+            return _END
+        if kind == "error":
+            return _Failure(SourceError(f"source rank {channel.src} reported: {value}"))
+        return _Item(value, None)
+
+    # -- length and checkpoints ----------------------------------------------------
+
+    def __len__(self) -> int:
+        if self._noop:
+            return 0 if self.source is None else len(self.source)  # type: ignore[arg-type]
+        if not self._is_source:
+            raise TypeError(
+                "len() of a BroadcastingDataLoader is known only on the source rank of each "
+                "group; receivers learn the end of an epoch when the source stops"
+            )
+        if not hasattr(self.source, "__len__"):
+            raise TypeError(f"the source loader ({type(self.source).__name__}) has no len()")
+        return len(self.source)  # type: ignore[arg-type]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The source's state after the last batch yielded; ``{}`` on receivers."""
+        if not self._is_source or not hasattr(self.source, "state_dict"):
+            return {}
+        if self._state is not None:
+            return self._state  # type: ignore[no-any-return]
+        return self.source.state_dict()  # type: ignore[union-attr,no-any-return]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the source's position (source rank only; a no-op elsewhere)."""
+        self._state = None
+        if self._is_source and hasattr(self.source, "load_state_dict"):
+            self.source.load_state_dict(state_dict)  # type: ignore[union-attr]
+
+    @property
+    def is_source(self) -> bool:
+        """Whether this rank iterates the real loader."""
+        return self._is_source
+
+    def __repr__(self) -> str:
+        if self._noop:
+            return f"BroadcastingDataLoader(no-op, source={type(self.source).__name__})"
+        assert self._channel is not None
+        role = "source" if self._is_source else "receiver"
+        return (f"BroadcastingDataLoader({role}, group ranks={list(self._channel.ranks)}, "
+                f"src={self._channel.src}, prefetch={self.prefetch})")
+

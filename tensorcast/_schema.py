@@ -1,0 +1,194 @@
+"""The header: framing, the leaf table, and its validation.
+
+Layout of a header (all integers little-endian)::
+
+    offset  size  field
+    0       4     magic  b"TCST"
+    4       2     format version (u16), currently 1
+    6       2     flags (u16), must be 0 in version 1
+    8       4     body length in bytes (u32), at most MAX_HEADER_BYTES
+    12      n     body: ASCII JSON  [nbytes, align, leaves, tokens]
+
+``leaves`` is the leaf table, in buffer order: ``[kind, dtype_code, shape, offset, nbytes]``
+with kind one of ``"tensor" "ndarray" "bytes" "str"``; ``tokens`` is the tree (see
+``_tree``). Everything is validated before the caller allocates anything from the sizes
+it states: offsets aligned, in increasing order, not overlapping, inside the buffer; each
+leaf's nbytes equal to its shape times its itemsize; the buffer size equal to the end of
+the last leaf.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from tensorcast._dtypes import CODE_ITEMSIZE, NUMPY_CODES
+from tensorcast._errors import HeaderError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAX_BUFFER_BYTES",
+    "MAX_HEADER_BYTES",
+    "Decoded",
+    "LeafSpec",
+    "Schema",
+    "decode",
+    "encode",
+]
+
+MAGIC = b"TCST"
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+_PREFIX = struct.Struct("<4sHHI")
+PREFIX_BYTES = _PREFIX.size
+MAX_HEADER_BYTES = 64 << 20  # 64 MiB of JSON; long strings and bytes go to the buffer
+MAX_BUFFER_BYTES = 1 << 44  # 16 TiB: far above any batch, far below int64 overflow
+MAX_NDIM = 64
+MAX_ALIGN = 1 << 16
+KINDS = ("tensor", "ndarray", "bytes", "str")
+
+_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, check_circular=False).encode
+_loads = json.JSONDecoder().decode
+
+
+@dataclass(frozen=True, slots=True)
+class LeafSpec:
+    """One leaf stored in the buffer.
+
+    Attributes:
+        path: the leaf's place in the tree, e.g. ``['audio']`` or ``[2]['x']``.
+        kind: ``"tensor"``, ``"ndarray"``, ``"bytes"`` or ``"str"`` (UTF-8 in the buffer).
+        dtype: the dtype code, e.g. ``"F32"``; ``"U8"`` for bytes and str.
+        shape: the shape; ``(len,)`` for bytes and str.
+        offset: where the leaf's bytes start in the buffer.
+        nbytes: how many bytes it occupies.
+    """
+
+    path: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Schema:
+    """A decoded, validated header.
+
+    Attributes:
+        leaves: one :class:`LeafSpec` per leaf stored in the buffer, in buffer order.
+        nbytes: the buffer size the header requires.
+        version: the format version it was written with.
+        align: the alignment every leaf offset is a multiple of.
+    """
+
+    leaves: tuple[LeafSpec, ...]
+    nbytes: int
+    version: int
+    align: int
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """A header after framing and leaf-table validation; the tree tokens are checked
+    when they are walked."""
+
+    nbytes: int
+    align: int
+    leaves: list[list[Any]]
+    tokens: list[Any]
+
+
+def encode(nbytes: int, align: int, leaves: list[list[Any]], tokens: list[Any]) -> bytes:
+    """Frame a header body. The caller guarantees the leaf table is consistent."""
+    body = _dumps([nbytes, align, leaves, tokens]).encode("ascii")
+    if len(body) > MAX_HEADER_BYTES:
+        raise ValueError(
+            f"the batch's header would be {len(body)} bytes, over the {MAX_HEADER_BYTES}-byte "
+            f"limit: the tree has too many leaves or containers; batch small values into "
+            f"tensors"
+        )
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body)) + body
+
+
+def _fail(what: str) -> HeaderError:
+    return HeaderError(f"invalid tensorcast header: {what}")
+
+
+def decode(header: bytes | bytearray | memoryview) -> Decoded:
+    """Check framing and the leaf table. Bounded time and memory for any input."""
+    if not isinstance(header, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a header is bytes, got {type(header).__name__}")
+    if len(header) < PREFIX_BYTES:
+        raise _fail(f"{len(header)} bytes is shorter than the {PREFIX_BYTES}-byte prefix")
+    magic, version, flags, length = _PREFIX.unpack_from(header)
+    if magic != MAGIC:
+        raise _fail(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}; this is not a tensorcast header")
+    if version not in SUPPORTED_VERSIONS:
+        raise HeaderError(
+            f"unknown tensorcast format version {version}. Available versions: "
+            f"{list(SUPPORTED_VERSIONS)}; upgrade tensorcast on the ranks that cannot read it"
+        )
+    if flags != 0:
+        raise _fail(f"unknown flags 0x{flags:04x} for version {version}")
+    if length > MAX_HEADER_BYTES:
+        raise _fail(f"body length {length} is over the {MAX_HEADER_BYTES}-byte limit")
+    if len(header) != PREFIX_BYTES + length:
+        raise _fail(
+            f"the prefix says the body has {length} bytes but {len(header) - PREFIX_BYTES} follow "
+            f"(truncated or padded header)"
+        )
+    try:
+        body = _loads(bytes(header[PREFIX_BYTES:]).decode("ascii"))
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        raise _fail(f"the body is not valid JSON ({type(e).__name__}: {str(e)[:120]})") from None
+    if type(body) is not list or len(body) != 4:
+        raise _fail("the body must be a list [nbytes, align, leaves, tokens]")
+    nbytes, align, leaves, tokens = body
+    if type(nbytes) is not int or not 0 <= nbytes <= MAX_BUFFER_BYTES:
+        raise _fail(f"buffer size {nbytes!r:.40} is not an int in [0, {MAX_BUFFER_BYTES}]")
+    if type(align) is not int or not 1 <= align <= MAX_ALIGN or align & (align - 1):
+        raise _fail(f"alignment {align!r:.40} is not a power of two in [1, {MAX_ALIGN}]")
+    if type(leaves) is not list:
+        raise _fail("the leaf table is not a list")
+    end = 0
+    for i, leaf in enumerate(leaves):
+        end = _check_leaf(i, leaf, align, end, nbytes)
+    if end != nbytes:
+        raise _fail(f"the leaves end at byte {end} but the buffer size is {nbytes}")
+    return Decoded(nbytes, align, leaves, tokens)
+
+
+def _check_leaf(i: int, leaf: Any, align: int, prev_end: int, nbytes: int) -> int:
+    if type(leaf) is not list or len(leaf) != 5:
+        raise _fail(f"leaf {i} is not [kind, dtype, shape, offset, nbytes]")
+    kind, code, shape, offset, size = leaf
+    if kind not in KINDS:
+        raise _fail(f"leaf {i} has unknown kind {kind!r:.40}; known kinds: {list(KINDS)}")
+    table = NUMPY_CODES if kind == "ndarray" else CODE_ITEMSIZE
+    if type(code) is not str or code not in table or (kind in ("bytes", "str") and code != "U8"):
+        raise _fail(f"leaf {i} ({kind}) has unknown dtype code {code!r:.40}")
+    if type(shape) is not list or len(shape) > MAX_NDIM:
+        raise _fail(f"leaf {i} has a shape that is not a list of at most {MAX_NDIM} dims")
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= MAX_BUFFER_BYTES:
+            raise _fail(f"leaf {i} has an invalid dimension {d!r:.40}")
+    if kind in ("bytes", "str") and len(shape) != 1:
+        raise _fail(f"leaf {i} ({kind}) must be 1-D")
+    if type(offset) is not int or type(size) is not int:
+        raise _fail(f"leaf {i} has a non-integer offset or size")
+    itemsize = CODE_ITEMSIZE[code]
+    if size != math.prod(shape) * itemsize:
+        raise _fail(f"leaf {i} claims {size} bytes but shape {shape} x {itemsize} bytes disagrees")
+    if offset < prev_end or offset % max(align, itemsize):
+        raise _fail(
+            f"leaf {i} offset {offset} overlaps the previous leaf (ending at {prev_end}) or is "
+            f"not aligned to {max(align, itemsize)}"
+        )
+    if offset + size > nbytes:
+        raise _fail(f"leaf {i} ends at byte {offset + size}, past the {nbytes}-byte buffer")
+    return offset + size

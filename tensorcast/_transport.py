@@ -1,0 +1,398 @@
+"""Moving a packed batch from one source rank to its peers: frames and collectives.
+
+Each step is one *frame*, sent as at most two broadcasts on the group:
+
+1. the *first message*, of a fixed capacity that every rank knows in advance (it starts
+   at 4 KiB and the source announces any growth in the previous frame)::
+
+       frame prefix (48 bytes) | setup description | header | pad to 64 | inline payload
+
+   A batch whose header and buffer fit travels in this one message: one collective.
+2. the *payload*, only when it did not fit inline: exactly ``payload_len`` bytes,
+   received into a pooled buffer on the transfer device.
+
+A header too large for the current capacity spills into a header-only second message
+(the capacity then grows so later steps do not spill). END and ERROR frames are
+first-message only. Receivers validate the prefix and the header before allocating
+anything from their sizes.
+
+The prefix carries a pass number, a step number and a fingerprint of the sender's setup
+(format version, source, group ranks, axes): a receiver that disagrees raises
+``DesyncError`` instead of mis-assigning batches.
+
+With NCCL the first message travels on a gloo group over the same ranks (no host-device
+sync on receivers) and the payload on NCCL, on the current CUDA device.
+
+Ranks named ``src`` here are global ranks, as in ``torch.distributed.broadcast``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import struct
+import threading
+import weakref
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tensorcast import _codec, _schema, _tree
+from tensorcast._codec import Packed
+from tensorcast._errors import DesyncError, HeaderError, PeerError, SourceError
+from tensorcast._pool import BufferPool
+
+__all__ = ["Channel", "Frame", "channel_for_group"]
+
+FRAME_DATA, FRAME_END, FRAME_ERROR = 1, 2, 3
+_KINDS = {FRAME_DATA: "data", FRAME_END: "end", FRAME_ERROR: "error"}
+_INLINE, _CRC, _SPILL = 1, 2, 4
+
+# magic, kind, flags, desc_len, pass, step, fingerprint, header_len, payload_len,
+# next_capacity, crc32
+_PREFIX = struct.Struct("<4sBBHIQQIQII")
+_MAGIC = b"TCFR"
+INITIAL_CAPACITY = 4096
+MAX_CAPACITY = 256 << 10  # larger payloads always take a second message
+_PAYLOAD_ALIGN = 64
+_MAX_DESC = 1024
+_MAX_ERROR = 64 << 10
+
+
+def _align_up(n: int, a: int = _PAYLOAD_ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 1).bit_length()
+
+
+@dataclass(slots=True)
+class Frame:
+    """A frame ready to go: prefix fields, header, and where the payload comes from."""
+
+    kind: int
+    header: bytes
+    payload_len: int
+    plan: _codec.PackPlan | None = None
+    packed: torch.Tensor | None = None  # a pre-packed buffer
+
+
+def _crc(buffer: torch.Tensor) -> int:
+    return zlib.crc32(buffer.cpu().numpy()) if buffer.numel() else 0
+
+
+class Channel:
+    """One source and its peers on one process group.
+
+    Args:
+        group: the process group the batch travels on.
+        src: the source's *global* rank.
+        axes: the mesh axes the group spans (for the setup fingerprint only).
+        timeout: how long any rank waits for one collective; None means the group's.
+        verify: carry a CRC32 of the buffer and check it on receivers.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, src: int, *, axes: tuple[str, ...] = (),
+                 timeout: float | datetime.timedelta | None = None, verify: bool = False):
+        self.group = group
+        self.ranks = tuple(dist.get_process_group_ranks(group))
+        if src not in self.ranks:
+            raise ValueError(
+                f"src={src} is not a rank of the group (global ranks {list(self.ranks)}); "
+                f"src is a global rank, as in torch.distributed.broadcast"
+            )
+        self.src = src
+        self.rank = dist.get_rank()
+        self.is_source = self.rank == src
+        backend = str(dist.get_backend(group)).lower()
+        if "nccl" in backend:
+            self.transfer_device = torch.device("cuda", torch.cuda.current_device())
+            # Headers on a CPU group over the same ranks: no host-device sync on receivers.
+            self.header_group = group if "gloo" in backend else dist.new_group(
+                list(self.ranks), backend="gloo", use_local_synchronization=True)
+        else:
+            self.transfer_device = torch.device("cpu")
+            self.header_group = group
+        self.inline_ok = self.transfer_device.type == "cpu"
+        if isinstance(timeout, (int, float)):
+            timeout = datetime.timedelta(seconds=timeout)
+        self.timeout = timeout
+        self.verify = verify
+        self.description = (
+            f"tensorcast format v{_schema.FORMAT_VERSION}; src={src}; group ranks="
+            f"{list(self.ranks)}; axes={list(axes)}"
+        ).encode()[:_MAX_DESC]
+        self.fingerprint = int.from_bytes(hashlib.blake2b(self.description, digest_size=8).digest(), "little")
+        self.pool = BufferPool()
+        self.pass_index = 0
+        self.step = 0
+        self.capacity = INITIAL_CAPACITY
+        self.broken: BaseException | None = None
+        self._staging_done: Any = None  # CUDA event guarding the pinned staging buffer
+
+    # -- state ---------------------------------------------------------------------
+
+    def start_pass(self, pass_index: int) -> None:
+        """Reset the per-pass counters; every rank calls this at the same point."""
+        self.pass_index = pass_index
+        self.step = 0
+        self.capacity = INITIAL_CAPACITY
+
+    def _where(self) -> str:
+        return f"rank {self.rank} (pass {self.pass_index}, step {self.step})"
+
+    # -- collectives ---------------------------------------------------------------
+
+    def _broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup, what: str) -> None:
+        if self.broken is not None:
+            raise PeerError(
+                f"{self._where()}: this channel failed earlier ({self.broken}); "
+                f"the process group cannot be trusted any more, restart the job"
+            )
+        try:
+            if self.timeout is None:
+                dist.broadcast(tensor, self.src, group=group)
+            else:
+                work = dist.broadcast(tensor, self.src, group=group, async_op=True)
+                work.wait(self.timeout)
+        except RuntimeError as e:
+            self.broken = e
+            who = (
+                "a receiver rank stopped answering" if self.is_source
+                else f"the source rank {self.src} stopped answering"
+            )
+            raise PeerError(
+                f"{self._where()}: broadcast of the {what} over ranks {list(self.ranks)} failed: "
+                f"{who} (it died, or did not join within the timeout "
+                f"{self.timeout or 'of the process group'}). Cause: {e}"
+            ) from e
+
+    # -- source --------------------------------------------------------------------
+
+    def encode(self, batch: Any) -> Frame:
+        """Turn a batch (a tree or a ``Packed``) into a frame. Raises on bad input."""
+        if isinstance(batch, Packed):
+            decoded = _schema.decode(batch.header)
+            _codec._check_buffer(batch.buffer, decoded.nbytes)
+            return Frame(FRAME_DATA, batch.header, decoded.nbytes, packed=batch.buffer)
+        plan = _codec.plan(batch)
+        return Frame(FRAME_DATA, plan.header, plan.nbytes, plan=plan)
+
+    def error_frame(self, message: str) -> Frame:
+        data = message.encode("utf-8", "replace")[:_MAX_ERROR]
+        return Frame(FRAME_ERROR, data, 0)
+
+    def end_frame(self) -> Frame:
+        return Frame(FRAME_END, b"", 0)
+
+    def _payload_on_device(self, frame: Frame) -> torch.Tensor:
+        """The payload as one buffer on the transfer device."""
+        dev = self.transfer_device
+        if frame.packed is not None:
+            buf = frame.packed
+            if buf.device == dev:
+                return buf
+            if dev.type == "cuda" and buf.device.type == "cpu":
+                out = self.pool.take(buf.numel(), dev)
+                out.copy_(buf, non_blocking=buf.is_pinned())
+                return out
+            return buf.to(dev)
+        assert frame.plan is not None
+        plan = frame.plan
+        if dev.type == "cuda" and plan.device.type == "cpu":
+            # Stage through pinned memory so the host-to-device copy is asynchronous.
+            if self._staging_done is not None:
+                self._staging_done.synchronize()
+            staging = self.pool.take(plan.nbytes, torch.device("cpu"), pinned=True)
+            plan.write(staging)
+            out = self.pool.take(plan.nbytes, dev)
+            out.copy_(staging, non_blocking=True)
+            self._staging_done = torch.cuda.Event()
+            self._staging_done.record()
+            return out
+        out = self.pool.take(plan.nbytes, dev)
+        plan.write(out)
+        return out
+
+    def send(self, frame: Frame) -> torch.Tensor | None:
+        """Broadcast ``frame`` from this (source) rank.
+
+        Returns:
+            The payload buffer as received by peers (for the source's own rebuild), or
+            None for END / ERROR frames.
+        """
+        header = frame.header
+        desc = self.description
+        head_end = _PREFIX.size + len(desc) + len(header)
+        payload_at = _align_up(head_end)
+        payload_len = frame.payload_len
+        capacity = self.capacity
+        flags = 0
+        if head_end > capacity:
+            flags |= _SPILL
+        elif frame.kind == FRAME_DATA and self.inline_ok and payload_at + payload_len <= capacity:
+            flags |= _INLINE
+        # Grow the next first message so a frame like this one fits inline (bounded by
+        # MAX_CAPACITY: larger payloads take a second message, larger headers spill).
+        want = payload_at + (payload_len if self.inline_ok else 0)
+        if want > MAX_CAPACITY:
+            want = head_end if head_end <= MAX_CAPACITY else 0
+        next_capacity = max(capacity, _pow2_at_least(want)) if want else capacity
+
+        first = self.pool.take(capacity, torch.device("cpu"))
+        host = first.numpy()
+        payload: torch.Tensor | None = None
+        if flags & _INLINE:
+            payload = first[payload_at : payload_at + payload_len]
+            if frame.packed is not None:
+                payload.copy_(frame.packed)
+            elif frame.plan is not None:
+                frame.plan.write(payload)
+        elif frame.kind == FRAME_DATA:
+            payload = self._payload_on_device(frame)
+        crc = 0
+        if self.verify and payload is not None:
+            flags |= _CRC
+            crc = _crc(payload)
+        _PREFIX.pack_into(host, 0, _MAGIC, frame.kind, flags, len(desc), self.pass_index,
+                          self.step, self.fingerprint, len(header), payload_len,
+                          next_capacity, crc)
+        host[_PREFIX.size : _PREFIX.size + len(desc)] = np.frombuffer(desc, np.uint8)
+        if not flags & _SPILL:
+            host[_PREFIX.size + len(desc) : head_end] = np.frombuffer(header, np.uint8)
+        self._broadcast(first, self.header_group, "frame header")
+        if flags & _SPILL:
+            spill = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+            self._broadcast(spill, self.header_group, "spilled header")
+        if payload is not None and not flags & _INLINE and payload_len:
+            self._broadcast(payload, self.group, "batch buffer")
+        self.step += 1
+        self.capacity = next_capacity
+        return payload
+
+    def send_batch(self, batch: Any, *, device: torch.device | None = None) -> Any:
+        """Source side of one step: encode, send, and rebuild the tree this rank returns.
+
+        Encoding errors are announced to the receivers (an ERROR frame) and re-raised.
+        """
+        try:
+            frame = self.encode(batch)
+        except Exception as e:
+            self.send(self.error_frame(f"batch serialization failed: {type(e).__name__}: {e}"))
+            raise
+        payload = self.send(frame)
+        assert payload is not None
+        return _codec.unpack(frame.header, payload, device=device)
+
+    # -- receivers -----------------------------------------------------------------
+
+    def recv(self, *, device: torch.device | None = None) -> tuple[str, Any]:
+        """Receive one frame.
+
+        Returns:
+            ``("data", tree)``, ``("end", None)`` or ``("error", message)``.
+
+        Raises:
+            HeaderError, DesyncError, PeerError: see the module docstring.
+        """
+        capacity = self.capacity
+        first = self.pool.take(capacity, torch.device("cpu"))
+        self._broadcast(first, self.header_group, "frame header")
+        host = first.numpy()
+        (magic, kind, flags, desc_len, pass_index, step, fingerprint, header_len, payload_len,
+         next_capacity, crc) = _PREFIX.unpack_from(host, 0)
+        if magic != _MAGIC or kind not in _KINDS or desc_len > _MAX_DESC:
+            raise HeaderError(f"{self._where()}: received a frame that is not a tensorcast frame "
+                              f"(magic {bytes(magic)!r}, kind {kind})")
+        desc_end = _PREFIX.size + desc_len
+        if desc_end > capacity:
+            raise HeaderError(f"{self._where()}: frame description overruns the first message")
+        if fingerprint != self.fingerprint:
+            theirs = bytes(host[_PREFIX.size:desc_end]).decode("utf-8", "replace")
+            raise DesyncError(
+                f"{self._where()}: the source's setup differs from this rank's.\n"
+                f"  source:    {theirs}\n  this rank: {self.description.decode()}\n"
+                f"Every rank of the group must use the same mesh, axes, source and "
+                f"tensorcast version."
+            )
+        if (pass_index, step) != (self.pass_index, self.step):
+            raise DesyncError(
+                f"rank {self.rank} expected pass {self.pass_index} step {self.step} from source "
+                f"rank {self.src}, but the source sent pass {pass_index} step {step}: a loader "
+                f"was restarted, or skipped a batch, on one rank. Every rank must iterate the "
+                f"same loader in lockstep."
+            )
+        if not capacity <= next_capacity <= MAX_CAPACITY or next_capacity & (next_capacity - 1):
+            raise HeaderError(f"{self._where()}: invalid next capacity {next_capacity}")
+        if header_len > _schema.MAX_HEADER_BYTES:
+            raise HeaderError(f"{self._where()}: header length {header_len} is over the limit")
+        head_end = desc_end + header_len
+        if flags & _SPILL:
+            spill = torch.empty(header_len, dtype=torch.uint8)
+            self._broadcast(spill, self.header_group, "spilled header")
+            header = spill.numpy().tobytes()
+        elif head_end > capacity:
+            raise HeaderError(f"{self._where()}: header overruns the first message")
+        else:
+            header = host[desc_end:head_end].tobytes()
+        self.step += 1
+        self.capacity = next_capacity
+        if kind == FRAME_END:
+            return "end", None
+        if kind == FRAME_ERROR:
+            return "error", header.decode("utf-8", "replace")
+        decoded = _schema.decode(header)  # validated before anything is allocated
+        if payload_len != decoded.nbytes:
+            raise HeaderError(f"{self._where()}: frame says {payload_len} payload bytes, "
+                              f"header says {decoded.nbytes}")
+        if flags & _INLINE:
+            at = _align_up(head_end)
+            if at + payload_len > capacity:
+                raise HeaderError(f"{self._where()}: inline payload overruns the first message")
+            payload = first[at : at + payload_len]
+        else:
+            payload = self.pool.take(payload_len, self.transfer_device)
+            if payload_len:
+                self._broadcast(payload, self.group, "batch buffer")
+        if flags & _CRC and _crc(payload) != crc:
+            raise PeerError(
+                f"{self._where()}: the received buffer's CRC32 is {_crc(payload):#010x} but the "
+                f"source sent {crc:#010x}: the bytes were corrupted in transit"
+            )
+        if device is not None and device != payload.device:
+            payload = payload.to(device)
+        tree, _ = _tree.build(decoded.tokens, _codec.views(decoded, payload), len(decoded.leaves))
+        return "data", tree
+
+
+_channels: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, Channel]] = (
+    weakref.WeakKeyDictionary()
+)
+_channels_lock = threading.Lock()
+
+
+def channel_for_group(group: dist.ProcessGroup, src: int) -> Channel:
+    """The channel ``tc.broadcast`` uses for ``src`` on ``group``, kept while the group lives.
+
+    Keyed by the group object itself (a weak reference), never by ``id()``.
+    """
+    with _channels_lock:
+        by_src = _channels.setdefault(group, {})
+        ch = by_src.get(src)
+        if ch is None:
+            ch = by_src[src] = Channel(group, src)
+        return ch
+
+
+def raise_for(kind: str, value: Any, src: int) -> Any:
+    """Turn a received frame into the tree, or raise what the source reported."""
+    if kind == "data":
+        return value
+    if kind == "error":
+        raise SourceError(f"source rank {src} reported: {value}")
+    raise SourceError(f"source rank {src} sent end-of-data where a batch was expected")

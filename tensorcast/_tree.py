@@ -1,0 +1,467 @@
+"""Tree <-> token list: the structural half of the codec.
+
+A batch tree is flattened, in preorder and without recursion (any nesting depth works),
+into a flat list of JSON-able *tokens* plus the list of *buffer leaves* whose bytes go
+into the packed buffer. The rebuild walks the same tokens with an explicit stack.
+
+Tokens::
+
+    7                    buffer leaf number 7 (a bare int; never a bool)
+    null / true / false  None / True / False
+    "text"               a str leaf (short ones; long ones are buffer leaves)
+    ["i", 5]             int that fits in 64 bits     ["I", "-0x1f..."] any other int
+    ["f", bits]          float, its IEEE-754 bits     ["c", re_bits, im_bits] complex
+    ["y", "00ff"]        short bytes, hex
+    ["s", "F32", "hex"]  numpy scalar                 ["S", "U", text] / ["S", "S", hex]
+    ["l", n] ["t", n]    list / tuple of the next n subtrees
+    ["d", n, keys]       dict; keys are str, int, bool, null or ["I", hex]
+    ["o", n, keys]       collections.OrderedDict
+    ["r", name, fields]  a registered NamedTuple / dataclass; one subtree per field
+    ["x", name]          a registered codec type; the next subtree is its to_tree()
+
+Nothing here knows about byte layouts or process groups.
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tensorcast import _registry
+from tensorcast._dtypes import NUMPY_CODES, numpy_code, torch_code
+from tensorcast._errors import HeaderError, UnsupportedLeafError
+
+__all__ = ["BufferLeaf", "build", "flatten", "render_path"]
+
+# Strings and bytes longer than this travel in the buffer, not in the header.
+INLINE_LIMIT = 1024
+
+_F64 = struct.Struct("<d")
+_U64 = struct.Struct("<Q")
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+_OrderedDict = collections.OrderedDict
+_Parameter = torch.nn.Parameter
+
+# A path is a chain of (parent, key, style) tuples; rendered only when someone asks.
+# style 0: [key]   style 1: .field   style 2: <codec name>
+Path = tuple[Any, Any, int] | None
+
+
+def render_path(path: Path, root: str = "") -> str:
+    """Render a path chain as ``root['audio'][2].field``."""
+    parts: list[str] = []
+    while path is not None:
+        path, key, style = path
+        parts.append(f"[{key!r}]" if style == 0 else f".{key}" if style == 1 else f"<{key}>")
+    return root + "".join(reversed(parts))
+
+
+class BufferLeaf:
+    """A leaf whose bytes go into the buffer. ``data`` is a tensor, an ndarray or bytes."""
+
+    __slots__ = ("kind", "code", "shape", "data", "path")
+
+    def __init__(self, kind: str, code: str, shape: tuple[int, ...], data: Any, path: Path):
+        self.kind = kind
+        self.code = code
+        self.shape = shape
+        self.data = data
+        self.path = path
+
+
+def _unsupported(obj: Any, path: Path, why: str = "") -> UnsupportedLeafError:
+    cls = type(obj)
+    where = render_path(path, "batch")
+    why = why or (
+        f"register it with tensorcast.register_type (NamedTuple or dataclass) "
+        f"or convert it to a tensor, array or plain value"
+    )
+    return UnsupportedLeafError(
+        f"unsupported leaf of type `{cls.__module__}.{cls.__qualname__}` at `{where}`; {why}"
+    )
+
+
+def _check_tensor(t: torch.Tensor, path: Path) -> str:
+    if type(t) is not torch.Tensor and type(t) is not _Parameter:
+        return _raise(t, path, "tensor subclasses (DTensor, FakeTensor, ...) cannot travel; "
+                      "send a plain tensor, e.g. dtensor.full_tensor() or .to_local()")
+    if t.layout is not torch.strided:
+        return _raise(t, path, f"only dense strided tensors travel, this one is {t.layout}; "
+                      "call .to_dense() first")
+    if t.is_nested:
+        return _raise(t, path, "nested tensors cannot travel; send the padded tensor and "
+                      "its lengths, or a list of tensors")
+    if t.is_quantized:
+        return _raise(t, path, "quantized tensors cannot travel; send .int_repr() and the "
+                      "scale / zero point")
+    if t.is_meta:
+        return _raise(t, path, "meta tensors have no data to send")
+    code = torch_code(t.dtype)
+    if code is None:
+        return _raise(t, path, f"dtype {t.dtype} is not in tensorcast's dtype table")
+    return code
+
+
+def _raise(obj: Any, path: Path, why: str) -> str:
+    raise _unsupported(obj, path, why)
+
+
+def _encode_key(key: Any, path: Path) -> Any:
+    t = type(key)
+    if t is str or t is bool or key is None:
+        return key
+    if t is int:
+        return key if _I64_MIN <= key <= _I64_MAX else ["I", hex(key)]
+    raise UnsupportedLeafError(
+        f"unsupported dict key of type `{t.__qualname__}` ({key!r}) in `"
+        f"{render_path(path, 'batch')}`; dict keys must be str, int, bool or None"
+    )
+
+
+def _encode_scalar(obj: np.generic, path: Path) -> list[Any]:
+    if isinstance(obj, np.str_):
+        return ["S", "U", str(obj)]
+    if isinstance(obj, np.bytes_):
+        return ["S", "S", bytes(obj).hex()]
+    code = numpy_code(obj.dtype)
+    if code is None:
+        raise _unsupported(obj, path, f"numpy scalars of dtype {obj.dtype} cannot travel")
+    return ["s", code, obj.tobytes().hex()]
+
+
+def flatten(tree: Any) -> tuple[list[Any], list[BufferLeaf]]:
+    """Flatten ``tree`` into preorder tokens and its buffer leaves.
+
+    Raises:
+        UnsupportedLeafError: a leaf, key or container type cannot travel.
+        ValueError: the tree contains itself.
+    """
+    tokens: list[Any] = []
+    leaves: list[BufferLeaf] = []
+    append = tokens.append
+    # Stack items: (obj, path), or (_EXIT, id) to leave a container (cycle detection).
+    stack: list[tuple[Any, Any]] = [(tree, None)]
+    pop, push = stack.pop, stack.append
+    active: set[int] = set()
+    while stack:
+        obj, path = pop()
+        if obj is _EXIT:
+            active.discard(path)
+            continue
+        t = type(obj)
+        if t is torch.Tensor or t is _Parameter:
+            code = _check_tensor(obj, path)
+            append(len(leaves))
+            leaves.append(BufferLeaf("tensor", code, tuple(obj.shape), obj, path))
+        elif t is str:
+            if len(obj) <= INLINE_LIMIT:
+                append(obj)
+            else:
+                append(len(leaves))
+                data = obj.encode("utf-8", "surrogatepass")
+                leaves.append(BufferLeaf("str", "U8", (len(data),), data, path))
+        elif t is int:
+            append(["i", obj] if _I64_MIN <= obj <= _I64_MAX else ["I", hex(obj)])
+        elif obj is None or t is bool:
+            append(obj)
+        elif t is float:
+            append(["f", _U64.unpack(_F64.pack(obj))[0]])
+        elif t is dict or t is _OrderedDict:
+            if id(obj) in active:
+                raise ValueError(f"the tree contains itself at `{render_path(path, 'batch')}`")
+            try:
+                items = list(obj.items())
+            except RuntimeError as e:  # changed size during iteration (another thread)
+                raise RuntimeError(
+                    f"the dict at `{render_path(path, 'batch')}` changed while it was being "
+                    f"packed ({e}); do not mutate a batch while it is being sent"
+                ) from e
+            keys = [_encode_key(k, path) for k, _ in items]
+            append(["d" if t is dict else "o", len(items), keys])
+            active.add(id(obj))
+            push((_EXIT, id(obj)))
+            for k, v in reversed(items):
+                push((v, (path, k, 0)))
+        elif t is list or t is tuple:
+            if id(obj) in active:
+                raise ValueError(f"the tree contains itself at `{render_path(path, 'batch')}`")
+            items = list(obj)
+            append(["l" if t is list else "t", len(items)])
+            active.add(id(obj))
+            push((_EXIT, id(obj)))
+            for i in range(len(items) - 1, -1, -1):
+                push((items[i], (path, i, 0)))
+        elif t is np.ndarray:
+            code = numpy_code(obj.dtype)
+            if code is None:
+                raise _unsupported(
+                    obj, path,
+                    f"numpy arrays of dtype {obj.dtype!s} cannot travel; use bool, int, uint, "
+                    f"float or complex arrays in native byte order "
+                    f"(e.g. arr.astype(arr.dtype.newbyteorder('=')))",
+                )
+            append(len(leaves))
+            leaves.append(BufferLeaf("ndarray", code, tuple(obj.shape), obj, path))
+        elif t is bytes:
+            if len(obj) <= INLINE_LIMIT:
+                append(["y", obj.hex()])
+            else:
+                append(len(leaves))
+                leaves.append(BufferLeaf("bytes", "U8", (len(obj),), obj, path))
+        elif t is complex:
+            append(["c", _U64.unpack(_F64.pack(obj.real))[0], _U64.unpack(_F64.pack(obj.imag))[0]])
+        elif isinstance(obj, np.generic) and t.__module__ == "numpy":
+            append(_encode_scalar(obj, path))
+        else:
+            entry = _registry.by_type(t)
+            if entry is None:
+                if isinstance(obj, torch.Tensor):
+                    _check_tensor(obj, path)
+                raise _unsupported(obj, path)
+            if id(obj) in active:
+                raise ValueError(f"the tree contains itself at `{render_path(path, 'batch')}`")
+            active.add(id(obj))
+            push((_EXIT, id(obj)))
+            if entry.kind == "codec":
+                assert entry.to_tree is not None
+                append(["x", entry.name])
+                push((entry.to_tree(obj), (path, entry.name, 2)))
+            else:
+                append(["r", entry.name, list(entry.fields)])
+                for name in reversed(entry.fields):
+                    push((getattr(obj, name), (path, name, 1)))
+    return tokens, leaves
+
+
+_EXIT = object()
+
+
+def _decode_key(key: Any) -> Any:
+    t = type(key)
+    if t is str or t is int or t is bool or key is None:
+        return key
+    if t is list and len(key) == 2 and key[0] == "I" and type(key[1]) is str:
+        return _parse_big_int(key[1])
+    raise HeaderError(f"invalid dict key token {key!r:.80}")
+
+
+def _parse_big_int(text: str) -> int:
+    try:
+        return int(text, 16)
+    except ValueError:
+        raise HeaderError(f"invalid big-int token {text!r:.80}") from None
+
+
+def _bits_to_float(bits: Any) -> float:
+    if type(bits) is not int or not 0 <= bits <= 0xFFFF_FFFF_FFFF_FFFF:
+        raise HeaderError(f"invalid float bits {bits!r:.80}")
+    return float(_F64.unpack(_U64.pack(bits))[0])
+
+
+def _fromhex(text: Any) -> bytes:
+    if type(text) is not str:
+        raise HeaderError(f"expected a hex string, found {type(text).__name__}")
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise HeaderError(f"invalid hex string {text!r:.80}") from None
+
+
+def _decode_small(tok: list[Any]) -> Any:
+    """Decode a small-leaf token (a list whose tag is not a container tag)."""
+    tag = tok[0]
+    n = len(tok)
+    if tag == "i" and n == 2 and type(tok[1]) is int:
+        return tok[1]
+    if tag == "f" and n == 2:
+        return _bits_to_float(tok[1])
+    if tag == "I" and n == 2 and type(tok[1]) is str:
+        return _parse_big_int(tok[1])
+    if tag == "c" and n == 3:
+        return complex(_bits_to_float(tok[1]), _bits_to_float(tok[2]))
+    if tag == "y" and n == 2:
+        return _fromhex(tok[1])
+    if tag == "s" and n == 3 and type(tok[1]) is str:
+        dtype = NUMPY_CODES.get(tok[1])
+        data = _fromhex(tok[2])
+        if dtype is None or len(data) != dtype.itemsize:
+            raise HeaderError(f"invalid numpy scalar token {tok!r:.80}")
+        return np.frombuffer(data, dtype=dtype)[0]
+    if tag == "S" and n == 3:
+        if tok[1] == "U" and type(tok[2]) is str:
+            return np.str_(tok[2])
+        if tok[1] == "S":
+            return np.bytes_(_fromhex(tok[2]))
+    raise HeaderError(f"invalid token {tok!r:.80}")
+
+
+class _Frame:
+    """An open container while rebuilding."""
+
+    __slots__ = ("tag", "n", "items", "extra", "path")
+
+    def __init__(self, tag: str, n: int, extra: Any, path: Path):
+        self.tag = tag
+        self.n = n
+        self.items: list[Any] = []
+        self.extra = extra
+        self.path = path
+
+
+def _child_path(frame: _Frame) -> Path:
+    i = len(frame.items)
+    tag = frame.tag
+    if tag == "d" or tag == "o":
+        return (frame.path, frame.extra[i], 0)
+    if tag == "r":
+        return (frame.path, frame.extra.fields[i], 1)
+    if tag == "x":
+        return (frame.path, frame.extra.name, 2)
+    return (frame.path, i, 0)
+
+
+def _open(tok: list[Any], remaining: int, path: Path) -> _Frame:
+    tag = tok[0]
+    if tag == "l" or tag == "t":
+        if len(tok) != 2 or type(tok[1]) is not int or not 0 <= tok[1] <= remaining:
+            raise HeaderError(f"invalid container token {tok!r:.80}")
+        return _Frame(tag, tok[1], None, path)
+    if tag == "d" or tag == "o":
+        if (
+            len(tok) != 3
+            or type(tok[1]) is not int
+            or not 0 <= tok[1] <= remaining
+            or type(tok[2]) is not list
+            or len(tok[2]) != tok[1]
+        ):
+            raise HeaderError(f"invalid dict token {tok!r:.80}")
+        return _Frame(tag, tok[1], [_decode_key(k) for k in tok[2]], path)
+    if tag == "r":
+        if len(tok) != 3 or type(tok[1]) is not str or type(tok[2]) is not list:
+            raise HeaderError(f"invalid registered-type token {tok!r:.80}")
+        entry = _registry.by_name(tok[1])
+        if entry is None or entry.kind == "codec":
+            raise HeaderError(
+                f"the header holds a `{tok[1]}` container but no such type is registered "
+                f"on this rank; call tensorcast.register_type on every rank"
+            )
+        if tuple(tok[2]) != entry.fields:
+            raise HeaderError(
+                f"registered type `{entry.name}` has fields {list(entry.fields)} on this rank "
+                f"but {tok[2]!r:.200} on the sender; register the same definition everywhere"
+            )
+        return _Frame(tag, len(entry.fields), entry, path)
+    if tag == "x":
+        if len(tok) != 2 or type(tok[1]) is not str:
+            raise HeaderError(f"invalid codec token {tok!r:.80}")
+        entry = _registry.by_name(tok[1])
+        if entry is None or entry.kind != "codec":
+            raise HeaderError(f"the header holds a `{tok[1]}` object but no codec for it exists")
+        return _Frame(tag, 1, entry, path)
+    raise HeaderError(f"invalid token {tok!r:.80}")
+
+
+_CONTAINER_TAGS = frozenset("ltdorx")
+
+
+def _close(frame: _Frame, build_objects: bool) -> Any:
+    tag, items = frame.tag, frame.items
+    if tag == "l":
+        return items
+    if tag == "t":
+        return tuple(items)
+    if tag == "d" or tag == "o":
+        out = dict(zip(frame.extra, items)) if tag == "d" else _OrderedDict(zip(frame.extra, items))
+        if len(out) != frame.n:
+            raise HeaderError(f"duplicate dict keys in {frame.extra!r:.120}")
+        return out
+    if not build_objects:
+        return None
+    entry = frame.extra
+    try:
+        if tag == "x":
+            return entry.from_tree(items[0])
+        if entry.kind == "namedtuple":
+            return entry.cls._make(items)
+        values = dict(zip(entry.fields, items))
+        obj = entry.cls(**{k: v for k, v in values.items() if k in entry.init_fields})
+        for k, v in values.items():
+            if k not in entry.init_fields:
+                object.__setattr__(obj, k, v)
+        return obj
+    except HeaderError:
+        raise
+    except Exception as e:
+        raise HeaderError(
+            f"cannot rebuild `{entry.name}` at `{render_path(frame.path, 'batch')}`: "
+            f"{type(e).__name__}: {e}"
+        ) from e
+
+
+def build(
+    tokens: Any, leaf_values: Sequence[Any] | None, n_leaves: int, *, want_paths: bool = False
+) -> tuple[Any, list[Path] | None]:
+    """Rebuild the tree from ``tokens``; validate it completely on the way.
+
+    With ``leaf_values`` None nothing is built (registered types and codecs are checked
+    but not constructed): that is the dry run :func:`tensorcast.read_header` uses.
+
+    Returns:
+        ``(tree, paths)``, ``paths[i]`` the path of buffer leaf ``i`` when asked for.
+
+    Raises:
+        HeaderError: the tokens are not a valid tree for ``n_leaves`` buffer leaves.
+    """
+    if type(tokens) is not list or not tokens:
+        raise HeaderError("the header's tree is missing or not a token list")
+    build_objects = leaf_values is not None
+    used = bytearray(n_leaves)
+    paths: list[Path] | None = [None] * n_leaves if want_paths else None
+    stack: list[_Frame] = []
+    root: list[Any] = []
+    total = len(tokens)
+    for i, tok in enumerate(tokens):
+        if not stack and root:
+            raise HeaderError(f"trailing tokens after the root, at token {i}")
+        path = _child_path(stack[-1]) if (want_paths and stack) else None
+        t = type(tok)
+        if t is int:
+            if not 0 <= tok < n_leaves or used[tok]:
+                raise HeaderError(f"buffer leaf reference {tok} is out of range or repeated")
+            used[tok] = 1
+            if paths is not None:
+                paths[tok] = path
+            value: Any = leaf_values[tok] if leaf_values is not None else None
+        elif t is str or tok is None or t is bool:
+            value = tok
+        elif t is list and tok and type(tok[0]) is str:
+            if tok[0] in _CONTAINER_TAGS:
+                frame = _open(tok, total - i - 1, path)
+                if frame.n:
+                    stack.append(frame)
+                    continue
+                value = _close(frame, build_objects)
+            else:
+                value = _decode_small(tok)
+        else:
+            raise HeaderError(f"invalid token {tok!r:.80} at position {i}")
+        # Hand the finished value to its parent; close every parent it completes.
+        while stack:
+            top = stack[-1]
+            top.items.append(value)
+            if len(top.items) < top.n:
+                break
+            stack.pop()
+            value = _close(top, build_objects)
+        else:
+            root.append(value)
+    if stack or len(root) != 1:
+        raise HeaderError("the header's tree is truncated: a container is missing children")
+    if n_leaves and not all(used):
+        raise HeaderError("the header lists buffer leaves that the tree never references")
+    return root[0], paths

@@ -1,0 +1,164 @@
+"""A reusable pool of local ranks on a real gloo group, for multi-process tests.
+
+Spawning ranks is slow (each imports torch), so a pool spawns ``world_size`` processes
+once and then runs many test functions on them. Every call has a hard timeout: a hang
+kills the pool (it is re-spawned on the next call) and fails the test with what each
+rank had reported. No fixed ports: ranks meet through a FileStore in a temp dir, and
+gloo binds ephemeral loopback ports.
+
+    pool = RankPool(4)
+    results = pool.run(my_rank_fn, arg1, timeout=30)   # my_rank_fn(rank, world, arg1)
+
+``my_rank_fn`` must be a module-level function (it is sent to the ranks by reference).
+A rank function may tear the process group down; the next call initialises a new one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@dataclass(frozen=True)
+class Died:
+    """What a rank that died during a call reports."""
+
+    rank: int
+    exitcode: int | None
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, died or timed out; the message has every rank's report."""
+
+
+def _init(rank: int, world: int, store_path: str, timeout_s: float) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _worker(rank: int, world: int, tasks: Any, results: Any) -> None:
+    for k, v in _ENV.items():
+        os.environ[k] = v
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        call_id, fn, args, kwargs, store_path, pg_timeout = task
+        try:
+            if not dist.is_initialized():
+                _init(rank, world, store_path, pg_timeout)
+            value = fn(rank, world, *args, **kwargs)
+            results.put((call_id, rank, True, value))
+        except BaseException as e:  # reported to the parent, which fails the test
+            results.put((call_id, rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` spawned ranks that run test functions on a gloo group.
+
+    Args:
+        world_size: how many ranks.
+        pg_timeout: the process group's collective timeout, in seconds.
+    """
+
+    def __init__(self, world_size: int, *, pg_timeout: float = 60.0) -> None:
+        self.world_size = world_size
+        self.pg_timeout = pg_timeout
+        self._ctx = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="tensorcast-ranks-")
+        self._procs: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+
+    def _start(self) -> None:
+        self._results = self._ctx.Queue()
+        self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            self._ctx.Process(target=_worker, args=(r, self.world_size, self._tasks[r], self._results),
+                              daemon=True, name=f"rank{r}")
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(5)
+        self._procs = []
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0,
+            allow_death: bool = False, **kwargs: Any) -> list[Any]:
+        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; its results by rank.
+
+        Raises:
+            RankFailure: a rank raised, died (unless ``allow_death``) or did not finish
+                within ``timeout`` seconds. The pool is re-spawned after a hang or death.
+        """
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self._kill()
+            self._start()
+        call_id = uuid.uuid4().hex
+        store_path = os.path.join(self._dir, f"store-{call_id}")
+        for q in self._tasks:
+            q.put((call_id, fn, args, kwargs, store_path, self.pg_timeout))
+        got: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < self.world_size and time.monotonic() < deadline:
+            try:
+                cid, rank, ok, value = self._results.get(timeout=0.1)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(self._procs) if not p.is_alive() and i not in got]
+                for i in dead:  # give a dying rank's last report a moment to arrive
+                    got.setdefault(i, (False, Died(i, self._procs[i].exitcode)))
+                continue
+            if cid == call_id:
+                got[rank] = (ok, value)
+        hung = [r for r in range(self.world_size) if r not in got]
+        died = [r for r, (ok, v) in got.items() if isinstance(v, Died)]
+        failed = [r for r, (ok, v) in got.items() if not ok and not isinstance(v, Died)]
+        if hung or died:
+            self._kill()  # a hung or dead rank leaves the group unusable
+        if hung or failed or (died and not allow_death):
+            lines = [f"{fn.__name__} on {self.world_size} ranks:"]
+            for r in range(self.world_size):
+                if r in hung:
+                    lines.append(f"--- rank {r}: no result within {timeout}s (hung)")
+                else:
+                    ok, v = got[r]
+                    lines.append(f"--- rank {r}: {'ok' if ok else 'FAILED'}\n{v if not ok else ''}")
+            raise RankFailure("\n".join(lines))
+        return [got[r][1] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for q in self._tasks:
+            try:
+                q.put(None)
+            except (ValueError, OSError):
+                pass
+        for p in self._procs:
+            p.join(10)
+        self._kill()

@@ -11,7 +11,6 @@ Nothing here knows about process groups; ``_transport`` moves headers and buffer
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -23,9 +22,10 @@ from tensorcast._dtypes import CODE_ITEMSIZE, numpy_dtype, torch_dtype
 from tensorcast._errors import HeaderError
 from tensorcast._schema import LeafSpec, Schema
 
-__all__ = ["PackPlan", "Packed", "pack", "plan", "read_header", "resolve_device", "unpack", "views"]
+__all__ = ["PackPlan", "Packed", "pack", "plan", "read_header", "rebuild", "resolve_device", "unpack", "views"]
 
 DEFAULT_ALIGN = 64
+_MAX_ITEMSIZE = max(CODE_ITEMSIZE.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,14 +60,10 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device | No
     return dev
 
 
-def _align_up(n: int, align: int) -> int:
-    return (n + align - 1) // align * align
-
-
 class PackPlan:
     """A batch flattened and laid out, ready to be written into any large-enough buffer."""
 
-    __slots__ = ("header", "nbytes", "leaves", "offsets", "device")
+    __slots__ = ("device", "header", "leaves", "nbytes", "offsets")
 
     def __init__(self, header: bytes, nbytes: int, leaves: list[_tree.BufferLeaf],
                  offsets: list[int], device: torch.device):
@@ -79,30 +75,76 @@ class PackPlan:
         self.device = device
 
     def write(self, buffer: torch.Tensor) -> None:
-        """Copy every leaf's bytes into ``buffer[:self.nbytes]`` at its offset."""
-        on_cpu = buffer.device.type == "cpu"
-        host = buffer.numpy() if on_cpu else None
-        for leaf, off in zip(self.leaves, self.offsets):
-            data = leaf.data
-            if leaf.kind == "tensor":
-                if data.numel():
-                    n = data.numel() * data.element_size()
-                    buffer[off : off + n].view(data.dtype).view(data.shape).copy_(data)
+        """Copy every leaf's bytes into ``buffer[:self.nbytes]`` at its offset.
+
+        Tensor leaves are copied by one batched ``_foreach_copy_`` into typed views of
+        the buffer: per-leaf Python work is what dominates batches of many small leaves.
+        """
+        typed = _TypedViews(buffer)
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        host = buffer.numpy() if buffer.device.type == "cpu" else None
+        for (kind, code, shape, data, _), off in zip(self.leaves, self.offsets):
+            if kind == "tensor":
+                dsts.append(typed.view(code, shape, off))
+                srcs.append(data)
                 continue
-            if leaf.kind == "ndarray":
-                if data.size == 0:
-                    continue
+            if kind == "ndarray":
                 src = data
                 n = data.nbytes
             else:  # bytes / str, already encoded
                 src = np.frombuffer(data, dtype=np.uint8)
                 n = len(data)
+            if n == 0:
+                continue
             if host is not None:
                 host[off : off + n].view(src.dtype).reshape(src.shape)[...] = src
             else:
                 staged = torch.empty(n, dtype=torch.uint8)
                 staged.numpy().view(src.dtype).reshape(src.shape)[...] = src
                 buffer[off : off + n].copy_(staged)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+
+
+_strides_cache: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = _strides_cache.get(shape)
+    if strides is None:
+        acc = 1
+        out = []
+        for d in reversed(shape):
+            out.append(acc)
+            acc *= d if d > 1 else 1
+        strides = tuple(reversed(out))
+        if len(_strides_cache) > 4096:
+            _strides_cache.clear()
+        _strides_cache[shape] = strides
+    return strides
+
+
+class _TypedViews:
+    """Contiguous views of one uint8 buffer as any dtype, one ``as_strided`` each."""
+
+    __slots__ = ("base_offset", "bases", "buffer")
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self.base_offset = buffer.storage_offset()
+        self.bases: dict[str, tuple[torch.Tensor, int]] = {}
+
+    def view(self, code: str, shape: Any, offset: int) -> torch.Tensor:
+        base = self.bases.get(code)
+        if base is None:
+            isz = CODE_ITEMSIZE[code]
+            n = self.buffer.numel()
+            base = self.bases[code] = (self.buffer[: n - n % isz].view(torch_dtype(code)), isz)
+        typed, isz = base
+        shape = tuple(shape)
+        return torch.as_strided(typed, shape, _contiguous_strides(shape),
+                                (self.base_offset + offset) // isz)
 
 
 def plan(tree: Any, *, align: int = DEFAULT_ALIGN) -> PackPlan:
@@ -118,28 +160,17 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN) -> PackPlan:
     table: list[list[Any]] = []
     offsets: list[int] = []
     device: torch.device | None = None
-    device_leaf: _tree.BufferLeaf | None = None
     end = 0
-    for leaf in leaves:
-        itemsize = CODE_ITEMSIZE[leaf.code]
-        size = math.prod(leaf.shape) * itemsize
-        off = _align_up(end, align if align >= itemsize else itemsize)
-        if leaf.kind == "tensor":
-            dev = leaf.data.device
-            if device is None:
-                device, device_leaf = dev, leaf
-            elif dev != device:
-                assert device_leaf is not None
-                raise ValueError(
-                    f"tensors on mixed devices: `{_tree.render_path(device_leaf.path, 'batch')}` "
-                    f"is on {device} but `{_tree.render_path(leaf.path, 'batch')}` is on {dev}; "
-                    f"move the batch to one device before sending it"
-                )
-        table.append([leaf.kind, leaf.code, list(leaf.shape), off, size])
+    for kind, code, shape, data, _ in leaves:
+        itemsize = CODE_ITEMSIZE[code]
+        a = align if align >= itemsize else itemsize
+        off = -(-end // a) * a
+        size = len(data) if kind == "bytes" or kind == "str" else data.nbytes
+        if device is None and kind == "tensor":
+            device = data.device  # flatten checked that every tensor shares it
+        table.append([kind, code, shape, off, size])
         offsets.append(off)
         end = off + size
-    if end > _schema.MAX_BUFFER_BYTES:
-        raise ValueError(f"the batch needs {end} bytes, over the {_schema.MAX_BUFFER_BYTES} limit")
     header = _schema.encode(end, align, table, tokens)
     return PackPlan(header, end, leaves, offsets, device or torch.device("cpu"))
 
@@ -176,20 +207,31 @@ def pack(tree: Any, *, device: torch.device | str | None = None, align: int = DE
 
 def views(decoded: _schema.Decoded, buffer: torch.Tensor) -> list[Any]:
     """The buffer leaves of ``decoded`` as views into ``buffer`` (ndarrays: CPU views)."""
+    if buffer.storage_offset() % _MAX_ITEMSIZE:
+        buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
+    typed = _TypedViews(buffer)
     values: list[Any] = []
-    host: torch.Tensor | None = buffer if buffer.device.type == "cpu" else None
+    host: np.ndarray | None = None
+    on_cpu = buffer.device.type == "cpu"
     for kind, code, shape, off, n in decoded.leaves:
         if kind == "tensor":
-            values.append(buffer[off : off + n].view(torch_dtype(code)).view(shape))
+            values.append(typed.view(code, shape, off))
             continue
-        piece = buffer[off : off + n] if host is not None else buffer[off : off + n].cpu()
+        if on_cpu:
+            if host is None:
+                # One holder view for all host leaves: it keeps the storage's use count up
+                # while any array views it, so a pooled buffer is not reused under them.
+                host = buffer[:].numpy()
+            piece = host[off : off + n]
+        else:
+            piece = buffer[off : off + n].cpu().numpy()
         if kind == "ndarray":
-            values.append(piece.numpy().view(numpy_dtype(code)).reshape(shape))
+            values.append(piece.view(numpy_dtype(code)).reshape(shape))
         elif kind == "bytes":
-            values.append(piece.numpy().tobytes())
+            values.append(piece.tobytes())
         else:
             try:
-                values.append(piece.numpy().tobytes().decode("utf-8", "surrogatepass"))
+                values.append(piece.tobytes().decode("utf-8", "surrogatepass"))
             except UnicodeDecodeError as e:
                 raise HeaderError(f"a str leaf holds invalid UTF-8: {e}") from None
     return values
@@ -239,8 +281,14 @@ def unpack(packed_or_header: Packed | bytes, buffer: torch.Tensor | None = None,
     dev = resolve_device(device)
     if dev is not None and dev != buffer.device:
         buffer = buffer.to(dev)
-    tree, _ = _tree.build(decoded.tokens, views(decoded, buffer), len(decoded.leaves))
-    return tree
+    return rebuild(decoded, buffer)
+
+
+def rebuild(decoded: _schema.Decoded, buffer: torch.Tensor) -> Any:
+    """The tree of a decoded header, its leaves viewing ``buffer``."""
+    if decoded.program is None:
+        decoded.program, _ = _tree.compile_tokens(decoded.tokens, len(decoded.leaves))
+    return _tree.run(decoded.program, views(decoded, buffer))
 
 
 def read_header(header: bytes) -> Schema:

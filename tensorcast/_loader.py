@@ -51,7 +51,7 @@ class _Failure:
 
 
 class _Item:
-    __slots__ = ("tree", "state")
+    __slots__ = ("state", "tree")
 
     def __init__(self, tree: Any, state: Any):
         self.tree = tree

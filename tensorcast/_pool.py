@@ -52,9 +52,12 @@ class BufferPool:
             best = -1
             for i, (buf, idle) in enumerate(entries):
                 cap = buf.numel()
-                if nbytes <= cap <= 2 * max(nbytes, _MIN_CAPACITY) and _use_count(buf) == idle:
-                    if best < 0 or cap < entries[best][0].numel():
-                        best = i
+                if (
+                    nbytes <= cap <= 2 * max(nbytes, _MIN_CAPACITY)
+                    and (best < 0 or cap < entries[best][0].numel())
+                    and _use_count(buf) == idle
+                ):
+                    best = i
             if best >= 0:
                 entry = entries.pop(best)
                 entries.append(entry)

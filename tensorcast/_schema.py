@@ -19,6 +19,7 @@ the last leaf.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -92,15 +93,16 @@ class Schema:
     align: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decoded:
-    """A header after framing and leaf-table validation; the tree tokens are checked
-    when they are walked."""
+    """A header after framing and leaf-table validation. The tree tokens are validated
+    when they are compiled into ``program`` (once per distinct header; never mutated)."""
 
     nbytes: int
     align: int
     leaves: list[list[Any]]
     tokens: list[Any]
+    program: list[tuple[Any, ...]] | None = None
 
 
 def encode(nbytes: int, align: int, leaves: list[list[Any]], tokens: list[Any]) -> bytes:
@@ -120,9 +122,27 @@ def _fail(what: str) -> HeaderError:
 
 
 def decode(header: bytes | bytearray | memoryview) -> Decoded:
-    """Check framing and the leaf table. Bounded time and memory for any input."""
+    """Check framing and the leaf table. Bounded time and memory for any input.
+
+    Batches of fixed shapes repeat their header byte for byte, so small headers are
+    decoded once and the validated result is reused (it is never mutated).
+    """
     if not isinstance(header, (bytes, bytearray, memoryview)):
         raise TypeError(f"a header is bytes, got {type(header).__name__}")
+    if type(header) is bytes and len(header) <= _CACHE_MAX_BYTES:
+        return _decode_cached(header)
+    return _decode(header)
+
+
+_CACHE_MAX_BYTES = 64 << 10
+
+
+@functools.lru_cache(maxsize=32)
+def _decode_cached(header: bytes) -> Decoded:
+    return _decode(header)
+
+
+def _decode(header: bytes | bytearray | memoryview) -> Decoded:
     if len(header) < PREFIX_BYTES:
         raise _fail(f"{len(header)} bytes is shorter than the {PREFIX_BYTES}-byte prefix")
     magic, version, flags, length = _PREFIX.unpack_from(header)

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tensorcast import _codec, _schema, _tree
+from tensorcast import _codec, _schema
 from tensorcast._codec import Packed
 from tensorcast._errors import DesyncError, HeaderError, PeerError, SourceError
 from tensorcast._pool import BufferPool
@@ -366,8 +366,7 @@ class Channel:
             )
         if device is not None and device != payload.device:
             payload = payload.to(device)
-        tree, _ = _tree.build(decoded.tokens, _codec.views(decoded, payload), len(decoded.leaves))
-        return "data", tree
+        return "data", _codec.rebuild(decoded, payload)
 
 
 _channels: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, Channel]] = (

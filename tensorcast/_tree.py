@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from tensorcast import _registry
-from tensorcast._dtypes import NUMPY_CODES, numpy_code, torch_code
+from tensorcast._dtypes import _CODE_OF_TORCH, NUMPY_CODES, numpy_code
 from tensorcast._errors import HeaderError, UnsupportedLeafError
 
 __all__ = ["BufferLeaf", "build", "flatten", "render_path"]
@@ -46,6 +46,7 @@ _U64 = struct.Struct("<Q")
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 _OrderedDict = collections.OrderedDict
 _Parameter = torch.nn.Parameter
+_STRIDED = torch.strided
 
 # A path is a chain of (parent, key, style) tuples; rendered only when someone asks.
 # style 0: [key]   style 1: .field   style 2: <codec name>
@@ -61,25 +62,17 @@ def render_path(path: Path, root: str = "") -> str:
     return root + "".join(reversed(parts))
 
 
-class BufferLeaf:
-    """A leaf whose bytes go into the buffer. ``data`` is a tensor, an ndarray or bytes."""
-
-    __slots__ = ("kind", "code", "shape", "data", "path")
-
-    def __init__(self, kind: str, code: str, shape: tuple[int, ...], data: Any, path: Path):
-        self.kind = kind
-        self.code = code
-        self.shape = shape
-        self.data = data
-        self.path = path
+# A buffer leaf, as flatten returns it: (kind, code, shape, data, path) where data is a
+# tensor, an ndarray, or bytes (str leaves already encoded as UTF-8).
+BufferLeaf = tuple[str, str, Any, Any, Path]
 
 
 def _unsupported(obj: Any, path: Path, why: str = "") -> UnsupportedLeafError:
     cls = type(obj)
     where = render_path(path, "batch")
     why = why or (
-        f"register it with tensorcast.register_type (NamedTuple or dataclass) "
-        f"or convert it to a tensor, array or plain value"
+        "register it with tensorcast.register_type (NamedTuple or dataclass) "
+        "or convert it to a tensor, array or plain value"
     )
     return UnsupportedLeafError(
         f"unsupported leaf of type `{cls.__module__}.{cls.__qualname__}` at `{where}`; {why}"
@@ -87,10 +80,11 @@ def _unsupported(obj: Any, path: Path, why: str = "") -> UnsupportedLeafError:
 
 
 def _check_tensor(t: torch.Tensor, path: Path) -> str:
+    """The tensor's dtype code; raises for anything but a dense strided tensor with data."""
     if type(t) is not torch.Tensor and type(t) is not _Parameter:
         return _raise(t, path, "tensor subclasses (DTensor, FakeTensor, ...) cannot travel; "
                       "send a plain tensor, e.g. dtensor.full_tensor() or .to_local()")
-    if t.layout is not torch.strided:
+    if t.layout is not _STRIDED:
         return _raise(t, path, f"only dense strided tensors travel, this one is {t.layout}; "
                       "call .to_dense() first")
     if t.is_nested:
@@ -101,10 +95,10 @@ def _check_tensor(t: torch.Tensor, path: Path) -> str:
                       "scale / zero point")
     if t.is_meta:
         return _raise(t, path, "meta tensors have no data to send")
-    code = torch_code(t.dtype)
-    if code is None:
-        return _raise(t, path, f"dtype {t.dtype} is not in tensorcast's dtype table")
-    return code
+    code = _CODE_OF_TORCH.get(t.dtype)
+    if code is not None:
+        return code
+    return _raise(t, path, f"dtype {t.dtype} is not in tensorcast's dtype table")
 
 
 def _raise(obj: Any, path: Path, why: str) -> str:
@@ -148,6 +142,7 @@ def flatten(tree: Any) -> tuple[list[Any], list[BufferLeaf]]:
     stack: list[tuple[Any, Any]] = [(tree, None)]
     pop, push = stack.pop, stack.append
     active: set[int] = set()
+    device: int | None = None  # get_device() of the first tensor: -1 for CPU
     while stack:
         obj, path = pop()
         if obj is _EXIT:
@@ -155,16 +150,29 @@ def flatten(tree: Any) -> tuple[list[Any], list[BufferLeaf]]:
             continue
         t = type(obj)
         if t is torch.Tensor or t is _Parameter:
-            code = _check_tensor(obj, path)
+            code = _CODE_OF_TORCH.get(obj.dtype)
+            if code is None or obj.layout is not _STRIDED or obj.is_nested or obj.is_meta:
+                code = _check_tensor(obj, path)  # raises with the precise reason
+            dev = obj.get_device()
+            if dev != device:
+                if device is None:
+                    device = dev
+                else:
+                    raise ValueError(
+                        f"tensors on mixed devices: `{render_path(path, 'batch')}` is on "
+                        f"{obj.device} but an earlier tensor is on "
+                        f"{'cpu' if device < 0 else f'device {device}'}; move the batch to one "
+                        f"device before sending it"
+                    )
             append(len(leaves))
-            leaves.append(BufferLeaf("tensor", code, tuple(obj.shape), obj, path))
+            leaves.append(("tensor", code, obj.shape, obj, path))
         elif t is str:
             if len(obj) <= INLINE_LIMIT:
                 append(obj)
             else:
                 append(len(leaves))
                 data = obj.encode("utf-8", "surrogatepass")
-                leaves.append(BufferLeaf("str", "U8", (len(data),), data, path))
+                leaves.append(("str", "U8", (len(data),), data, path))
         elif t is int:
             append(["i", obj] if _I64_MIN <= obj <= _I64_MAX else ["I", hex(obj)])
         elif obj is None or t is bool:
@@ -206,13 +214,13 @@ def flatten(tree: Any) -> tuple[list[Any], list[BufferLeaf]]:
                     f"(e.g. arr.astype(arr.dtype.newbyteorder('=')))",
                 )
             append(len(leaves))
-            leaves.append(BufferLeaf("ndarray", code, tuple(obj.shape), obj, path))
+            leaves.append(("ndarray", code, obj.shape, obj, path))
         elif t is bytes:
             if len(obj) <= INLINE_LIMIT:
                 append(["y", obj.hex()])
             else:
                 append(len(leaves))
-                leaves.append(BufferLeaf("bytes", "U8", (len(obj),), obj, path))
+                leaves.append(("bytes", "U8", (len(obj),), obj, path))
         elif t is complex:
             append(["c", _U64.unpack(_F64.pack(obj.real))[0], _U64.unpack(_F64.pack(obj.imag))[0]])
         elif isinstance(obj, np.generic) and t.__module__ == "numpy":
@@ -301,20 +309,20 @@ def _decode_small(tok: list[Any]) -> Any:
 
 
 class _Frame:
-    """An open container while rebuilding."""
+    """An open container while compiling."""
 
-    __slots__ = ("tag", "n", "items", "extra", "path")
+    __slots__ = ("count", "extra", "n", "path", "tag")
 
     def __init__(self, tag: str, n: int, extra: Any, path: Path):
         self.tag = tag
         self.n = n
-        self.items: list[Any] = []
+        self.count = 0
         self.extra = extra
         self.path = path
 
 
 def _child_path(frame: _Frame) -> Path:
-    i = len(frame.items)
+    i = frame.count
     tag = frame.tag
     if tag == "d" or tag == "o":
         return (frame.path, frame.extra[i], 0)
@@ -340,7 +348,10 @@ def _open(tok: list[Any], remaining: int, path: Path) -> _Frame:
             or len(tok[2]) != tok[1]
         ):
             raise HeaderError(f"invalid dict token {tok!r:.80}")
-        return _Frame(tag, tok[1], [_decode_key(k) for k in tok[2]], path)
+        keys = tuple(_decode_key(k) for k in tok[2])
+        if len(dict.fromkeys(keys)) != len(keys):
+            raise HeaderError(f"duplicate dict keys in {tok[2]!r:.120}")
+        return _Frame(tag, tok[1], keys, path)
     if tag == "r":
         if len(tok) != 3 or type(tok[1]) is not str or type(tok[2]) is not list:
             raise HeaderError(f"invalid registered-type token {tok!r:.80}")
@@ -368,67 +379,64 @@ def _open(tok: list[Any], remaining: int, path: Path) -> _Frame:
 
 _CONTAINER_TAGS = frozenset("ltdorx")
 
+# Program ops: (LEAF, i) buffer leaf i; (CONST, v) an immutable small value;
+# (OPEN, tag, n, extra, path) a container of n > 0 children; (EMPTY, tag, extra, path).
+_LEAF, _CONST, _OPEN, _EMPTY = 0, 1, 2, 3
 
-def _close(frame: _Frame, build_objects: bool) -> Any:
-    tag, items = frame.tag, frame.items
+
+def _make(tag: str, items: list[Any], extra: Any, path: Path) -> Any:
     if tag == "l":
         return items
     if tag == "t":
         return tuple(items)
-    if tag == "d" or tag == "o":
-        out = dict(zip(frame.extra, items)) if tag == "d" else _OrderedDict(zip(frame.extra, items))
-        if len(out) != frame.n:
-            raise HeaderError(f"duplicate dict keys in {frame.extra!r:.120}")
-        return out
-    if not build_objects:
-        return None
-    entry = frame.extra
+    if tag == "d":
+        return dict(zip(extra, items))
+    if tag == "o":
+        return _OrderedDict(zip(extra, items))
     try:
         if tag == "x":
-            return entry.from_tree(items[0])
-        if entry.kind == "namedtuple":
-            return entry.cls._make(items)
-        values = dict(zip(entry.fields, items))
-        obj = entry.cls(**{k: v for k, v in values.items() if k in entry.init_fields})
+            return extra.from_tree(items[0])
+        if extra.kind == "namedtuple":
+            return extra.cls._make(items)
+        values = dict(zip(extra.fields, items))
+        obj = extra.cls(**{k: v for k, v in values.items() if k in extra.init_fields})
         for k, v in values.items():
-            if k not in entry.init_fields:
+            if k not in extra.init_fields:
                 object.__setattr__(obj, k, v)
         return obj
     except HeaderError:
         raise
     except Exception as e:
         raise HeaderError(
-            f"cannot rebuild `{entry.name}` at `{render_path(frame.path, 'batch')}`: "
+            f"cannot rebuild `{extra.name}` at `{render_path(path, 'batch')}`: "
             f"{type(e).__name__}: {e}"
         ) from e
 
 
-def build(
-    tokens: Any, leaf_values: Sequence[Any] | None, n_leaves: int, *, want_paths: bool = False
-) -> tuple[Any, list[Path] | None]:
-    """Rebuild the tree from ``tokens``; validate it completely on the way.
-
-    With ``leaf_values`` None nothing is built (registered types and codecs are checked
-    but not constructed): that is the dry run :func:`tensorcast.read_header` uses.
+def compile_tokens(
+    tokens: Any, n_leaves: int, *, want_paths: bool = False
+) -> tuple[list[tuple[Any, ...]], list[Path] | None]:
+    """Validate ``tokens`` completely and turn them into a program that ``run`` replays.
 
     Returns:
-        ``(tree, paths)``, ``paths[i]`` the path of buffer leaf ``i`` when asked for.
+        ``(program, paths)``, ``paths[i]`` the path of buffer leaf ``i`` when asked for.
 
     Raises:
         HeaderError: the tokens are not a valid tree for ``n_leaves`` buffer leaves.
     """
     if type(tokens) is not list or not tokens:
         raise HeaderError("the header's tree is missing or not a token list")
-    build_objects = leaf_values is not None
     used = bytearray(n_leaves)
     paths: list[Path] | None = [None] * n_leaves if want_paths else None
+    program: list[tuple[Any, ...]] = []
+    emit = program.append
     stack: list[_Frame] = []
-    root: list[Any] = []
+    roots = 0
     total = len(tokens)
     for i, tok in enumerate(tokens):
-        if not stack and root:
+        if not stack and roots:
             raise HeaderError(f"trailing tokens after the root, at token {i}")
-        path = _child_path(stack[-1]) if (want_paths and stack) else None
+        path = _child_path(stack[-1]) if stack else None
         t = type(tok)
         if t is int:
             if not 0 <= tok < n_leaves or used[tok]:
@@ -436,32 +444,68 @@ def build(
             used[tok] = 1
             if paths is not None:
                 paths[tok] = path
-            value: Any = leaf_values[tok] if leaf_values is not None else None
+            emit((_LEAF, tok))
         elif t is str or tok is None or t is bool:
-            value = tok
+            emit((_CONST, tok))
         elif t is list and tok and type(tok[0]) is str:
             if tok[0] in _CONTAINER_TAGS:
                 frame = _open(tok, total - i - 1, path)
                 if frame.n:
+                    emit((_OPEN, frame.tag, frame.n, frame.extra, path))
                     stack.append(frame)
                     continue
-                value = _close(frame, build_objects)
+                emit((_EMPTY, frame.tag, frame.extra, path))
             else:
-                value = _decode_small(tok)
+                emit((_CONST, _decode_small(tok)))
         else:
             raise HeaderError(f"invalid token {tok!r:.80} at position {i}")
-        # Hand the finished value to its parent; close every parent it completes.
+        # The value is complete: count it in its parent, closing every parent it completes.
         while stack:
             top = stack[-1]
-            top.items.append(value)
-            if len(top.items) < top.n:
+            top.count += 1
+            if top.count < top.n:
                 break
             stack.pop()
-            value = _close(top, build_objects)
         else:
-            root.append(value)
-    if stack or len(root) != 1:
+            roots += 1
+    if stack or roots != 1:
         raise HeaderError("the header's tree is truncated: a container is missing children")
     if n_leaves and not all(used):
         raise HeaderError("the header lists buffer leaves that the tree never references")
-    return root[0], paths
+    return program, paths
+
+
+def run(program: list[tuple[Any, ...]], leaf_values: Sequence[Any]) -> Any:
+    """Rebuild a tree from a compiled program and the buffer leaves' values."""
+    stack: list[list[Any]] = []
+    root: Any = None
+    for op in program:
+        kind = op[0]
+        if kind == _LEAF:
+            value = leaf_values[op[1]]
+        elif kind == _CONST:
+            value = op[1]
+        elif kind == _OPEN:
+            stack.append([op[1], op[2], [], op[3], op[4]])
+            continue
+        else:
+            value = _make(op[1], [], op[2], op[3])
+        while stack:
+            top = stack[-1]
+            items = top[2]
+            items.append(value)
+            if len(items) < top[1]:
+                break
+            stack.pop()
+            value = _make(top[0], items, top[3], top[4])
+        else:
+            root = value
+    return root
+
+
+def build(
+    tokens: Any, leaf_values: Sequence[Any] | None, n_leaves: int, *, want_paths: bool = False
+) -> tuple[Any, list[Path] | None]:
+    """Validate ``tokens`` and rebuild the tree (``leaf_values`` None: validate only)."""
+    program, paths = compile_tokens(tokens, n_leaves, want_paths=want_paths)
+    return (run(program, leaf_values) if leaf_values is not None else None), paths

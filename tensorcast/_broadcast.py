@@ -22,8 +22,13 @@ def _require_initialized(what: str) -> None:
         )
 
 
-def broadcast(tree: Any, src: int, group: dist.ProcessGroup | None = None, *,
-              device: torch.device | str | None = None) -> Any:
+def broadcast(
+    tree: Any,
+    src: int,
+    group: dist.ProcessGroup | None = None,
+    *,
+    device: torch.device | str | None = None,
+) -> Any:
     """Send ``tree`` from rank ``src`` to every rank of ``group``; all return the same tree.
 
     Every rank of ``group`` calls this. The source packs the tree into a header and one
@@ -57,8 +62,13 @@ def broadcast(tree: Any, src: int, group: dist.ProcessGroup | None = None, *,
     return _transport.raise_for(kind, value, src)
 
 
-def broadcast_batch(batch: Any, device_mesh: Any, axes: Sequence[str] | str = ("cp", "tp"), *,
-                    device: torch.device | str | None = None) -> Any:
+def broadcast_batch(
+    batch: Any,
+    device_mesh: Any,
+    axes: Sequence[str] | str = ("cp", "tp"),
+    *,
+    device: torch.device | str | None = None,
+) -> Any:
     """Broadcast ``batch`` across this rank's ``(cp, tp)`` sub-mesh, from its first rank.
 
     The named axes present in ``device_mesh`` are flattened (once; the groups are reused)

@@ -22,7 +22,17 @@ from tensorcast._dtypes import CODE_ITEMSIZE, numpy_dtype, torch_dtype
 from tensorcast._errors import HeaderError
 from tensorcast._schema import LeafSpec, Schema
 
-__all__ = ["PackPlan", "Packed", "pack", "plan", "read_header", "rebuild", "resolve_device", "unpack", "views"]
+__all__ = [
+    "PackPlan",
+    "Packed",
+    "pack",
+    "plan",
+    "read_header",
+    "rebuild",
+    "resolve_device",
+    "unpack",
+    "views",
+]
 
 DEFAULT_ALIGN = 64
 _MAX_ITEMSIZE = max(CODE_ITEMSIZE.values())
@@ -65,8 +75,14 @@ class PackPlan:
 
     __slots__ = ("device", "header", "leaves", "nbytes", "offsets")
 
-    def __init__(self, header: bytes, nbytes: int, leaves: list[_tree.BufferLeaf],
-                 offsets: list[int], device: torch.device):
+    def __init__(
+        self,
+        header: bytes,
+        nbytes: int,
+        leaves: list[_tree.BufferLeaf],
+        offsets: list[int],
+        device: torch.device,
+    ):
         self.header = header
         self.nbytes = nbytes
         self.leaves = leaves
@@ -143,8 +159,9 @@ class _TypedViews:
             base = self.bases[code] = (self.buffer[: n - n % isz].view(torch_dtype(code)), isz)
         typed, isz = base
         shape = tuple(shape)
-        return torch.as_strided(typed, shape, _contiguous_strides(shape),
-                                (self.base_offset + offset) // isz)
+        return torch.as_strided(
+            typed, shape, _contiguous_strides(shape), (self.base_offset + offset) // isz
+        )
 
 
 def plan(tree: Any, *, align: int = DEFAULT_ALIGN) -> PackPlan:
@@ -175,7 +192,9 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN) -> PackPlan:
     return PackPlan(header, end, leaves, offsets, device or torch.device("cpu"))
 
 
-def pack(tree: Any, *, device: torch.device | str | None = None, align: int = DEFAULT_ALIGN) -> Packed:
+def pack(
+    tree: Any, *, device: torch.device | str | None = None, align: int = DEFAULT_ALIGN
+) -> Packed:
     """Flatten a batch tree into a header and ONE contiguous uint8 buffer.
 
     Args:
@@ -247,17 +266,26 @@ def _check_buffer(buffer: Any, nbytes: int) -> None:
     if not buffer.is_contiguous():
         raise ValueError("the buffer must be contiguous; call .contiguous() first")
     if buffer.numel() != nbytes:
-        raise HeaderError(f"the header describes a {nbytes}-byte buffer but the buffer has {buffer.numel()}")
+        raise HeaderError(
+            f"the header describes a {nbytes}-byte buffer but the buffer has {buffer.numel()}"
+        )
 
 
 @overload
 def unpack(packed: Packed, /, *, device: torch.device | str | None = None) -> Any: ...
 @overload
-def unpack(header: bytes, buffer: torch.Tensor, /, *, device: torch.device | str | None = None) -> Any: ...
+def unpack(
+    header: bytes, buffer: torch.Tensor, /, *, device: torch.device | str | None = None
+) -> Any: ...
 
 
-def unpack(packed_or_header: Packed | bytes, buffer: torch.Tensor | None = None, /, *,
-           device: torch.device | str | None = None) -> Any:
+def unpack(
+    packed_or_header: Packed | bytes,
+    buffer: torch.Tensor | None = None,
+    /,
+    *,
+    device: torch.device | str | None = None,
+) -> Any:
     """Rebuild the tree from a header and its buffer.
 
     Tensor leaves are views into ``buffer`` (no copy), unless ``device`` differs from the

@@ -20,8 +20,9 @@ __all__ = ["PackedCollate", "packed_collate"]
 class PackedCollate:
     """A picklable collate function: ``pack(collate_fn(samples))``."""
 
-    def __init__(self, collate_fn: Callable[[list[Any]], Any] | None = None, *,
-                 align: int = DEFAULT_ALIGN) -> None:
+    def __init__(
+        self, collate_fn: Callable[[list[Any]], Any] | None = None, *, align: int = DEFAULT_ALIGN
+    ) -> None:
         self.collate_fn = collate_fn if collate_fn is not None else default_collate
         self.align = align
 
@@ -32,8 +33,9 @@ class PackedCollate:
         return f"packed_collate({self.collate_fn!r})"
 
 
-def packed_collate(collate_fn: Callable[[list[Any]], Any] | None = None, *,
-                   align: int = DEFAULT_ALIGN) -> PackedCollate:
+def packed_collate(
+    collate_fn: Callable[[list[Any]], Any] | None = None, *, align: int = DEFAULT_ALIGN
+) -> PackedCollate:
     """Wrap a collate function so DataLoader workers hand out pre-packed batches.
 
     Use it on the source rank's DataLoader; ``BroadcastingDataLoader`` (and

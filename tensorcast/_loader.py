@@ -138,7 +138,9 @@ class BroadcastingDataLoader:
         if device_mesh is not None and group is not None:
             raise ValueError("pass either device_mesh= or group= (with src=), not both")
         if (group is None) != (src is None):
-            raise ValueError("group= and src= go together: src is the group's source, a global rank")
+            raise ValueError(
+                "group= and src= go together: src is the group's source, a global rank"
+            )
         self.source = source
         self.prefetch = prefetch
         self.device = resolve_device(device)
@@ -158,7 +160,9 @@ class BroadcastingDataLoader:
             self._channel = Channel(group, src, timeout=timeout, verify=verify)
         elif _mesh.spanning_axes(device_mesh, self.axes):
             sub = _mesh.resolve_submesh(device_mesh, self.axes)
-            self._channel = Channel(sub.group, sub.src, axes=sub.axes, timeout=timeout, verify=verify)
+            self._channel = Channel(
+                sub.group, sub.src, axes=sub.axes, timeout=timeout, verify=verify
+            )
         else:
             return
         self._noop = False
@@ -195,7 +199,7 @@ class BroadcastingDataLoader:
             it = iter(self.source)
             snapshot = self.prefetch > 0 and hasattr(self.source, "state_dict")
             if snapshot:
-                self._state = self.source.state_dict()
+                self._state = self.source.state_dict()  # type: ignore[attr-defined]
 
             def produce() -> Any:
                 return self._produce_source(it, snapshot)
@@ -204,7 +208,9 @@ class BroadcastingDataLoader:
             def produce() -> Any:
                 return self._produce_receiver()
 
-        prefetcher = _Prefetcher(produce, self.prefetch, self._join_timeout) if self.prefetch else None
+        prefetcher = (
+            _Prefetcher(produce, self.prefetch, self._join_timeout) if self.prefetch else None
+        )
         done = False
         try:
             while True:
@@ -285,6 +291,7 @@ class BroadcastingDataLoader:
             return f"BroadcastingDataLoader(no-op, source={type(self.source).__name__})"
         assert self._channel is not None
         role = "source" if self._is_source else "receiver"
-        return (f"BroadcastingDataLoader({role}, group ranks={list(self._channel.ranks)}, "
-                f"src={self._channel.src}, prefetch={self.prefetch})")
-
+        return (
+            f"BroadcastingDataLoader({role}, group ranks={list(self._channel.ranks)}, "
+            f"src={self._channel.src}, prefetch={self.prefetch})"
+        )

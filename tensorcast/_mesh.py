@@ -18,8 +18,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["SubMesh", "is_dp_source_rank", "normalize_axes", "present_axes", "resolve_submesh",
-           "spanning_axes"]
+__all__ = [
+    "SubMesh",
+    "is_dp_source_rank",
+    "normalize_axes",
+    "present_axes",
+    "resolve_submesh",
+    "spanning_axes",
+]
 
 _ATTR = "_tensorcast_submeshes"
 _lock = threading.Lock()

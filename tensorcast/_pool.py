@@ -62,8 +62,9 @@ class BufferPool:
                 entry = entries.pop(best)
                 entries.append(entry)
                 return entry[0][:nbytes]
-            buf = torch.empty(_capacity(nbytes), dtype=torch.uint8, device=device,
-                              pin_memory=pinned)
+            buf = torch.empty(
+                _capacity(nbytes), dtype=torch.uint8, device=device, pin_memory=pinned
+            )
             entries.append((buf, _use_count(buf)))
             if len(entries) > self._max_buffers:
                 # Forget the least recently used idle buffer (a busy one stays with its user).

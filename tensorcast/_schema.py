@@ -147,7 +147,9 @@ def _decode(header: bytes | bytearray | memoryview) -> Decoded:
         raise _fail(f"{len(header)} bytes is shorter than the {PREFIX_BYTES}-byte prefix")
     magic, version, flags, length = _PREFIX.unpack_from(header)
     if magic != MAGIC:
-        raise _fail(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}; this is not a tensorcast header")
+        raise _fail(
+            f"bad magic {bytes(magic)!r}, expected {MAGIC!r}; this is not a tensorcast header"
+        )
     if version not in SUPPORTED_VERSIONS:
         raise HeaderError(
             f"unknown tensorcast format version {version}. Available versions: "

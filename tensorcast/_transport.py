@@ -83,7 +83,7 @@ class Frame:
 
 
 def _crc(buffer: torch.Tensor) -> int:
-    return zlib.crc32(buffer.cpu().numpy()) if buffer.numel() else 0
+    return zlib.crc32(buffer.cpu().numpy().data) if buffer.numel() else 0
 
 
 class Channel:
@@ -97,8 +97,15 @@ class Channel:
         verify: carry a CRC32 of the buffer and check it on receivers.
     """
 
-    def __init__(self, group: dist.ProcessGroup, src: int, *, axes: tuple[str, ...] = (),
-                 timeout: float | datetime.timedelta | None = None, verify: bool = False):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        src: int,
+        *,
+        axes: tuple[str, ...] = (),
+        timeout: float | datetime.timedelta | None = None,
+        verify: bool = False,
+    ):
         self.group = group
         self.ranks = tuple(dist.get_process_group_ranks(group))
         if src not in self.ranks:
@@ -113,8 +120,13 @@ class Channel:
         if "nccl" in backend:
             self.transfer_device = torch.device("cuda", torch.cuda.current_device())
             # Headers on a CPU group over the same ranks: no host-device sync on receivers.
-            self.header_group = group if "gloo" in backend else dist.new_group(
-                list(self.ranks), backend="gloo", use_local_synchronization=True)
+            self.header_group = (
+                group
+                if "gloo" in backend
+                else dist.new_group(
+                    list(self.ranks), backend="gloo", use_local_synchronization=True
+                )
+            )
         else:
             self.transfer_device = torch.device("cpu")
             self.header_group = group
@@ -127,13 +139,16 @@ class Channel:
             f"tensorcast format v{_schema.FORMAT_VERSION}; src={src}; group ranks="
             f"{list(self.ranks)}; axes={list(axes)}"
         ).encode()[:_MAX_DESC]
-        self.fingerprint = int.from_bytes(hashlib.blake2b(self.description, digest_size=8).digest(), "little")
+        self.fingerprint = int.from_bytes(
+            hashlib.blake2b(self.description, digest_size=8).digest(), "little"
+        )
         self.pool = BufferPool()
         self.pass_index = 0
         self.step = 0
         self.capacity = INITIAL_CAPACITY
         self.broken: BaseException | None = None
         self._staging_done: Any = None  # CUDA event guarding the pinned staging buffer
+        self._broadcast_options: dict[dist.ProcessGroup, Any] = {}
 
     # -- state ---------------------------------------------------------------------
 
@@ -155,15 +170,18 @@ class Channel:
                 f"the process group cannot be trusted any more, restart the job"
             )
         try:
+            # The group's own broadcast with cached options: dist.broadcast re-derives them
+            # on every call, which shows up on small batches.
+            work = group.broadcast([tensor], self._options(group))
             if self.timeout is None:
-                dist.broadcast(tensor, self.src, group=group)
+                work.wait()
             else:
-                work = dist.broadcast(tensor, self.src, group=group, async_op=True)
                 work.wait(self.timeout)
         except RuntimeError as e:
             self.broken = e
             who = (
-                "a receiver rank stopped answering" if self.is_source
+                "a receiver rank stopped answering"
+                if self.is_source
                 else f"the source rank {self.src} stopped answering"
             )
             raise PeerError(
@@ -171,6 +189,16 @@ class Channel:
                 f"{who} (it died, or did not join within the timeout "
                 f"{self.timeout or 'of the process group'}). Cause: {e}"
             ) from e
+
+    def _options(self, group: dist.ProcessGroup) -> Any:
+        opts = self._broadcast_options.get(group)
+        if opts is None:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = dist.get_group_rank(group, self.src)  # group-local
+            opts.rootTensor = 0
+            opts.asyncOp = True
+            self._broadcast_options[group] = opts
+        return opts
 
     # -- source --------------------------------------------------------------------
 
@@ -259,9 +287,21 @@ class Channel:
         if self.verify and payload is not None:
             flags |= _CRC
             crc = _crc(payload)
-        _PREFIX.pack_into(host, 0, _MAGIC, frame.kind, flags, len(desc), self.pass_index,
-                          self.step, self.fingerprint, len(header), payload_len,
-                          next_capacity, crc)
+        _PREFIX.pack_into(
+            host.data,
+            0,
+            _MAGIC,
+            frame.kind,
+            flags,
+            len(desc),
+            self.pass_index,
+            self.step,
+            self.fingerprint,
+            len(header),
+            payload_len,
+            next_capacity,
+            crc,
+        )
         host[_PREFIX.size : _PREFIX.size + len(desc)] = np.frombuffer(desc, np.uint8)
         if not flags & _SPILL:
             host[_PREFIX.size + len(desc) : head_end] = np.frombuffer(header, np.uint8)
@@ -304,16 +344,29 @@ class Channel:
         first = self.pool.take(capacity, torch.device("cpu"))
         self._broadcast(first, self.header_group, "frame header")
         host = first.numpy()
-        (magic, kind, flags, desc_len, pass_index, step, fingerprint, header_len, payload_len,
-         next_capacity, crc) = _PREFIX.unpack_from(host, 0)
+        (
+            magic,
+            kind,
+            flags,
+            desc_len,
+            pass_index,
+            step,
+            fingerprint,
+            header_len,
+            payload_len,
+            next_capacity,
+            crc,
+        ) = _PREFIX.unpack_from(host.data, 0)
         if magic != _MAGIC or kind not in _KINDS or desc_len > _MAX_DESC:
-            raise HeaderError(f"{self._where()}: received a frame that is not a tensorcast frame "
-                              f"(magic {bytes(magic)!r}, kind {kind})")
+            raise HeaderError(
+                f"{self._where()}: received a frame that is not a tensorcast frame "
+                f"(magic {bytes(magic)!r}, kind {kind})"
+            )
         desc_end = _PREFIX.size + desc_len
         if desc_end > capacity:
             raise HeaderError(f"{self._where()}: frame description overruns the first message")
         if fingerprint != self.fingerprint:
-            theirs = bytes(host[_PREFIX.size:desc_end]).decode("utf-8", "replace")
+            theirs = bytes(host[_PREFIX.size : desc_end]).decode("utf-8", "replace")
             raise DesyncError(
                 f"{self._where()}: the source's setup differs from this rank's.\n"
                 f"  source:    {theirs}\n  this rank: {self.description.decode()}\n"
@@ -348,8 +401,10 @@ class Channel:
             return "error", header.decode("utf-8", "replace")
         decoded = _schema.decode(header)  # validated before anything is allocated
         if payload_len != decoded.nbytes:
-            raise HeaderError(f"{self._where()}: frame says {payload_len} payload bytes, "
-                              f"header says {decoded.nbytes}")
+            raise HeaderError(
+                f"{self._where()}: frame says {payload_len} payload bytes, "
+                f"header says {decoded.nbytes}"
+            )
         if flags & _INLINE:
             at = _align_up(head_end)
             if at + payload_len > capacity:

@@ -82,17 +82,29 @@ def _unsupported(obj: Any, path: Path, why: str = "") -> UnsupportedLeafError:
 def _check_tensor(t: torch.Tensor, path: Path) -> str:
     """The tensor's dtype code; raises for anything but a dense strided tensor with data."""
     if type(t) is not torch.Tensor and type(t) is not _Parameter:
-        return _raise(t, path, "tensor subclasses (DTensor, FakeTensor, ...) cannot travel; "
-                      "send a plain tensor, e.g. dtensor.full_tensor() or .to_local()")
+        return _raise(
+            t,
+            path,
+            "tensor subclasses (DTensor, FakeTensor, ...) cannot travel; "
+            "send a plain tensor, e.g. dtensor.full_tensor() or .to_local()",
+        )
     if t.layout is not _STRIDED:
-        return _raise(t, path, f"only dense strided tensors travel, this one is {t.layout}; "
-                      "call .to_dense() first")
+        return _raise(
+            t,
+            path,
+            f"only dense strided tensors travel, this one is {t.layout}; call .to_dense() first",
+        )
     if t.is_nested:
-        return _raise(t, path, "nested tensors cannot travel; send the padded tensor and "
-                      "its lengths, or a list of tensors")
+        return _raise(
+            t,
+            path,
+            "nested tensors cannot travel; send the padded tensor and "
+            "its lengths, or a list of tensors",
+        )
     if t.is_quantized:
-        return _raise(t, path, "quantized tensors cannot travel; send .int_repr() and the "
-                      "scale / zero point")
+        return _raise(
+            t, path, "quantized tensors cannot travel; send .int_repr() and the scale / zero point"
+        )
     if t.is_meta:
         return _raise(t, path, "meta tensors have no data to send")
     code = _CODE_OF_TORCH.get(t.dtype)
@@ -208,7 +220,8 @@ def flatten(tree: Any) -> tuple[list[Any], list[BufferLeaf]]:
             code = numpy_code(obj.dtype)
             if code is None:
                 raise _unsupported(
-                    obj, path,
+                    obj,
+                    path,
                     f"numpy arrays of dtype {obj.dtype!s} cannot travel; use bool, int, uint, "
                     f"float or complex arrays in native byte order "
                     f"(e.g. arr.astype(arr.dtype.newbyteorder('=')))",

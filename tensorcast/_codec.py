@@ -217,7 +217,7 @@ def pack(
     if dev.type == "cuda" and p.device.type == "cpu":
         staging = torch.empty(p.nbytes, dtype=torch.uint8, pin_memory=True)
         p.write(staging)
-        buffer = staging.to(dev, non_blocking=True)
+        buffer = copy_to_device(staging, dev)
     else:
         buffer = torch.empty(p.nbytes, dtype=torch.uint8, device=dev)
         p.write(buffer)
@@ -254,6 +254,22 @@ def views(decoded: _schema.Decoded, buffer: torch.Tensor) -> list[Any]:
             except UnicodeDecodeError as e:
                 raise HeaderError(f"a str leaf holds invalid UTF-8: {e}") from None
     return values
+
+
+def copy_to_device(buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``buffer`` copied to ``device``; host-to-GPU copies go through pinned memory,
+    asynchronously, so the caller's thread never waits for the GPU.
+
+    The staging buffer comes from torch's caching host allocator, which keeps a freed
+    block out of reuse until the copy that reads it has finished.
+    """
+    if device.type == "cuda" and buffer.device.type == "cpu":
+        if not buffer.is_pinned():
+            staged = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=True)
+            staged.copy_(buffer)
+            buffer = staged
+        return buffer.to(device, non_blocking=True)
+    return buffer.to(device)
 
 
 def _check_buffer(buffer: Any, nbytes: int) -> None:
@@ -308,7 +324,7 @@ def unpack(
     _check_buffer(buffer, decoded.nbytes)
     dev = resolve_device(device)
     if dev is not None and dev != buffer.device:
-        buffer = buffer.to(dev)
+        buffer = copy_to_device(buffer, dev)
     return rebuild(decoded, buffer)
 
 

@@ -147,7 +147,6 @@ class Channel:
         self.step = 0
         self.capacity = INITIAL_CAPACITY
         self.broken: BaseException | None = None
-        self._staging_done: Any = None  # CUDA event guarding the pinned staging buffer
         self._broadcast_options: dict[dist.ProcessGroup, Any] = {}
 
     # -- state ---------------------------------------------------------------------
@@ -223,26 +222,14 @@ class Channel:
         dev = self.transfer_device
         if frame.packed is not None:
             buf = frame.packed
-            if buf.device == dev:
-                return buf
-            if dev.type == "cuda" and buf.device.type == "cpu":
-                out = self.pool.take(buf.numel(), dev)
-                out.copy_(buf, non_blocking=buf.is_pinned())
-                return out
-            return buf.to(dev)
+            return buf if buf.device == dev else _codec.copy_to_device(buf, dev)
         assert frame.plan is not None
         plan = frame.plan
         if dev.type == "cuda" and plan.device.type == "cpu":
-            # Stage through pinned memory so the host-to-device copy is asynchronous.
-            if self._staging_done is not None:
-                self._staging_done.synchronize()
-            staging = self.pool.take(plan.nbytes, torch.device("cpu"), pinned=True)
+            # Pack on the host into pinned memory, then one asynchronous copy to the GPU.
+            staging = torch.empty(plan.nbytes, dtype=torch.uint8, pin_memory=True)
             plan.write(staging)
-            out = self.pool.take(plan.nbytes, dev)
-            out.copy_(staging, non_blocking=True)
-            self._staging_done = torch.cuda.Event()
-            self._staging_done.record()
-            return out
+            return _codec.copy_to_device(staging, dev)
         out = self.pool.take(plan.nbytes, dev)
         plan.write(out)
         return out
@@ -410,6 +397,11 @@ class Channel:
             if at + payload_len > capacity:
                 raise HeaderError(f"{self._where()}: inline payload overruns the first message")
             payload = first[at : at + payload_len]
+        elif device is not None and device.type == "cuda" and self.transfer_device.type == "cpu":
+            # gloo into pinned memory, so the copy to the GPU below is asynchronous.
+            payload = torch.empty(payload_len, dtype=torch.uint8, pin_memory=True)
+            if payload_len:
+                self._broadcast(payload, self.group, "batch buffer")
         else:
             payload = self.pool.take(payload_len, self.transfer_device)
             if payload_len:
@@ -420,7 +412,7 @@ class Channel:
                 f"source sent {crc:#010x}: the bytes were corrupted in transit"
             )
         if device is not None and device != payload.device:
-            payload = payload.to(device)
+            payload = _codec.copy_to_device(payload, device)
         return "data", _codec.rebuild(decoded, payload)
 
 

@@ -100,7 +100,18 @@ class PackPlan:
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         host = buffer.numpy() if buffer.device.type == "cpu" else None
+        if host is None and len(self.leaves) > 32:
+            buffer[: self.nbytes].zero_()  # one memset beats a kernel per alignment gap
+        end = 0
         for (kind, code, shape, data, _), off in zip(self.leaves, self.offsets):
+            # Zero the alignment gap: the bytes are deterministic and no stale memory of
+            # this process travels to the peers.
+            if off > end:
+                if host is not None:
+                    host[end:off] = 0
+                elif len(self.leaves) <= 32:
+                    buffer[end:off].zero_()
+            end = off + (len(data) if kind == "bytes" or kind == "str" else data.nbytes)
             if kind == "tensor":
                 dsts.append(typed.view(code, shape, off))
                 srcs.append(data)

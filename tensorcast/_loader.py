@@ -18,6 +18,7 @@ This module knows nothing of byte layouts (``_codec``) or frame formats (``_tran
 
 from __future__ import annotations
 
+import copy
 import datetime
 import queue
 import threading
@@ -199,7 +200,7 @@ class BroadcastingDataLoader:
             it = iter(self.source)
             snapshot = self.prefetch > 0 and hasattr(self.source, "state_dict")
             if snapshot:
-                self._state = self.source.state_dict()  # type: ignore[attr-defined]
+                self._state = copy.deepcopy(self.source.state_dict())  # type: ignore[attr-defined]
 
             def produce() -> Any:
                 return self._produce_source(it, snapshot)
@@ -239,7 +240,8 @@ class BroadcastingDataLoader:
         except BaseException as e:
             channel.send(channel.error_frame(f"source iterator failed: {type(e).__name__}: {e}"))
             return _Failure(e)
-        state = self.source.state_dict() if snapshot else None  # type: ignore[attr-defined]
+        # A deep copy: the prefetch thread keeps advancing the source after this batch.
+        state = copy.deepcopy(self.source.state_dict()) if snapshot else None  # type: ignore[attr-defined]
         # An unencodable batch is announced to the receivers, then raised here.
         return _Item(channel.send_batch(batch, device=self.device), state)
 

@@ -204,6 +204,9 @@ def _check_leaf(i: int, leaf: Any, align: int, prev_end: int, nbytes: int) -> in
     if type(offset) is not int or type(size) is not int:
         raise _fail(f"leaf {i} has a non-integer offset or size")
     itemsize = CODE_ITEMSIZE[code]
+    # A zero-element leaf may still not claim dims whose strides would overflow int64.
+    if math.prod(d for d in shape if d) * itemsize > MAX_BUFFER_BYTES:
+        raise _fail(f"leaf {i} has dims {shape} too large for any buffer")
     if size != math.prod(shape) * itemsize:
         raise _fail(f"leaf {i} claims {size} bytes but shape {shape} x {itemsize} bytes disagrees")
     if offset < prev_end or offset % max(align, itemsize):

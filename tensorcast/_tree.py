@@ -50,15 +50,31 @@ _STRIDED = torch.strided
 
 # A path is a chain of (parent, key, style) tuples; rendered only when someone asks.
 # style 0: [key]   style 1: .field   style 2: <codec name>
-Path = tuple[Any, Any, int] | None
+Path = tuple[Any, ...] | None
+
+
+_MAX_PATH_PARTS = 64
 
 
 def render_path(path: Path, root: str = "") -> str:
-    """Render a path chain as ``root['audio'][2].field``."""
+    """Render a path chain as ``root['audio'][2].field``.
+
+    Deep paths keep their last 64 parts (``root…(9,936 levels)…[0][0]``), so describing
+    a header never costs more than a bounded amount per leaf.
+    """
     parts: list[str] = []
-    while path is not None:
-        path, key, style = path
+    while path is not None and len(parts) < _MAX_PATH_PARTS:
+        path, key, style = path[0], path[1], path[2]
         parts.append(f"[{key!r}]" if style == 0 else f".{key}" if style == 1 else f"<{key}>")
+    if path is not None:
+        # Chains built while compiling carry their depth; others are counted once.
+        if len(path) > 3:
+            hidden = path[3]
+        else:
+            hidden = 0
+            while path is not None:
+                path, hidden = path[0], hidden + 1
+        parts.append(f"…({hidden:,} levels)…")
     return root + "".join(reversed(parts))
 
 
@@ -334,16 +350,19 @@ class _Frame:
         self.path = path
 
 
-def _child_path(frame: _Frame) -> Path:
+def _child_path(frame: _Frame) -> Any:
+    """(parent, key, style, depth): the depth keeps ``render_path`` bounded per leaf."""
     i = frame.count
     tag = frame.tag
+    parent = frame.path
+    depth = parent[3] + 1 if parent is not None else 1
     if tag == "d" or tag == "o":
-        return (frame.path, frame.extra[i], 0)
+        return (parent, frame.extra[i], 0, depth)
     if tag == "r":
-        return (frame.path, frame.extra.fields[i], 1)
+        return (parent, frame.extra.fields[i], 1, depth)
     if tag == "x":
-        return (frame.path, frame.extra.name, 2)
-    return (frame.path, i, 0)
+        return (parent, frame.extra.name, 2, depth)
+    return (parent, i, 0, depth)
 
 
 def _open(tok: list[Any], remaining: int, path: Path) -> _Frame:

@@ -90,11 +90,15 @@ class PackPlan:
         #: the device of the batch's tensors (cpu when it has none)
         self.device = device
 
-    def write(self, buffer: torch.Tensor) -> None:
+    def write(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Copy every leaf's bytes into ``buffer[:self.nbytes]`` at its offset.
 
         Tensor leaves are copied by one batched ``_foreach_copy_`` into typed views of
         the buffer: per-leaf Python work is what dominates batches of many small leaves.
+
+        Returns:
+            The typed views the tensor leaves were copied into, in leaf order: the
+            sender's own rebuilt tree can use them (see :meth:`values`).
         """
         typed = _TypedViews(buffer)
         dsts: list[torch.Tensor] = []
@@ -132,6 +136,27 @@ class PackPlan:
                 buffer[off : off + n].copy_(staged)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
+        return dsts
+
+    def values(self, buffer: torch.Tensor, tensor_views: list[torch.Tensor]) -> list[Any]:
+        """The leaf values the receivers will see, built from what :meth:`write` returned."""
+        out: list[Any] = []
+        views = iter(tensor_views)
+        host: np.ndarray | None = None
+        for (kind, _code, shape, data, _), off in zip(self.leaves, self.offsets):
+            if kind == "tensor":
+                out.append(next(views))
+            elif kind == "bytes":
+                out.append(data)
+            elif kind == "str":
+                out.append(data.decode("utf-8", "surrogatepass"))
+            else:
+                if host is None:  # one holder view: it keeps the storage's use count up
+                    host = (
+                        buffer[:].numpy() if buffer.device.type == "cpu" else buffer.cpu().numpy()
+                    )
+                out.append(host[off : off + data.nbytes].view(data.dtype).reshape(shape))
+        return out
 
 
 _strides_cache: dict[tuple[int, ...], tuple[int, ...]] = {}
@@ -199,6 +224,11 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN) -> PackPlan:
         table.append([kind, code, shape, off, size])
         offsets.append(off)
         end = off + size
+    if end > _schema.MAX_BUFFER_BYTES:
+        raise ValueError(
+            f"the batch needs a {end}-byte buffer, over the {_schema.MAX_BUFFER_BYTES}-byte "
+            f"limit of the format; split it into smaller batches"
+        )
     header = _schema.encode(end, align, table, tokens)
     return PackPlan(header, end, leaves, offsets, device or torch.device("cpu"))
 
@@ -339,11 +369,11 @@ def unpack(
     return rebuild(decoded, buffer)
 
 
-def rebuild(decoded: _schema.Decoded, buffer: torch.Tensor) -> Any:
-    """The tree of a decoded header, its leaves viewing ``buffer``."""
+def rebuild(decoded: _schema.Decoded, buffer: torch.Tensor, values: list[Any] | None = None) -> Any:
+    """The tree of a decoded header, its leaves viewing ``buffer`` (or ``values``)."""
     if decoded.program is None:
         decoded.program, _ = _tree.compile_tokens(decoded.tokens, len(decoded.leaves))
-    return _tree.run(decoded.program, views(decoded, buffer))
+    return _tree.run(decoded.program, views(decoded, buffer) if values is None else values)
 
 
 def read_header(header: bytes) -> Schema:

@@ -107,6 +107,8 @@ class Decoded:
 
 def encode(nbytes: int, align: int, leaves: list[list[Any]], tokens: list[Any]) -> bytes:
     """Frame a header body. The caller guarantees the leaf table is consistent."""
+    if not 0 <= nbytes <= MAX_BUFFER_BYTES:
+        raise ValueError(f"a {nbytes}-byte buffer is over the {MAX_BUFFER_BYTES}-byte limit")
     body = _dumps([nbytes, align, leaves, tokens]).encode("ascii")
     if len(body) > MAX_HEADER_BYTES:
         raise ValueError(

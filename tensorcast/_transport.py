@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from tensorcast import _codec, _schema
 from tensorcast._codec import Packed
-from tensorcast._errors import DesyncError, HeaderError, PeerError, SourceError
+from tensorcast._errors import DesyncError, HeaderError, PeerError, SourceError, TensorcastError
 from tensorcast._pool import BufferPool
 
 __all__ = ["Channel", "Frame", "channel_for_group"]
@@ -80,6 +80,19 @@ class Frame:
     payload_len: int
     plan: _codec.PackPlan | None = None
     packed: torch.Tensor | None = None  # a pre-packed buffer
+    # the typed views the plan was written into, when it was written into the payload
+    tensor_views: list[torch.Tensor] | None = None
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A frame whose messages are written and ready for the collectives."""
+
+    frame: Frame
+    first: torch.Tensor
+    payload: torch.Tensor | None
+    flags: int
+    next_capacity: int
 
 
 def _crc(buffer: torch.Tensor) -> int:
@@ -181,7 +194,7 @@ class Channel:
             who = (
                 "a receiver rank stopped answering"
                 if self.is_source
-                else f"the source rank {self.src} stopped answering"
+                else f"the source rank {self.src} stopped answering (or another rank of the group did)"
             )
             raise PeerError(
                 f"{self._where()}: broadcast of the {what} over ranks {list(self.ranks)} failed: "
@@ -231,15 +244,14 @@ class Channel:
             plan.write(staging)
             return _codec.copy_to_device(staging, dev)
         out = self.pool.take(plan.nbytes, dev)
-        plan.write(out)
+        frame.tensor_views = plan.write(out)
         return out
 
-    def send(self, frame: Frame) -> torch.Tensor | None:
-        """Broadcast ``frame`` from this (source) rank.
+    def _prepare(self, frame: Frame) -> _Prepared:
+        """Everything before the first collective: the first message and the payload.
 
-        Returns:
-            The payload buffer as received by peers (for the source's own rebuild), or
-            None for END / ERROR frames.
+        Nothing here communicates, so any failure (an allocation, a tensor changed since
+        it was planned) can still be announced to the receivers with an ERROR frame.
         """
         header = frame.header
         desc = self.description
@@ -263,11 +275,12 @@ class Channel:
         host = first.numpy()
         payload: torch.Tensor | None = None
         if flags & _INLINE:
+            host[head_end:payload_at] = 0  # no stale bytes between header and payload
             payload = first[payload_at : payload_at + payload_len]
             if frame.packed is not None:
                 payload.copy_(frame.packed)
             elif frame.plan is not None:
-                frame.plan.write(payload)
+                frame.tensor_views = frame.plan.write(payload)
         elif frame.kind == FRAME_DATA:
             payload = self._payload_on_device(frame)
         crc = 0
@@ -292,28 +305,49 @@ class Channel:
         host[_PREFIX.size : _PREFIX.size + len(desc)] = np.frombuffer(desc, np.uint8)
         if not flags & _SPILL:
             host[_PREFIX.size + len(desc) : head_end] = np.frombuffer(header, np.uint8)
-        self._broadcast(first, self.header_group, "frame header")
+        return _Prepared(frame, first, payload, flags, next_capacity)
+
+    def _post(self, prepared: _Prepared) -> torch.Tensor | None:
+        """The collectives of one frame: the first message, then what did not fit in it."""
+        frame, payload, flags = prepared.frame, prepared.payload, prepared.flags
+        self._broadcast(prepared.first, self.header_group, "frame header")
         if flags & _SPILL:
-            spill = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+            spill = torch.frombuffer(bytearray(frame.header), dtype=torch.uint8)
             self._broadcast(spill, self.header_group, "spilled header")
-        if payload is not None and not flags & _INLINE and payload_len:
+        if payload is not None and not flags & _INLINE and frame.payload_len:
             self._broadcast(payload, self.group, "batch buffer")
         self.step += 1
-        self.capacity = next_capacity
+        self.capacity = prepared.next_capacity
         return payload
+
+    def send(self, frame: Frame) -> torch.Tensor | None:
+        """Broadcast ``frame`` from this (source) rank.
+
+        Returns:
+            The payload buffer as received by peers (for the source's own rebuild), or
+            None for END / ERROR frames.
+        """
+        return self._post(self._prepare(frame))
 
     def send_batch(self, batch: Any, *, device: torch.device | None = None) -> Any:
         """Source side of one step: encode, send, and rebuild the tree this rank returns.
 
-        Encoding errors are announced to the receivers (an ERROR frame) and re-raised.
+        Any failure before the first collective (encoding, allocating, writing the
+        buffer) is announced to the receivers with an ERROR frame, then re-raised.
         """
         try:
             frame = self.encode(batch)
+            prepared = self._prepare(frame)
         except Exception as e:
             self.send(self.error_frame(f"batch serialization failed: {type(e).__name__}: {e}"))
             raise
-        payload = self.send(frame)
+        payload = self._post(prepared)
         assert payload is not None
+        if frame.tensor_views is not None and (device is None or device == payload.device):
+            # The views the batch was packed into are the very leaves receivers rebuild.
+            assert frame.plan is not None
+            values = frame.plan.values(payload, frame.tensor_views)
+            return _codec.rebuild(_schema.decode(frame.header), payload, values)
         return _codec.unpack(frame.header, payload, device=device)
 
     # -- receivers -----------------------------------------------------------------
@@ -403,7 +437,14 @@ class Channel:
             if payload_len:
                 self._broadcast(payload, self.group, "batch buffer")
         else:
-            payload = self.pool.take(payload_len, self.transfer_device)
+            try:
+                payload = self.pool.take(payload_len, self.transfer_device)
+            except RuntimeError as e:  # out of memory: the collective sequence is now lost
+                self.broken = e
+                raise TensorcastError(
+                    f"{self._where()}: cannot allocate the {payload_len}-byte batch buffer on "
+                    f"{self.transfer_device}: {e}"
+                ) from e
             if payload_len:
                 self._broadcast(payload, self.group, "batch buffer")
         if flags & _CRC and _crc(payload) != crc:

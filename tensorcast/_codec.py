@@ -36,6 +36,8 @@ __all__ = [
 
 DEFAULT_ALIGN = 64
 _MAX_ITEMSIZE = max(CODE_ITEMSIZE.values())
+_MEMSET_BELOW = 1 << 20
+_MEMSET_ABOVE_LEAVES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +75,7 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device | No
 class PackPlan:
     """A batch flattened and laid out, ready to be written into any large-enough buffer."""
 
-    __slots__ = ("device", "header", "leaves", "nbytes", "offsets")
+    __slots__ = ("device", "header", "layout", "leaves", "nbytes", "offsets")
 
     def __init__(
         self,
@@ -89,6 +91,7 @@ class PackPlan:
         self.offsets = offsets
         #: the device of the batch's tensors (cpu when it has none)
         self.device = device
+        self.layout: Layout | None = None
 
     def write(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Copy every leaf's bytes into ``buffer[:self.nbytes]`` at its offset.
@@ -104,16 +107,18 @@ class PackPlan:
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         host = buffer.numpy() if buffer.device.type == "cpu" else None
-        if host is None and len(self.leaves) > 32:
-            buffer[: self.nbytes].zero_()  # one memset beats a kernel per alignment gap
+        # Alignment gaps are zeroed: the bytes are deterministic, and no stale memory of
+        # this process travels to the peers. Small or many-leaf buffers get one memset;
+        # large ones (where a second pass over the data would cost) get one per gap.
+        per_gap = self.nbytes > _MEMSET_BELOW and len(self.leaves) <= _MEMSET_ABOVE_LEAVES
+        if not per_gap:
+            buffer[: self.nbytes].zero_()
         end = 0
         for (kind, code, shape, data, _), off in zip(self.leaves, self.offsets):
-            # Zero the alignment gap: the bytes are deterministic and no stale memory of
-            # this process travels to the peers.
-            if off > end:
+            if per_gap and off > end:
                 if host is not None:
                     host[end:off] = 0
-                elif len(self.leaves) <= 32:
+                else:
                     buffer[end:off].zero_()
             end = off + (len(data) if kind == "bytes" or kind == "str" else data.nbytes)
             if kind == "tensor":
@@ -194,13 +199,27 @@ class _TypedViews:
             n = self.buffer.numel()
             base = self.bases[code] = (self.buffer[: n - n % isz].view(torch_dtype(code)), isz)
         typed, isz = base
-        shape = tuple(shape)
+        if type(shape) is list:  # shapes from a header; flatten hands out torch.Size
+            shape = tuple(shape)
         return torch.as_strided(
             typed, shape, _contiguous_strides(shape), (self.base_offset + offset) // isz
         )
 
 
-def plan(tree: Any, *, align: int = DEFAULT_ALIGN) -> PackPlan:
+class Layout:
+    """What a header was encoded from, so an identical next batch can reuse its bytes."""
+
+    __slots__ = ("comparable", "header", "table", "tokens")
+
+    def __init__(self, table: list[list[Any]], tokens: list[Any], header: bytes, comparable: bool):
+        self.table = table
+        self.tokens = tokens
+        self.header = header
+        #: False when ``==`` on the tokens could mistake True for 1 (see _tree.flatten)
+        self.comparable = comparable
+
+
+def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = None) -> PackPlan:
     """Flatten ``tree`` and lay its leaves out; no buffer is touched yet.
 
     Raises:
@@ -209,7 +228,7 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN) -> PackPlan:
     """
     if type(align) is not int or not 1 <= align <= _schema.MAX_ALIGN or align & (align - 1):
         raise ValueError(f"align must be a power of two in [1, {_schema.MAX_ALIGN}], got {align!r}")
-    tokens, leaves = _tree.flatten(tree)
+    tokens, leaves, loose = _tree.flatten(tree)
     table: list[list[Any]] = []
     offsets: list[int] = []
     device: torch.device | None = None
@@ -229,8 +248,19 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN) -> PackPlan:
             f"the batch needs a {end}-byte buffer, over the {_schema.MAX_BUFFER_BYTES}-byte "
             f"limit of the format; split it into smaller batches"
         )
-    header = _schema.encode(end, align, table, tokens)
-    return PackPlan(header, end, leaves, offsets, device or torch.device("cpu"))
+    if (
+        previous is not None
+        and previous.comparable
+        and not loose
+        and previous.table == table
+        and previous.tokens == tokens
+    ):
+        header = previous.header  # same layout and small values: comparing beats encoding
+    else:
+        header = _schema.encode(end, align, table, tokens)
+    out = PackPlan(header, end, leaves, offsets, device or torch.device("cpu"))
+    out.layout = Layout(table, tokens, header, not loose)
+    return out
 
 
 def pack(

@@ -161,6 +161,7 @@ class Channel:
         self.capacity = INITIAL_CAPACITY
         self.broken: BaseException | None = None
         self._broadcast_options: dict[dist.ProcessGroup, Any] = {}
+        self._last_layout: _codec.Layout | None = None
 
     # -- state ---------------------------------------------------------------------
 
@@ -220,7 +221,8 @@ class Channel:
             decoded = _schema.decode(batch.header)
             _codec._check_buffer(batch.buffer, decoded.nbytes)
             return Frame(FRAME_DATA, batch.header, decoded.nbytes, packed=batch.buffer)
-        plan = _codec.plan(batch)
+        plan = _codec.plan(batch, previous=self._last_layout)
+        self._last_layout = plan.layout  # no tensors: it keeps no batch alive
         return Frame(FRAME_DATA, plan.header, plan.nbytes, plan=plan)
 
     def error_frame(self, message: str) -> Frame:

@@ -156,8 +156,13 @@ def _encode_scalar(obj: np.generic, path: Path) -> list[Any]:
     return ["s", code, obj.tobytes().hex()]
 
 
-def flatten(tree: Any) -> tuple[list[Any], list[BufferLeaf]]:
+def flatten(tree: Any) -> tuple[list[Any], list[BufferLeaf], bool]:
     """Flatten ``tree`` into preorder tokens and its buffer leaves.
+
+    Returns:
+        ``(tokens, leaves, loose)``: ``loose`` is True when the tokens hold a bool leaf
+        or a bool / int dict key, whose ``==`` cannot tell ``True`` from ``1``: such
+        token lists must not be compared to decide that two trees are alike.
 
     Raises:
         UnsupportedLeafError: a leaf, key or container type cannot travel.
@@ -171,6 +176,7 @@ def flatten(tree: Any) -> tuple[list[Any], list[BufferLeaf]]:
     pop, push = stack.pop, stack.append
     active: set[int] = set()
     device: int | None = None  # get_device() of the first tensor: -1 for CPU
+    loose = False
     while stack:
         obj, path = pop()
         if obj is _EXIT:
@@ -203,7 +209,10 @@ def flatten(tree: Any) -> tuple[list[Any], list[BufferLeaf]]:
                 leaves.append(("str", "U8", (len(data),), data, path))
         elif t is int:
             append(["i", obj] if _I64_MIN <= obj <= _I64_MAX else ["I", hex(obj)])
-        elif obj is None or t is bool:
+        elif obj is None:
+            append(obj)
+        elif t is bool:
+            loose = True
             append(obj)
         elif t is float:
             append(["f", _U64.unpack(_F64.pack(obj))[0]])
@@ -218,6 +227,8 @@ def flatten(tree: Any) -> tuple[list[Any], list[BufferLeaf]]:
                     f"packed ({e}); do not mutate a batch while it is being sent"
                 ) from e
             keys = [_encode_key(k, path) for k, _ in items]
+            if not loose and any(type(k) is bool or type(k) is int for k in keys):
+                loose = True
             append(["d" if t is dict else "o", len(items), keys])
             active.add(id(obj))
             push((_EXIT, id(obj)))
@@ -272,7 +283,7 @@ def flatten(tree: Any) -> tuple[list[Any], list[BufferLeaf]]:
                 append(["r", entry.name, list(entry.fields)])
                 for name in reversed(entry.fields):
                     push((getattr(obj, name), (path, name, 1)))
-    return tokens, leaves
+    return tokens, leaves, loose
 
 
 _EXIT = object()

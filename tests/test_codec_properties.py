@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from test_codec import assert_same, is_view_into
 
 import tensorcast as tc
+from tensorcast import _codec
 from tensorcast._dtypes import NUMPY_CODES, TORCH_CODES
 from tensorcast._tree import INLINE_LIMIT
 
@@ -256,3 +257,32 @@ def test_buffer_is_deterministic(tree: Any, align: int) -> None:
     del junk
     second = tc.pack(tree, align=align).buffer
     assert bytes(first.numpy()) == bytes(second.numpy())
+
+
+def _swap_leaves(tree: Any) -> Any:
+    """A tree like ``tree`` but with bools and ints traded places: the shape of change
+    that ``==`` on token lists cannot see (``True == 1``)."""
+    if isinstance(tree, list):
+        return [_swap_leaves(x) for x in reversed(tree)]
+    if type(tree) is dict:
+        return {(not k if type(k) is bool else k): _swap_leaves(v) for k, v in tree.items()}
+    return tree
+
+
+@SETTINGS
+@given(trees, trees)
+def test_reusing_a_previous_layout_never_changes_the_header(first: Any, second: Any) -> None:
+    """Law: plan(b, previous=plan(a).layout).header == plan(b).header for any a, b.
+
+    The sender skips encoding a header when a batch repeats the previous one's layout
+    and small values; that shortcut must be invisible on the wire.
+    """
+    for a, b in (
+        (first, second),
+        (first, first),
+        (first, _swap_leaves(first)),
+        ([True, torch.ones(1)], [torch.ones(1), True]),
+        ({1: 0}, {True: 0}),
+    ):
+        previous = _codec.plan(a).layout
+        assert _codec.plan(b, previous=previous).header == _codec.plan(b).header

@@ -60,12 +60,20 @@ class _Item:
 
 
 class _Prefetcher:
-    """Runs ``produce`` in a thread, at most ``depth`` items ahead of ``take``."""
+    """Runs ``produce`` in a thread, exactly ``depth`` items ahead of ``take``.
+
+    "Exactly" is what keeps ranks in lockstep: every rank whose consumer took k items
+    produces item k + depth, stop or no stop, because its peers do too. ``close`` only
+    wakes a thread that is already ``depth`` ahead, so it can leave.
+    """
 
     def __init__(self, produce: Any, depth: int, join_timeout: float):
         self._produce = produce
+        self._depth = depth
         self._credits = threading.Semaphore(depth)
         self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._taken = 0
+        self._produced = 0
         self._stop = False
         self._join_timeout = join_timeout
         self._thread = threading.Thread(target=self._run, name="tensorcast-prefetch", daemon=True)
@@ -74,18 +82,20 @@ class _Prefetcher:
     def _run(self) -> None:
         while True:
             self._credits.acquire()
-            if self._stop:
+            if self._stop and self._produced >= self._taken + self._depth:
                 return
             try:
                 item = self._produce()
             except BaseException as e:  # handed to the consumer, never swallowed
                 item = _Failure(e)
+            self._produced += 1
             self._items.put(item)
             if not isinstance(item, _Item):
                 return
 
     def take(self) -> Any:
         item = self._items.get()
+        self._taken += 1
         self._credits.release()
         return item
 
@@ -197,10 +207,16 @@ class BroadcastingDataLoader:
         channel.start_pass(pass_index)
         if self._is_source:
             assert self.source is not None
-            it = iter(self.source)
             snapshot = self.prefetch > 0 and hasattr(self.source, "state_dict")
-            if snapshot:
-                self._state = copy.deepcopy(self.source.state_dict())  # type: ignore[attr-defined]
+            try:
+                it = iter(self.source)
+                if snapshot:
+                    self._state = copy.deepcopy(self.source.state_dict())  # type: ignore[attr-defined]
+            except BaseException as e:  # e.g. DataLoader workers that fail to start
+                channel.send(
+                    channel.error_frame(f"source iterator failed: {type(e).__name__}: {e}")
+                )
+                raise
 
             def produce() -> Any:
                 return self._produce_source(it, snapshot)

@@ -15,6 +15,7 @@ A rank function may tear the process group down; the next call initialises a new
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -155,10 +156,8 @@ class RankPool:
 
     def close(self) -> None:
         for q in self._tasks:
-            try:
+            with contextlib.suppress(ValueError, OSError):  # a killed rank's closed queue
                 q.put(None)
-            except (ValueError, OSError):
-                pass
         for p in self._procs:
             p.join(10)
         self._kill()

@@ -100,7 +100,7 @@ def _cutset_from_tree(tree: Any) -> CutSet:
     for i, cut in enumerate(tree):
         if not isinstance(cut, Cut):
             raise HeaderError(
-                f"a `lhotse.CutSet` holds only cuts, but its item {i} is a {type(cut).__name__}"
+                f"a `lhotse.CutSet` holds only cuts, but its item {i} is of type {type(cut).__name__}"
             )
     return CutSet(tree)
 

@@ -455,8 +455,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="overall limit in seconds; the ranks are killed past it")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
-    if args.demo:  # light: 4 ranks, two DP slots, a short corpus
-        args.dp, args.cp, args.tp = 2, 1, 2
+    if args.demo:  # light: two DP slots, each a 2x2 (cp, tp) sub-mesh; a short corpus
+        args.dp, args.cp, args.tp = 2, 2, 2
         args.num_cuts, args.max_batch_duration, args.num_buckets = 72, 120.0, 2
         args.num_workers, args.timeout = 1, min(args.timeout, 240.0)
         args.compare_batches, args.rounds = 3, 2

@@ -54,6 +54,7 @@ def broadcast(
     _require_initialized("tensorcast.broadcast")
     if group is None:
         group = dist.distributed_c10d._get_default_group()
+    _transport.drain(group)  # a loader pass left early may still owe broadcasts here
     channel = _transport.channel_for_group(group, src)
     dev = resolve_device(device)
     if channel.is_source:

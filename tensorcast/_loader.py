@@ -22,13 +22,14 @@ import copy
 import datetime
 import queue
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+import weakref
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tensorcast import _mesh
+from tensorcast import _mesh, _transport
 from tensorcast._broadcast import unpack_if_packed
 from tensorcast._codec import resolve_device
 from tensorcast._errors import PeerError, SourceError
@@ -67,7 +68,9 @@ class _Prefetcher:
     wakes a thread that is already ``depth`` ahead, so it can leave.
     """
 
-    def __init__(self, produce: Any, depth: int, join_timeout: float):
+    def __init__(self, produce: Any, depth: int, join_timeout: float, group: Any):
+        self._group = group
+        self._closed = False
         self._produce = produce
         self._depth = depth
         self._credits = threading.Semaphore(depth)
@@ -77,6 +80,7 @@ class _Prefetcher:
         self._stop = False
         self._join_timeout = join_timeout
         self._thread = threading.Thread(target=self._run, name="tensorcast-prefetch", daemon=True)
+        _transport.register_producer(group, self)
         self._thread.start()
 
     def _run(self) -> None:
@@ -100,9 +104,14 @@ class _Prefetcher:
         return item
 
     def close(self) -> None:
+        """Finish the batches owed to the peers, then stop. Safe to call again."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop = True
         self._credits.release()
         self._thread.join(self._join_timeout)
+        _transport.unregister_producer(self._group, self)
         if self._thread.is_alive():
             raise PeerError(
                 "the prefetch thread is still inside a collective after the loop ended: the "
@@ -158,7 +167,7 @@ class BroadcastingDataLoader:
         self.axes = _mesh.normalize_axes(axes)
         self._channel: Channel | None = None
         self._pass = 0
-        self._active: Iterator[Any] | None = None
+        self._active: weakref.ReferenceType[Generator[Any, None, None]] | None = None
         self._state: Any = None
         self._noop = True
         self._is_source = True
@@ -193,17 +202,22 @@ class BroadcastingDataLoader:
     def __iter__(self) -> Iterator[Any]:
         if self._noop:
             return map(unpack_if_packed, self.source if self.source is not None else ())
-        if self._active is not None:
-            active, self._active = self._active, None
-            active.close()  # type: ignore[attr-defined]
+        active = self._active() if self._active is not None else None
+        if active is not None:
+            active.close()
         self._pass += 1
         self._state = None
-        self._active = self._run_pass(self._pass)
-        return self._active
+        run = self._run_pass(self._pass)
+        # Held weakly: a `for ... break` drops the last reference and closes the pass.
+        self._active = weakref.ref(run)
+        return run
 
-    def _run_pass(self, pass_index: int) -> Iterator[Any]:
+    def _run_pass(self, pass_index: int) -> Generator[Any, None, None]:
         channel = self._channel
         assert channel is not None
+        # Every rank reaches this point together: finish what earlier passes (of any
+        # loader on this group) still owe before this pass's first collective.
+        _transport.drain(channel.group)
         channel.start_pass(pass_index)
         if self._is_source:
             assert self.source is not None
@@ -226,24 +240,23 @@ class BroadcastingDataLoader:
                 return self._produce_receiver()
 
         prefetcher = (
-            _Prefetcher(produce, self.prefetch, self._join_timeout) if self.prefetch else None
+            _Prefetcher(produce, self.prefetch, self._join_timeout, channel.group)
+            if self.prefetch
+            else None
         )
-        done = False
         try:
             while True:
                 item = prefetcher.take() if prefetcher is not None else produce()
                 if isinstance(item, _End):
-                    done = True
                     return
                 if isinstance(item, _Failure):
-                    done = True
                     raise item.error
                 if item.state is not None:
                     self._state = item.state
                 yield item.tree
         finally:
-            if prefetcher is not None and not done:
-                prefetcher.close()
+            if prefetcher is not None:
+                prefetcher.close()  # after END or a failure its thread has already left
 
     def _produce_source(self, it: Iterator[Any], snapshot: bool) -> Any:
         channel = self._channel

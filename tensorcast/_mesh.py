@@ -81,7 +81,7 @@ def is_dp_source_rank(device_mesh: Any, axes: Sequence[str] | str = ("cp", "tp")
         return True
     coords = device_mesh.get_coordinate()
     if coords is None:
-        raise ValueError(f"rank {dist.get_rank()} is not part of the device mesh {device_mesh}")
+        raise ValueError(f"this rank is not part of the device mesh {device_mesh}")
     names = tuple(device_mesh.mesh_dim_names)
     return all(coords[names.index(a)] == 0 for a in present)
 

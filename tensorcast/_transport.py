@@ -478,6 +478,32 @@ def channel_for_group(group: dist.ProcessGroup, src: int) -> Channel:
         return ch
 
 
+# Background producers (the loader's prefetch threads) still owed collectives on a group.
+# Anyone about to use the group drains them first, at the same point on every rank, so
+# their collectives never interleave with new ones.
+_producers: weakref.WeakKeyDictionary[dist.ProcessGroup, set[Any]] = weakref.WeakKeyDictionary()
+_producers_lock = threading.Lock()
+
+
+def register_producer(group: dist.ProcessGroup, producer: Any) -> None:
+    """Track a producer with a ``close()`` that finishes the collectives it owes."""
+    with _producers_lock:
+        _producers.setdefault(group, set()).add(producer)
+
+
+def unregister_producer(group: dist.ProcessGroup, producer: Any) -> None:
+    with _producers_lock:
+        _producers.get(group, set()).discard(producer)
+
+
+def drain(group: dist.ProcessGroup) -> None:
+    """Close every producer still live on ``group``; each finishes what it owes first."""
+    with _producers_lock:
+        live = list(_producers.get(group, ()))
+    for producer in live:
+        producer.close()
+
+
 def raise_for(kind: str, value: Any, src: int) -> Any:
     """Turn a received frame into the tree, or raise what the source reported."""
     if kind == "data":

@@ -1,0 +1,587 @@
+"""Multi-process tests of ``tc.broadcast`` and ``tc.broadcast_batch`` on real gloo groups.
+
+Every rank builds the expected tree itself (the builders are deterministic), checks what
+it received against it, and returns a digest; the test then checks that the digests
+agree on every rank, the source included. Each rank function runs several checks so the
+number of pool calls (and group set-ups) stays small.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import hashlib
+import pickle
+import struct
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.serialization
+from torch.distributed import distributed_c10d
+from torch.distributed.device_mesh import init_device_mesh
+
+import tensorcast as tc
+from tensorcast import _mesh, _transport
+
+TIMEOUT = 120.0
+
+
+# -- registered container types (registered on import, so in every rank too) ------------
+
+
+class Span(NamedTuple):
+    start: int
+    stop: torch.Tensor
+
+
+@dataclasses.dataclass
+class Utterance:
+    text: str
+    audio: torch.Tensor
+    spans: list[Span]
+
+
+tc.register_type(Span, name="tests.Span")
+tc.register_type(Utterance, name="tests.Utterance")
+
+
+class Opaque:
+    """A leaf type nobody registered."""
+
+    def __repr__(self) -> str:
+        return "Opaque()"
+
+
+# -- canonical form: equal iff bit-identical, same types, same structure ------------------
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha1(data).hexdigest()
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def canon(tree: Any) -> list[tuple[str, Any]]:
+    """``(path, description)`` per node in preorder; tensors and arrays by digest of their bytes."""
+    out: list[tuple[str, Any]] = []
+    stack: list[tuple[str, Any]] = [("", tree)]
+    while stack:
+        path, x = stack.pop()
+        kind = f"{type(x).__module__}.{type(x).__qualname__}"
+        children: list[tuple[str, Any]] = []
+        if isinstance(x, torch.Tensor):
+            desc: Any = (str(x.dtype), tuple(x.shape), x.device.type, _sha(_tensor_bytes(x)))
+        elif isinstance(x, np.ndarray):
+            desc = (x.dtype.str, x.shape, _sha(np.ascontiguousarray(x).tobytes()))
+        elif isinstance(x, np.generic):
+            desc = (x.dtype.str, x.tobytes())
+        elif type(x) is float:
+            desc = struct.pack("<d", x)
+        elif type(x) is complex:
+            desc = struct.pack("<dd", x.real, x.imag)
+        elif x is None or type(x) in (bool, int, str, bytes):
+            desc = x
+        elif isinstance(x, dict):
+            desc = [(type(k).__name__, k) for k in x]
+            children = [(f"{path}[{k!r}]", v) for k, v in x.items()]
+        elif isinstance(x, tuple) and hasattr(x, "_fields"):
+            desc = tuple(x._fields)
+            children = [(f"{path}.{f}", getattr(x, f)) for f in x._fields]
+        elif dataclasses.is_dataclass(x):
+            names = [f.name for f in dataclasses.fields(x)]
+            desc = tuple(names)
+            children = [(f"{path}.{f}", getattr(x, f)) for f in names]
+        elif isinstance(x, (list, tuple)):
+            desc = len(x)
+            children = [(f"{path}[{i}]", v) for i, v in enumerate(x)]
+        else:
+            raise TypeError(f"canon: unexpected {kind} at {path!r}")
+        out.append((path, (kind, desc)))
+        stack.extend(reversed(children))
+    return out
+
+
+def digest(tree: Any) -> str:
+    return _sha(repr(canon(tree)).encode())
+
+
+def check_same(got: Any, want: Any, what: str) -> None:
+    """Raise with the first differing node's path, not a wall of bytes."""
+    a, b = canon(got), canon(want)
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            raise AssertionError(
+                f"{what}: differs at {x[0]!r}: got {x[1]!r:.300}, want {y[1]!r:.300}"
+            )
+    if len(a) != len(b):
+        raise AssertionError(f"{what}: {len(a)} nodes received, {len(b)} expected")
+
+
+def tensors_of(tree: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return found
+
+
+# -- the trees ----------------------------------------------------------------------------
+
+# fmt: off
+_TORCH_DTYPES = [
+    "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+]
+_NUMPY_DTYPES = [
+    "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+    "float16", "float32", "float64", "complex64", "complex128",
+]
+# fmt: on
+
+
+def _nan_with_payload() -> float:
+    return float(struct.unpack("<d", struct.pack("<Q", 0x7FF8_0000_DEAD_BEEF))[0])
+
+
+def every_kind() -> dict[str, Any]:
+    """One of everything the contract says travels: dtypes, shapes, leaves, containers."""
+    g = torch.Generator().manual_seed(7)
+    tensors: dict[str, Any] = {}
+    for name in _TORCH_DTYPES:
+        if not hasattr(torch, name):
+            continue
+        dtype = getattr(torch, name)
+        size = torch.empty((), dtype=dtype).element_size()
+        if dtype is torch.bool:
+            t = torch.randint(0, 2, (3, 8), generator=g).bool()
+        else:  # random bytes: NaN payloads, -0.0 and subnormals included
+            t = torch.randint(0, 256, (3, 8 * size), dtype=torch.uint8, generator=g).view(dtype)
+        tensors[name] = {
+            "plain": t,
+            "transposed": t.t(),  # arrives contiguous, same values
+            "scalar": t.reshape(-1)[5],
+            "empty": t[:, :0],
+        }
+    rng = np.random.default_rng(7)
+    arrays: dict[str, Any] = {}
+    for name in _NUMPY_DTYPES:
+        if name == "bool":
+            a = rng.integers(0, 2, size=32).astype(np.bool_)
+        else:
+            a = rng.integers(0, 256, size=32 * np.dtype(name).itemsize, dtype=np.uint8).view(name)
+        arrays[name] = {
+            "plain": a.reshape(4, -1),
+            "strided": a[::3],
+            "zero_d": a[:1].reshape(()),
+            "empty": a[:0],
+        }
+    deep: Any = torch.tensor([1.0])
+    for _ in range(200):
+        deep = [deep]
+    return {
+        "tensors": tensors,
+        "arrays": arrays,
+        "small": [
+            None,
+            True,
+            False,
+            0,
+            -1,
+            2**63,
+            -(2**70),
+            2**300,
+            1.5,
+            -0.0,
+            float("inf"),
+            _nan_with_payload(),
+            complex(1.0, -0.0),
+            "",
+            "text",
+            "\u00fcn\u00efc\u00f6d\u00e9 \U0001f600",
+            "long " * 1000,
+            b"",
+            b"\x00\xff",
+            bytes(range(256)) * 12,
+            np.float32(1.5),
+            np.int64(-3),
+            np.bool_(True),
+            np.complex64(1 + 2j),
+            np.uint16(7),
+        ],
+        "keys": {0: "int", True: "bool", None: "none", "s": "str"},
+        "ordered": OrderedDict([("b", 1), ("a", torch.zeros(2))]),
+        "tuple": (1, (2, ()), []),
+        "empty": [{}, (), []],
+        "registered": Utterance(
+            "hi",
+            torch.arange(5, dtype=torch.int16),
+            [Span(0, torch.tensor(3)), Span(3, torch.tensor(5))],
+        ),
+        "deep": deep,
+    }
+
+
+def tiny() -> dict[str, Any]:
+    return {"ids": torch.arange(4), "flag": True, "name": "x"}
+
+
+def large() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    return {"audio": torch.randn(300_000, generator=g), "lens": torch.tensor([300_000])}
+
+
+def big_header() -> dict[str, Any]:
+    """A header well over 256 KiB and no buffer at all (every str is under the inline limit)."""
+    return {"words": [f"{i:05d}" + "w" * 1000 for i in range(300)], "n": 300}
+
+
+def big_header_and_payload() -> dict[str, Any]:
+    return {**big_header(), "x": torch.arange(70_000, dtype=torch.float32)}
+
+
+CASES: dict[str, Callable[[], Any]] = {
+    "tiny": tiny,
+    "every_kind": every_kind,
+    "large": large,
+    "tiny_after_large": tiny,
+    "big_header": big_header,
+    "big_header_and_payload": big_header_and_payload,
+    "none": lambda: None,
+    "empty_list": list,
+}
+
+
+# -- helpers run inside the ranks ---------------------------------------------------------
+
+
+class CountBroadcasts:
+    """Counts the messages tensorcast posts; every collective goes through ``Channel._broadcast``."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[CountBroadcasts]:
+        real = _transport.Channel._broadcast
+        self.calls = 0
+
+        def counting(channel: Any, *args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return real(channel, *args, **kwargs)
+
+        _transport.Channel._broadcast = counting  # type: ignore[method-assign,assignment]
+        try:
+            yield self
+        finally:
+            _transport.Channel._broadcast = real  # type: ignore[method-assign]
+
+
+def group_count() -> int:
+    return len(distributed_c10d._world.pg_map)
+
+
+class PickleForbidden(AssertionError):
+    pass
+
+
+@contextlib.contextmanager
+def no_pickle() -> Iterator[None]:
+    """Make every pickle / torch.load entry point raise, including c10d's own aliases."""
+    targets = [
+        (pickle, "loads"),
+        (pickle, "load"),
+        (pickle, "Unpickler"),
+        (pickle, "dumps"),
+        (pickle, "dump"),
+        (pickle, "Pickler"),
+        (torch, "load"),
+        (torch.serialization, "load"),
+        (distributed_c10d, "_pickler"),
+        (distributed_c10d, "_unpickler"),
+    ]
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr in targets]
+
+    def forbid(name: str) -> Callable[..., Any]:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise PickleForbidden(f"{name} was called")
+
+        return refuse
+
+    for obj, attr, _ in saved:
+        setattr(obj, attr, forbid(f"{obj.__name__}.{attr}"))
+    try:
+        yield
+    finally:
+        for obj, attr, original in saved:
+            setattr(obj, attr, original)
+
+
+def expect_unsupported_everywhere(rank: int, src: int, send: Callable[[Any], Any]) -> str:
+    """Send an unencodable tree from ``src``; return the message this rank raised."""
+    bad = {"x": torch.ones(3), "meta": [1, 2, 3, Opaque()]}
+    try:
+        send(bad if rank == src else None)
+    except tc.UnsupportedLeafError as e:
+        if rank != src:
+            raise AssertionError(f"receiver rank {rank} raised {e!r}") from e
+        return str(e)
+    except tc.SourceError as e:
+        if rank == src:
+            raise AssertionError(f"source rank {rank} raised {e!r}") from e
+        return str(e)
+    raise AssertionError(f"rank {rank}: sending an unencodable tree did not raise")
+
+
+# -- rank functions -----------------------------------------------------------------------
+
+
+def _rank_two(rank: int, world: int) -> dict[str, Any]:
+    counter = CountBroadcasts()
+    found: dict[str, Any] = {}
+    kept: list[tuple[str, Any]] = []
+    for src in (0, 1):
+        for name, build in CASES.items():
+            with counter():
+                out = tc.broadcast(build() if rank == src else None, src)
+            check_same(out, build(), f"{name} from {src}")
+            assert all(t.is_contiguous() and t.device.type == "cpu" for t in tensors_of(out))
+            found[f"{name}/{src}"] = (digest(out), counter.calls)
+            kept.append((name, out))
+
+    for device in ("cpu", torch.device("cpu")):
+        out = tc.broadcast(large() if rank == 1 else None, 1, device=device)
+        check_same(out, large(), f"device={device!r}")
+        assert all(t.device == torch.device("cpu") for t in tensors_of(out))
+
+    # 1-D ("cp",) mesh: the mesh's own group, created once.
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    first = tc.broadcast_batch(tiny() if tc.is_dp_source_rank(mesh) else None, mesh)
+    groups = group_count()
+    sub = _mesh.resolve_submesh(mesh, ("cp", "tp"))
+    for step in range(5):
+        batch = {"step": step, "x": torch.full((3,), step)} if rank == 0 else None
+        check_same(
+            tc.broadcast_batch(batch, mesh),
+            {"step": step, "x": torch.full((3,), step)},
+            f"1-D mesh step {step}",
+        )
+    assert group_count() == groups, "broadcast_batch created process groups after the first call"
+    assert _mesh.resolve_submesh(mesh, ("cp", "tp")) is sub
+    check_same(first, tiny(), "1-D mesh first batch")
+
+    # The pool hands a buffer out again only when nothing views it: all kept trees intact.
+    for name, out in kept:
+        check_same(out, CASES[name](), f"{name}, kept while later batches arrived")
+    return found
+
+
+def _rank_four(rank: int, world: int) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+
+    # 2-D ("cp", "tp") mesh: one flattened group of 4, created on the first call only.
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    assert tc.is_dp_source_rank(mesh) == (rank == 0)
+    before = group_count()
+    outs = []
+    for step in range(6):
+        build = large if step == 3 else every_kind if step == 4 else tiny
+        out = tc.broadcast_batch(build() if rank == 0 else None, mesh)
+        check_same(out, build(), f"2-D mesh step {step}")
+        outs.append(digest(out))
+        if step == 0:
+            created = group_count() - before
+            sub = _mesh.resolve_submesh(mesh, ("cp", "tp"))
+    assert group_count() == before + created, "groups re-created after the first call"
+    assert created <= 1
+    assert _mesh.resolve_submesh(mesh, ("cp", "tp")) is sub
+    assert sub.ranks == (0, 1, 2, 3) and sub.src == 0
+    found["2d"] = outs
+
+    # A second, equal mesh is another object: it gets its own groups, not the first's.
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    out = tc.broadcast_batch(tiny() if rank == 0 else None, other)
+    check_same(out, tiny(), "second mesh")
+    assert _mesh.resolve_submesh(other, ("cp", "tp")) is not sub
+    del other
+    gc.collect()
+
+    # ("dp", "cp") with the default axes: tp is absent, cp spans; one source per DP slot.
+    dpcp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    dp = dpcp.get_local_rank("dp")
+    assert tc.is_dp_source_rank(dpcp) == (rank in (0, 2))
+    for step in range(3):
+        want = {"dp": dp, "step": step, "x": torch.full((5,), 10 * dp + step)}
+        out = tc.broadcast_batch(want if tc.is_dp_source_rank(dpcp) else None, dpcp)
+        check_same(out, want, f"dp slot {dp} step {step}")
+
+    # No-op cases: the very same object back.
+    batch = {"x": torch.ones(2)}
+    assert tc.broadcast_batch(batch, None) is batch
+    assert tc.broadcast_batch(batch, init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))) is batch
+    ones = init_device_mesh("cpu", (4, 1, 1), mesh_dim_names=("dp", "cp", "tp"))
+    assert tc.is_dp_source_rank(ones)
+    assert tc.broadcast_batch(batch, ones) is batch
+    assert tc.broadcast_batch(batch, mesh, axes=("pp",)) is batch
+    assert tc.broadcast_batch(batch, mesh, axes=()) is batch
+
+    # A non-zero source on a group that leaves rank 0 out; src is a global rank.
+    group = dist.new_group([1, 2, 3])
+    if rank != 0:
+        for src in (3, 2):
+            out = tc.broadcast(every_kind() if rank == src else None, src, group=group)
+            check_same(out, every_kind(), f"group [1, 2, 3] from {src}")
+            found[f"group/{src}"] = digest(out)
+    out = tc.broadcast(large() if rank == 2 else None, 2)  # default group, source 2
+    check_same(out, large(), "default group from 2")
+
+    # An unencodable tree: the source raises it, receivers learn why; the channel lives on.
+    message = expect_unsupported_everywhere(rank, 0, lambda b: tc.broadcast_batch(b, mesh))
+    found["unsupported"] = message
+    out = tc.broadcast_batch(tiny() if rank == 0 else None, mesh)
+    check_same(out, tiny(), "after an unencodable tree")
+    if rank != 0:
+        message = expect_unsupported_everywhere(rank, 3, lambda b: tc.broadcast(b, 3, group))
+        found["unsupported_group"] = message
+        check_same(tc.broadcast(tiny() if rank == 3 else None, 3, group), tiny(), "group after")
+    return found
+
+
+def _rank_dp_slots(rank: int, world: int) -> list[tuple[int, int]]:
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
+    dp = mesh.get_local_rank("dp")
+    source = tc.is_dp_source_rank(mesh)
+    assert source == (rank in (0, 4))
+
+    def batch(step: int) -> dict[str, Any]:
+        size = 100_000 if step == 1 else 8  # one step over 256 KiB, the others inline
+        return {"dp": dp, "step": step, "x": torch.full((size,), 1000.0 * dp + step)}
+
+    seen = []
+    groups = -1
+    for step in range(4):
+        out = tc.broadcast_batch(batch(step) if source else None, mesh)
+        check_same(out, batch(step), f"dp slot {dp} step {step}")
+        seen.append((out["dp"], out["step"]))
+        if step == 0:
+            groups = group_count()
+    assert group_count() == groups, "groups re-created after the first call"
+    return seen
+
+
+def _rank_zero_pickle(rank: int, world: int) -> list[str]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    tc.broadcast_batch(tiny() if rank == 0 else None, mesh)  # creates the groups
+    source = rank == 0
+    digests = []
+    with no_pickle():
+        with pytest.raises(PickleForbidden):
+            pickle.dumps(1)
+        trees = [
+            tiny(),
+            {"text": ["a", "b" * 5000], "n": [1, -(2**80)], "t": torch.arange(6).reshape(2, 3)},
+            every_kind(),
+            large(),
+            big_header_and_payload(),
+        ]
+        for tree in trees:
+            out = tc.broadcast_batch(tree if source else None, mesh)
+            check_same(out, tree, "without pickle")
+            digests.append(digest(out))
+            out = tc.broadcast(tree if rank == 3 else None, 3)
+            check_same(out, tree, "without pickle, default group")
+        expect_unsupported_everywhere(rank, 0, lambda b: tc.broadcast_batch(b, mesh))
+        for prefetch in (0, 1):
+            loader = tc.BroadcastingDataLoader(trees if source else None, mesh, prefetch=prefetch)
+            got = list(loader)
+            assert len(got) == len(trees)
+            for out, tree in zip(got, trees, strict=True):
+                check_same(out, tree, f"loader without pickle, prefetch={prefetch}")
+    pickle.loads(pickle.dumps(1))  # restored
+    return digests
+
+
+# -- tests --------------------------------------------------------------------------------
+
+
+def test_broadcast_trees_of_every_kind_on_two_ranks(pool2: Any) -> None:
+    results = pool2.run(_rank_two, timeout=TIMEOUT)
+    assert results[0] == results[1]
+    for key, (got, _) in results[0].items():
+        assert got == digest(CASES[key.split("/")[0]]()), key
+    calls = {key: n for key, (_, n) in results[0].items()}
+    for src in (0, 1):
+        assert calls[f"tiny/{src}"] == 1, "a tiny batch travels in one message"
+        assert calls[f"tiny_after_large/{src}"] == 1
+        assert calls[f"none/{src}"] == 1
+        assert calls[f"large/{src}"] == 2, "header message, then the >256 KiB payload"
+        assert calls[f"big_header/{src}"] == 2, "a >256 KiB header spills into a second message"
+        assert calls[f"big_header_and_payload/{src}"] >= 2
+
+
+def test_broadcast_on_meshes_and_groups_of_four(pool4: Any) -> None:
+    results = pool4.run(_rank_four, timeout=TIMEOUT)
+    assert all(r["2d"] == results[0]["2d"] for r in results)
+    for src in (2, 3):
+        assert {r[f"group/{src}"] for r in results[1:]} == {digest(every_kind())}
+    source_message, *receiver_messages = (r["unsupported"] for r in results)
+    assert "batch['meta'][3]" in source_message and "Opaque" in source_message
+    for message in receiver_messages:
+        assert "batch serialization failed" in message
+        assert source_message in message
+    messages = [results[r]["unsupported_group"] for r in (1, 2)]
+    source_message = results[3]["unsupported_group"]
+    assert all("batch serialization failed" in m and source_message in m for m in messages)
+
+
+def test_every_dp_slot_gets_its_own_source_batches(pool8: Any) -> None:
+    seen = pool8.run(_rank_dp_slots, timeout=TIMEOUT)
+    for rank, steps in enumerate(seen):
+        dp = rank // 4
+        assert steps == [(dp, step) for step in range(4)], f"rank {rank}"
+
+
+def test_nothing_is_pickled_on_any_rank(pool4: Any) -> None:
+    digests = pool4.run(_rank_zero_pickle, timeout=TIMEOUT)
+    assert all(d == digests[0] for d in digests)
+
+
+def test_broadcast_batch_is_a_no_op_without_torch_distributed() -> None:
+    assert not dist.is_initialized()
+    batch = {"x": torch.ones(2)}
+    assert tc.broadcast_batch(batch, None) is batch
+
+    class Mesh:  # would span 4 ranks if a process group existed
+        mesh = torch.arange(4).reshape(2, 2)
+        mesh_dim_names = ("cp", "tp")
+
+    assert tc.broadcast_batch(batch, Mesh()) is batch
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        tc.broadcast(batch, 0)
+
+
+def test_canon_tells_bit_patterns_apart() -> None:
+    """The checks above are only as strong as ``canon``: it must see -0.0 and NaN payloads."""
+    assert digest(every_kind()) == digest(every_kind())
+    assert digest({"f": 0.0}) != digest({"f": -0.0})
+    assert digest(torch.tensor([0.0])) != digest(torch.tensor([-0.0]))
+    assert digest([1]) != digest((1,))
+    assert digest({"a": 1, "b": 2}) != digest({"b": 2, "a": 1})
+    assert digest(np.float32(1)) != digest(np.float64(1))

@@ -75,7 +75,7 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device | No
 class PackPlan:
     """A batch flattened and laid out, ready to be written into any large-enough buffer."""
 
-    __slots__ = ("device", "header", "layout", "leaves", "nbytes", "offsets")
+    __slots__ = ("device", "has_gaps", "header", "layout", "leaves", "nbytes", "offsets")
 
     def __init__(
         self,
@@ -92,6 +92,7 @@ class PackPlan:
         #: the device of the batch's tensors (cpu when it has none)
         self.device = device
         self.layout: Layout | None = None
+        self.has_gaps = True
 
     def write(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Copy every leaf's bytes into ``buffer[:self.nbytes]`` at its offset.
@@ -103,26 +104,40 @@ class PackPlan:
             The typed views the tensor leaves were copied into, in leaf order: the
             sender's own rebuilt tree can use them (see :meth:`values`).
         """
-        typed = _TypedViews(buffer)
+        # Typed views, one as_strided per tensor leaf, inlined: this loop is the hot path.
+        bases: dict[str, tuple[torch.Tensor, int]] = {}
+        base_offset = buffer.storage_offset()
+        total = buffer.numel()
+        as_strided = torch.as_strided
+        strides_cache = _strides_cache
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        host = buffer.numpy() if buffer.device.type == "cpu" else None
+        on_cpu = buffer.device.type == "cpu"
+        host: np.ndarray | None = None
         # Alignment gaps are zeroed: the bytes are deterministic, and no stale memory of
         # this process travels to the peers. Small or many-leaf buffers get one memset;
         # large ones (where a second pass over the data would cost) get one per gap.
         per_gap = self.nbytes > _MEMSET_BELOW and len(self.leaves) <= _MEMSET_ABOVE_LEAVES
-        if not per_gap:
+        if self.has_gaps and not per_gap:
             buffer[: self.nbytes].zero_()
         end = 0
-        for (kind, code, shape, data, _), off in zip(self.leaves, self.offsets):
+        for (kind, code, shape, data), off in zip(self.leaves, self.offsets):
             if per_gap and off > end:
-                if host is not None:
+                if on_cpu:
+                    host = buffer.numpy() if host is None else host
                     host[end:off] = 0
                 else:
                     buffer[end:off].zero_()
             end = off + (len(data) if kind == "bytes" or kind == "str" else data.nbytes)
             if kind == "tensor":
-                dsts.append(typed.view(code, shape, off))
+                base = bases.get(code)
+                if base is None:
+                    isz = CODE_ITEMSIZE[code]
+                    base = bases[code] = (buffer[: total - total % isz].view(data.dtype), isz)
+                strides = strides_cache.get(shape)
+                if strides is None:
+                    strides = _contiguous_strides(shape)
+                dsts.append(as_strided(base[0], shape, strides, (base_offset + off) // base[1]))
                 srcs.append(data)
                 continue
             if kind == "ndarray":
@@ -133,13 +148,16 @@ class PackPlan:
                 n = len(data)
             if n == 0:
                 continue
-            if host is not None:
+            if on_cpu:
+                host = buffer.numpy() if host is None else host
                 host[off : off + n].view(src.dtype).reshape(src.shape)[...] = src
             else:
                 staged = torch.empty(n, dtype=torch.uint8)
                 staged.numpy().view(src.dtype).reshape(src.shape)[...] = src
                 buffer[off : off + n].copy_(staged)
-        if dsts:
+        if len(dsts) == 1:
+            dsts[0].copy_(srcs[0])
+        elif dsts:
             torch._foreach_copy_(dsts, srcs)
         return dsts
 
@@ -148,7 +166,7 @@ class PackPlan:
         out: list[Any] = []
         views = iter(tensor_views)
         host: np.ndarray | None = None
-        for (kind, _code, shape, data, _), off in zip(self.leaves, self.offsets):
+        for (kind, _code, shape, data), off in zip(self.leaves, self.offsets):
             if kind == "tensor":
                 out.append(next(views))
             elif kind == "bytes":
@@ -182,36 +200,14 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return strides
 
 
-class _TypedViews:
-    """Contiguous views of one uint8 buffer as any dtype, one ``as_strided`` each."""
-
-    __slots__ = ("base_offset", "bases", "buffer")
-
-    def __init__(self, buffer: torch.Tensor):
-        self.buffer = buffer
-        self.base_offset = buffer.storage_offset()
-        self.bases: dict[str, tuple[torch.Tensor, int]] = {}
-
-    def view(self, code: str, shape: Any, offset: int) -> torch.Tensor:
-        base = self.bases.get(code)
-        if base is None:
-            isz = CODE_ITEMSIZE[code]
-            n = self.buffer.numel()
-            base = self.bases[code] = (self.buffer[: n - n % isz].view(torch_dtype(code)), isz)
-        typed, isz = base
-        if type(shape) is list:  # shapes from a header; flatten hands out torch.Size
-            shape = tuple(shape)
-        return torch.as_strided(
-            typed, shape, _contiguous_strides(shape), (self.base_offset + offset) // isz
-        )
-
-
 class Layout:
     """What a header was encoded from, so an identical next batch can reuse its bytes."""
 
     __slots__ = ("comparable", "header", "table", "tokens")
 
-    def __init__(self, table: list[list[Any]], tokens: list[Any], header: bytes, comparable: bool):
+    def __init__(
+        self, table: list[tuple[Any, ...]], tokens: list[Any], header: bytes, comparable: bool
+    ):
         self.table = table
         self.tokens = tokens
         self.header = header
@@ -229,20 +225,22 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = Non
     if type(align) is not int or not 1 <= align <= _schema.MAX_ALIGN or align & (align - 1):
         raise ValueError(f"align must be a power of two in [1, {_schema.MAX_ALIGN}], got {align!r}")
     tokens, leaves, loose = _tree.flatten(tree)
-    table: list[list[Any]] = []
+    table: list[tuple[Any, ...]] = []
     offsets: list[int] = []
     device: torch.device | None = None
     end = 0
-    for kind, code, shape, data, _ in leaves:
+    data_bytes = 0
+    for kind, code, shape, data in leaves:
         itemsize = CODE_ITEMSIZE[code]
         a = align if align >= itemsize else itemsize
         off = -(-end // a) * a
         size = len(data) if kind == "bytes" or kind == "str" else data.nbytes
         if device is None and kind == "tensor":
             device = data.device  # flatten checked that every tensor shares it
-        table.append([kind, code, shape, off, size])
+        table.append((kind, code, shape, off, size))
         offsets.append(off)
         end = off + size
+        data_bytes += size
     if end > _schema.MAX_BUFFER_BYTES:
         raise ValueError(
             f"the batch needs a {end}-byte buffer, over the {_schema.MAX_BUFFER_BYTES}-byte "
@@ -259,6 +257,7 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = Non
     else:
         header = _schema.encode(end, align, table, tokens)
     out = PackPlan(header, end, leaves, offsets, device or torch.device("cpu"))
+    out.has_gaps = data_bytes != end
     out.layout = Layout(table, tokens, header, not loose)
     return out
 
@@ -295,17 +294,41 @@ def pack(
     return Packed(p.header, buffer)
 
 
+def _view_specs(decoded: _schema.Decoded) -> list[tuple[Any, ...]]:
+    """Per leaf, what making its view needs; computed once per distinct header."""
+    if decoded.view_specs is None:
+        specs: list[tuple[Any, ...]] = []
+        for kind, code, shape, off, n in decoded.leaves:
+            shape_t = tuple(shape)
+            isz = CODE_ITEMSIZE[code]
+            specs.append((kind, code, shape_t, _contiguous_strides(shape_t), off, n, isz))
+        decoded.view_specs = specs
+    return decoded.view_specs
+
+
 def views(decoded: _schema.Decoded, buffer: torch.Tensor) -> list[Any]:
-    """The buffer leaves of ``decoded`` as views into ``buffer`` (ndarrays: CPU views)."""
-    if buffer.storage_offset() % _MAX_ITEMSIZE:
+    """The buffer leaves of ``decoded`` as views into ``buffer`` (ndarrays: CPU views).
+
+    One ``as_strided`` per tensor leaf, on a per-dtype view of the buffer: with many
+    small leaves this loop is the receiver's whole cost, so it is kept tight.
+    """
+    base_offset = buffer.storage_offset()
+    if base_offset % _MAX_ITEMSIZE:
         buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
-    typed = _TypedViews(buffer)
+        base_offset = 0
+    total = buffer.numel()
+    bases: dict[str, torch.Tensor] = {}
+    as_strided = torch.as_strided
     values: list[Any] = []
+    append = values.append
     host: np.ndarray | None = None
     on_cpu = buffer.device.type == "cpu"
-    for kind, code, shape, off, n in decoded.leaves:
+    for kind, code, shape, strides, off, n, isz in _view_specs(decoded):
         if kind == "tensor":
-            values.append(typed.view(code, shape, off))
+            base = bases.get(code)
+            if base is None:
+                base = bases[code] = buffer[: total - total % isz].view(torch_dtype(code))
+            append(as_strided(base, shape, strides, (base_offset + off) // isz))
             continue
         if on_cpu:
             if host is None:
@@ -316,12 +339,12 @@ def views(decoded: _schema.Decoded, buffer: torch.Tensor) -> list[Any]:
         else:
             piece = buffer[off : off + n].cpu().numpy()
         if kind == "ndarray":
-            values.append(piece.view(numpy_dtype(code)).reshape(shape))
+            append(piece.view(numpy_dtype(code)).reshape(shape))
         elif kind == "bytes":
-            values.append(piece.tobytes())
+            append(piece.tobytes())
         else:
             try:
-                values.append(piece.tobytes().decode("utf-8", "surrogatepass"))
+                append(piece.tobytes().decode("utf-8", "surrogatepass"))
             except UnicodeDecodeError as e:
                 raise HeaderError(f"a str leaf holds invalid UTF-8: {e}") from None
     return values

@@ -27,6 +27,30 @@ def _use_count(t: torch.Tensor) -> int:
     return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
 
 
+class _Entry:
+    """A pooled buffer and the storage use count that means "nobody else holds it".
+
+    The storage object is kept so a check is one cheap call: it holds one reference
+    of its own, which the idle count includes.
+    """
+
+    __slots__ = ("buffer", "capacity", "cdata", "idle", "storage")
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self.capacity = buffer.numel()
+        self.storage = buffer.untyped_storage()
+        self.cdata = self.storage._cdata
+        self.idle = self.use_count()
+
+    def use_count(self) -> int:
+        return int(torch._C._storage_Use_Count(self.cdata))
+
+
+def _capacity_of(entry: _Entry) -> int:
+    return entry.capacity
+
+
 def _capacity(nbytes: int) -> int:
     """Round up to the next of 2**k or 1.5 * 2**k: at most a third wasted, few sizes."""
     if nbytes <= _MIN_CAPACITY:
@@ -45,51 +69,40 @@ class BufferPool:
     def __init__(self, *, max_buffers: int = 6) -> None:
         self._max_buffers = max_buffers
         self._lock = threading.Lock()
-        # key -> list of (buffer, idle use count); most recently used last
-        self._buffers: dict[tuple[torch.device, bool], list[tuple[torch.Tensor, int]]] = {}
+        # key -> entries, most recently used last
+        self._buffers: dict[tuple[torch.device, bool], list[_Entry]] = {}
 
     def take(self, nbytes: int, device: torch.device, *, pinned: bool = False) -> torch.Tensor:
         """A 1-D uint8 tensor of exactly ``nbytes`` bytes, a view into a pooled buffer."""
         key = (device, pinned)
+        limit = 2 * max(nbytes, _MIN_CAPACITY)
         # gloo's worker thread drops its reference to a finished broadcast's tensor just
         # after wait() returns; for a large buffer a short wait beats a fresh allocation.
         retries = _LARGE_RETRIES if nbytes >= _LARGE else 0
         for attempt in range(retries + 1):
             with self._lock:
                 entries = self._buffers.setdefault(key, [])
-                best = -1
-                busy_fit = False
-                for i, (buf, idle) in enumerate(entries):
-                    cap = buf.numel()
-                    if nbytes <= cap <= 2 * max(nbytes, _MIN_CAPACITY) and (
-                        best < 0 or cap < entries[best][0].numel()
-                    ):
-                        if _use_count(buf) == idle:
-                            best = i
-                        else:
-                            busy_fit = True
-                if best >= 0:
-                    entry = entries.pop(best)
-                    entries.append(entry)
-                    return entry[0][:nbytes]
-                if not busy_fit or attempt == retries:
+                fits = [e for e in entries if nbytes <= e.capacity <= limit]
+                fits.sort(key=_capacity_of)
+                for entry in fits:
+                    if entry.use_count() == entry.idle:
+                        entries.remove(entry)
+                        entries.append(entry)
+                        return entry.buffer[:nbytes]
+                if not fits or attempt == retries:
                     return self._allocate(entries, nbytes, device, pinned)
             time.sleep(_RETRY_SLEEP)
         raise AssertionError("unreachable")
 
     def _allocate(
-        self,
-        entries: list[tuple[torch.Tensor, int]],
-        nbytes: int,
-        device: torch.device,
-        pinned: bool,
+        self, entries: list[_Entry], nbytes: int, device: torch.device, pinned: bool
     ) -> torch.Tensor:
         buf = torch.empty(_capacity(nbytes), dtype=torch.uint8, device=device, pin_memory=pinned)
-        entries.append((buf, _use_count(buf)))
+        entries.append(_Entry(buf))
         if len(entries) > self._max_buffers:
             # Forget the least recently used idle buffer (a busy one stays with its user).
-            for i, (old, idle) in enumerate(entries[:-1]):
-                if _use_count(old) == idle:
+            for i, old in enumerate(entries[:-1]):
+                if old.use_count() == old.idle:
                     del entries[i]
                     break
             else:

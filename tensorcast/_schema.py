@@ -103,9 +103,10 @@ class Decoded:
     leaves: list[list[Any]]
     tokens: list[Any]
     program: list[tuple[Any, ...]] | None = None
+    view_specs: list[tuple[Any, ...]] | None = None
 
 
-def encode(nbytes: int, align: int, leaves: list[list[Any]], tokens: list[Any]) -> bytes:
+def encode(nbytes: int, align: int, leaves: list[Any], tokens: list[Any]) -> bytes:
     """Frame a header body. The caller guarantees the leaf table is consistent."""
     if not 0 <= nbytes <= MAX_BUFFER_BYTES:
         raise ValueError(f"a {nbytes}-byte buffer is over the {MAX_BUFFER_BYTES}-byte limit")

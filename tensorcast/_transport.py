@@ -61,6 +61,7 @@ MAX_CAPACITY = 256 << 10  # larger payloads always take a second message
 _PAYLOAD_ALIGN = 64
 _MAX_DESC = 1024
 _MAX_ERROR = 64 << 10
+_CPU = torch.device("cpu")
 
 
 def _align_up(n: int, a: int = _PAYLOAD_ALIGN) -> int:
@@ -155,7 +156,8 @@ class Channel:
         self.fingerprint = int.from_bytes(
             hashlib.blake2b(self.description, digest_size=8).digest(), "little"
         )
-        self.pool = BufferPool()
+        self.pool = BufferPool()  # payloads
+        self.frames = BufferPool()  # first messages: few sizes, kept apart so takes are quick
         self.pass_index = 0
         self.step = 0
         self.capacity = INITIAL_CAPACITY
@@ -273,7 +275,7 @@ class Channel:
             want = head_end if head_end <= MAX_CAPACITY else 0
         next_capacity = max(capacity, _pow2_at_least(want)) if want else capacity
 
-        first = self.pool.take(capacity, torch.device("cpu"))
+        first = self.frames.take(capacity, _CPU)
         host = first.numpy()
         payload: torch.Tensor | None = None
         if flags & _INLINE:
@@ -289,9 +291,7 @@ class Channel:
         if self.verify and payload is not None:
             flags |= _CRC
             crc = _crc(payload)
-        _PREFIX.pack_into(
-            host.data,
-            0,
+        prefix = _PREFIX.pack(
             _MAGIC,
             frame.kind,
             flags,
@@ -304,9 +304,8 @@ class Channel:
             next_capacity,
             crc,
         )
-        host[_PREFIX.size : _PREFIX.size + len(desc)] = np.frombuffer(desc, np.uint8)
-        if not flags & _SPILL:
-            host[_PREFIX.size + len(desc) : head_end] = np.frombuffer(header, np.uint8)
+        head = prefix + desc if flags & _SPILL else prefix + desc + header
+        host[: len(head)] = np.frombuffer(head, np.uint8)  # one copy for the whole head
         return _Prepared(frame, first, payload, flags, next_capacity)
 
     def _post(self, prepared: _Prepared) -> torch.Tensor | None:
@@ -364,7 +363,7 @@ class Channel:
             HeaderError, DesyncError, PeerError: see the module docstring.
         """
         capacity = self.capacity
-        first = self.pool.take(capacity, torch.device("cpu"))
+        first = self.frames.take(capacity, _CPU)
         self._broadcast(first, self.header_group, "frame header")
         host = first.numpy()
         (

@@ -25,6 +25,7 @@ Nothing here knows about byte layouts or process groups.
 from __future__ import annotations
 
 import collections
+import functools
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -78,9 +79,9 @@ def render_path(path: Path, root: str = "") -> str:
     return root + "".join(reversed(parts))
 
 
-# A buffer leaf, as flatten returns it: (kind, code, shape, data, path) where data is a
+# A buffer leaf, as flatten returns it: (kind, code, shape, data) where data is a
 # tensor, an ndarray, or bytes (str leaves already encoded as UTF-8).
-BufferLeaf = tuple[str, str, Any, Any, Path]
+BufferLeaf = tuple[str, str, Any, Any]
 
 
 def _unsupported(obj: Any, path: Path, why: str = "") -> UnsupportedLeafError:
@@ -133,27 +134,50 @@ def _raise(obj: Any, path: Path, why: str) -> str:
     raise _unsupported(obj, path, why)
 
 
-def _encode_key(key: Any, path: Path) -> Any:
+def _encode_key(key: Any, container: Any) -> Any:
     t = type(key)
     if t is str or t is bool or key is None:
         return key
     if t is int:
         return key if _I64_MIN <= key <= _I64_MAX else ["I", hex(key)]
+    raise _Fail(container, functools.partial(_bad_key, key))
+
+
+def _bad_key(key: Any, path: Path) -> None:
     raise UnsupportedLeafError(
-        f"unsupported dict key of type `{t.__qualname__}` ({key!r}) in `"
+        f"unsupported dict key of type `{type(key).__qualname__}` ({key!r}) in `"
         f"{render_path(path, 'batch')}`; dict keys must be str, int, bool or None"
     )
 
 
-def _encode_scalar(obj: np.generic, path: Path) -> list[Any]:
+def _encode_scalar(obj: np.generic) -> list[Any]:
     if isinstance(obj, np.str_):
         return ["S", "U", str(obj)]
     if isinstance(obj, np.bytes_):
         return ["S", "S", bytes(obj).hex()]
     code = numpy_code(obj.dtype)
     if code is None:
-        raise _unsupported(obj, path, f"numpy scalars of dtype {obj.dtype} cannot travel")
+        raise _Fail(
+            obj,
+            functools.partial(
+                _raise_unsupported_why, obj, f"numpy scalars of dtype {obj.dtype} cannot travel"
+            ),
+        )
     return ["s", code, obj.tobytes().hex()]
+
+
+def _raise_unsupported_why(obj: Any, why: str, path: Path) -> None:
+    raise _unsupported(obj, path, why)
+
+
+class _Fail(Exception):
+    """Raised inside the walk; ``report(path)`` raises the real error once the path of
+    ``obj`` is known. The walk keeps no paths: they cost allocations on every node."""
+
+    def __init__(self, obj: Any, report: Any):
+        super().__init__()
+        self.obj = obj
+        self.report = report
 
 
 def flatten(tree: Any) -> tuple[list[Any], list[BufferLeaf], bool]:
@@ -166,47 +190,88 @@ def flatten(tree: Any) -> tuple[list[Any], list[BufferLeaf], bool]:
 
     Raises:
         UnsupportedLeafError: a leaf, key or container type cannot travel.
-        ValueError: the tree contains itself.
+        ValueError: the tree contains itself, or its tensors are on several devices.
+        RuntimeError: a dict changed size while it was being read.
     """
+    codec_trees: dict[int, tuple[str, Any]] = {}
+    try:
+        return _walk(tree, codec_trees)
+    except _Fail as f:
+        fail = f
+    # Outside the except block, so the error does not chain the internal _Fail.
+    fail.report(_locate(tree, fail.obj, codec_trees))
+    raise AssertionError("unreachable: report() raises")
+
+
+def _locate(tree: Any, target: Any, codec_trees: dict[int, tuple[str, Any]]) -> Path:
+    """The path of ``target`` in ``tree`` (first occurrence in preorder), or None."""
+    stack: list[tuple[Any, Path]] = [(tree, None)]
+    seen: set[int] = set()
+    while stack:
+        obj, path = stack.pop()
+        if obj is target:
+            return path
+        t = type(obj)
+        if t is dict or t is _OrderedDict or t is list or t is tuple or id(obj) in codec_trees:
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+        if t is dict or t is _OrderedDict:
+            for k, v in reversed(list(obj.items())):
+                stack.append((v, (path, k, 0)))
+        elif t is list or t is tuple:
+            for i in range(len(obj) - 1, -1, -1):
+                stack.append((obj[i], (path, i, 0)))
+        elif id(obj) in codec_trees:
+            name, sub = codec_trees[id(obj)]
+            stack.append((sub, (path, name, 2)))
+        else:
+            entry = (
+                _registry.by_type(t) if not isinstance(obj, (torch.Tensor, np.ndarray)) else None
+            )
+            if entry is not None and entry.kind != "codec":
+                for name in reversed(entry.fields):
+                    stack.append((getattr(obj, name), (path, name, 1)))
+    return None
+
+
+def _walk(
+    tree: Any, codec_trees: dict[int, tuple[str, Any]]
+) -> tuple[list[Any], list[BufferLeaf], bool]:
     tokens: list[Any] = []
     leaves: list[BufferLeaf] = []
     append = tokens.append
-    # Stack items: (obj, path), or (_EXIT, id) to leave a container (cycle detection).
-    stack: list[tuple[Any, Any]] = [(tree, None)]
+    # A stack of objects; _EXIT followed by an id leaves a container (cycle detection).
+    stack: list[Any] = [tree]
     pop, push = stack.pop, stack.append
     active: set[int] = set()
     device: int | None = None  # get_device() of the first tensor: -1 for CPU
+    first_tensor: Any = None
     loose = False
     while stack:
-        obj, path = pop()
+        obj = pop()
         if obj is _EXIT:
-            active.discard(path)
+            active.discard(pop())
             continue
         t = type(obj)
         if t is torch.Tensor or t is _Parameter:
             code = _CODE_OF_TORCH.get(obj.dtype)
             if code is None or obj.layout is not _STRIDED or obj.is_nested or obj.is_meta:
-                code = _check_tensor(obj, path)  # raises with the precise reason
+                raise _Fail(obj, functools.partial(_check_tensor, obj))
             dev = obj.get_device()
             if dev != device:
-                if device is None:
-                    device = dev
-                else:
-                    raise ValueError(
-                        f"tensors on mixed devices: `{render_path(path, 'batch')}` is on "
-                        f"{obj.device} but an earlier tensor is on "
-                        f"{'cpu' if device < 0 else f'device {device}'}; move the batch to one "
-                        f"device before sending it"
-                    )
+                if device is not None:
+                    raise _Fail(obj, functools.partial(_mixed_devices, obj, first_tensor))
+                device, first_tensor = dev, obj
             append(len(leaves))
-            leaves.append(("tensor", code, obj.shape, obj, path))
+            leaves.append(("tensor", code, obj.shape, obj))
         elif t is str:
             if len(obj) <= INLINE_LIMIT:
                 append(obj)
             else:
                 append(len(leaves))
                 data = obj.encode("utf-8", "surrogatepass")
-                leaves.append(("str", "U8", (len(data),), data, path))
+                leaves.append(("str", "U8", (len(data),), data))
         elif t is int:
             append(["i", obj] if _I64_MIN <= obj <= _I64_MAX else ["I", hex(obj)])
         elif obj is None:
@@ -218,72 +283,101 @@ def flatten(tree: Any) -> tuple[list[Any], list[BufferLeaf], bool]:
             append(["f", _U64.unpack(_F64.pack(obj))[0]])
         elif t is dict or t is _OrderedDict:
             if id(obj) in active:
-                raise ValueError(f"the tree contains itself at `{render_path(path, 'batch')}`")
+                raise _Fail(obj, _contains_itself)
             try:
                 items = list(obj.items())
             except RuntimeError as e:  # changed size during iteration (another thread)
-                raise RuntimeError(
-                    f"the dict at `{render_path(path, 'batch')}` changed while it was being "
-                    f"packed ({e}); do not mutate a batch while it is being sent"
-                ) from e
-            keys = [_encode_key(k, path) for k, _ in items]
-            if not loose and any(type(k) is bool or type(k) is int for k in keys):
-                loose = True
+                raise _Fail(obj, functools.partial(_changed, e)) from None
+            keys = [k for k, _ in items]
+            for k in keys:
+                if type(k) is not str:  # rare: encode them, and note bool / int keys
+                    keys = [_encode_key(k, obj) for k in keys]
+                    loose = loose or any(type(k) is bool or type(k) is int for k in keys)
+                    break
             append(["d" if t is dict else "o", len(items), keys])
             active.add(id(obj))
-            push((_EXIT, id(obj)))
-            for k, v in reversed(items):
-                push((v, (path, k, 0)))
+            push(id(obj))
+            push(_EXIT)
+            for i in range(len(items) - 1, -1, -1):
+                push(items[i][1])
         elif t is list or t is tuple:
             if id(obj) in active:
-                raise ValueError(f"the tree contains itself at `{render_path(path, 'batch')}`")
-            items = list(obj)
-            append(["l" if t is list else "t", len(items)])
+                raise _Fail(obj, _contains_itself)
+            append(["l" if t is list else "t", len(obj)])
             active.add(id(obj))
-            push((_EXIT, id(obj)))
-            for i in range(len(items) - 1, -1, -1):
-                push((items[i], (path, i, 0)))
+            push(id(obj))
+            push(_EXIT)
+            stack.extend(reversed(obj))
         elif t is np.ndarray:
             code = numpy_code(obj.dtype)
             if code is None:
-                raise _unsupported(
-                    obj,
-                    path,
-                    f"numpy arrays of dtype {obj.dtype!s} cannot travel; use bool, int, uint, "
-                    f"float or complex arrays in native byte order "
-                    f"(e.g. arr.astype(arr.dtype.newbyteorder('=')))",
-                )
+                raise _Fail(obj, functools.partial(_bad_array, obj))
             append(len(leaves))
-            leaves.append(("ndarray", code, obj.shape, obj, path))
+            leaves.append(("ndarray", code, obj.shape, obj))
         elif t is bytes:
             if len(obj) <= INLINE_LIMIT:
                 append(["y", obj.hex()])
             else:
                 append(len(leaves))
-                leaves.append(("bytes", "U8", (len(obj),), obj, path))
+                leaves.append(("bytes", "U8", (len(obj),), obj))
         elif t is complex:
             append(["c", _U64.unpack(_F64.pack(obj.real))[0], _U64.unpack(_F64.pack(obj.imag))[0]])
         elif isinstance(obj, np.generic) and t.__module__ == "numpy":
-            append(_encode_scalar(obj, path))
+            append(_encode_scalar(obj))
         else:
             entry = _registry.by_type(t)
             if entry is None:
                 if isinstance(obj, torch.Tensor):
-                    _check_tensor(obj, path)
-                raise _unsupported(obj, path)
+                    raise _Fail(obj, functools.partial(_check_tensor, obj))
+                raise _Fail(obj, functools.partial(_raise_unsupported, obj))
             if id(obj) in active:
-                raise ValueError(f"the tree contains itself at `{render_path(path, 'batch')}`")
+                raise _Fail(obj, _contains_itself)
             active.add(id(obj))
-            push((_EXIT, id(obj)))
+            push(id(obj))
+            push(_EXIT)
             if entry.kind == "codec":
                 assert entry.to_tree is not None
                 append(["x", entry.name])
-                push((entry.to_tree(obj), (path, entry.name, 2)))
+                sub = entry.to_tree(obj)
+                codec_trees[id(obj)] = (entry.name, sub)  # for error paths inside it
+                push(sub)
             else:
                 append(["r", entry.name, list(entry.fields)])
                 for name in reversed(entry.fields):
-                    push((getattr(obj, name), (path, name, 1)))
+                    push(getattr(obj, name))
     return tokens, leaves, loose
+
+
+def _contains_itself(path: Path) -> None:
+    raise ValueError(f"the tree contains itself at `{render_path(path, 'batch')}`")
+
+
+def _changed(error: RuntimeError, path: Path) -> None:
+    raise RuntimeError(
+        f"the dict at `{render_path(path, 'batch')}` changed while it was being packed "
+        f"({error}); do not mutate a batch while it is being sent"
+    ) from error
+
+
+def _mixed_devices(obj: torch.Tensor, first: torch.Tensor, path: Path) -> None:
+    raise ValueError(
+        f"tensors on mixed devices: `{render_path(path, 'batch')}` is on {obj.device} but an "
+        f"earlier tensor is on {first.device}; move the batch to one device before sending it"
+    )
+
+
+def _bad_array(obj: np.ndarray, path: Path) -> None:
+    raise _unsupported(
+        obj,
+        path,
+        f"numpy arrays of dtype {obj.dtype!s} cannot travel; use bool, int, uint, "
+        f"float or complex arrays in native byte order "
+        f"(e.g. arr.astype(arr.dtype.newbyteorder('=')))",
+    )
+
+
+def _raise_unsupported(obj: Any, path: Path) -> None:
+    raise _unsupported(obj, path)
 
 
 _EXIT = object()

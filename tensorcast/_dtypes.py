@@ -51,24 +51,14 @@ TORCH_CODES: dict[str, torch.dtype] = {
 }
 _CODE_OF_TORCH: dict[torch.dtype, str] = {dtype: code for code, dtype in TORCH_CODES.items()}
 
+# numpy has every one of these except bfloat16 and the float8 / float4 types, under the
+# same names as torch.
 NUMPY_CODES: dict[str, np.dtype] = {
-    code: np.dtype(name)
-    for code, name in {
-        "BOOL": "bool",
-        "U8": "uint8",
-        "I8": "int8",
-        "U16": "uint16",
-        "I16": "int16",
-        "U32": "uint32",
-        "I32": "int32",
-        "U64": "uint64",
-        "I64": "int64",
-        "F16": "float16",
-        "F32": "float32",
-        "F64": "float64",
-        "C64": "complex64",
-        "C128": "complex128",
-    }.items()
+    code: np.dtype(_TORCH_BY_NAME[code])
+    for code in (
+        *("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"),
+        *("F16", "F32", "F64", "C64", "C128"),
+    )
 }
 _CODE_OF_NUMPY: dict[np.dtype, str] = {dtype: code for code, dtype in NUMPY_CODES.items()}
 

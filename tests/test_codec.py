@@ -51,14 +51,14 @@ def _registered_fields(obj: Any) -> list[Any] | None:
     return None
 
 
-def assert_same(got: Any, want: Any) -> None:
+def assert_same(got: Any, want: Any, where: str = "batch") -> None:
     """``got == want`` as the contract means it, checked without recursion.
 
     Same types everywhere (a tuple stays a tuple, ``True`` never becomes ``1``), same
     key order, tensors and ndarrays equal byte for byte (NaN payloads and -0.0 count),
     floats and complex numbers equal bit for bit.
     """
-    stack: list[tuple[Any, Any, str]] = [(got, want, "batch")]
+    stack: list[tuple[Any, Any, str]] = [(got, want, where)]
     while stack:
         a, b, where = stack.pop()
         assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"

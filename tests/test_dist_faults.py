@@ -18,7 +18,6 @@ import hashlib
 import itertools
 import os
 import signal
-import struct
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from rankpool import Died, RankPool
+from test_codec import assert_same, tensor_bytes
 
 import tensorcast as tc
 from tensorcast import _codec, _schema, _transport
@@ -40,34 +40,6 @@ HAS_CUDA = torch.cuda.is_available()
 
 
 # -- comparing trees -----------------------------------------------------------------
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-
-
-def assert_same(got: Any, want: Any, where: str = "batch") -> None:
-    """Same types, same structure, same order; tensors and floats bit for bit."""
-    assert type(got) is type(want), f"{where}: {type(got).__name__} != {type(want).__name__}"
-    if isinstance(want, dict):
-        assert list(got) == list(want), f"{where}: keys {list(got)} != {list(want)}"
-        for k in want:
-            assert_same(got[k], want[k], f"{where}[{k!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), f"{where}: length {len(got)} != {len(want)}"
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_same(g, w, f"{where}[{i}]")
-    elif isinstance(want, torch.Tensor):
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), f"{where}: dtype/shape differ"
-        assert _tensor_bytes(got) == _tensor_bytes(want), f"{where}: tensor bytes differ"
-    elif isinstance(want, np.ndarray):
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), f"{where}: dtype/shape differ"
-        assert got.tobytes() == want.tobytes(), f"{where}: array bytes differ"
-    elif isinstance(want, float):
-        assert struct.pack("<d", got) == struct.pack("<d", want), f"{where}: {got} != {want}"
-    else:
-        assert got == want, f"{where}: {got!r:.80} != {want!r:.80}"
 
 
 def tree_digest(tree: Any) -> str:
@@ -85,7 +57,7 @@ def tree_digest(tree: Any) -> str:
             stack.extend(reversed(x))
         elif isinstance(x, torch.Tensor):
             h.update(f"{x.dtype}{tuple(x.shape)}".encode())
-            h.update(_tensor_bytes(x))
+            h.update(tensor_bytes(x))
         elif isinstance(x, np.ndarray):
             h.update(f"{x.dtype}{x.shape}".encode())
             h.update(x.tobytes())
@@ -289,13 +261,21 @@ def _bad_inputs(rank: int, world: int, cases: list[str], prefetch: int) -> dict[
     passes: list[list[Callable[[], Any]]] = []
     for i, name in enumerate(cases):
         make_bad = BAD_INPUTS[name][0]
-        passes.append([lambda i=i: good_batch(i, 0), lambda i=i: good_batch(i, 1), make_bad,
-                       lambda i=i: good_batch(i, 3)])
-    passes.append([lambda: good_batch(99, 0), views_batch, big_text_batch,
-                   lambda: good_batch(99, 3)])
+        passes.append(
+            [
+                lambda i=i: good_batch(i, 0),
+                lambda i=i: good_batch(i, 1),
+                make_bad,
+                lambda i=i: good_batch(i, 3),
+            ]
+        )
+    passes.append(
+        [lambda: good_batch(99, 0), views_batch, big_text_batch, lambda: good_batch(99, 3)]
+    )
     source = _Passes(passes) if rank == 0 else None
-    loader = tc.BroadcastingDataLoader(source, group=dist.group.WORLD, src=0, prefetch=prefetch,
-                                       timeout=TIMEOUT)
+    loader = tc.BroadcastingDataLoader(
+        source, group=dist.group.WORLD, src=0, prefetch=prefetch, timeout=TIMEOUT
+    )
     report: dict[str, Any] = {}
     try:
         for i, name in enumerate(cases):
@@ -333,8 +313,13 @@ def _bad_inputs(rank: int, world: int, cases: list[str], prefetch: int) -> dict[
 def _check_views(got: dict[str, Any]) -> None:
     """Views of one storage arrive as independent, equal, contiguous tensors."""
     want = views_batch()
-    assert_same(got, {k: v.contiguous() if isinstance(v, torch.Tensor) else
-                      [t.contiguous() for t in v] for k, v in want.items()})
+    assert_same(
+        got,
+        {
+            k: v.contiguous() if isinstance(v, torch.Tensor) else [t.contiguous() for t in v]
+            for k, v in want.items()
+        },
+    )
     tensors = _tensor_leaves(got)
     assert all(t.is_contiguous() for t in tensors)
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
@@ -366,8 +351,11 @@ class _ReusingSource:
 
 
 def _reused_expected(step: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"x": torch.full((4,), float(step)), "items": list(range(step + 1)),
-                           "meta": {"step": step}}
+    out: dict[str, Any] = {
+        "x": torch.full((4,), float(step)),
+        "items": list(range(step + 1)),
+        "meta": {"step": step},
+    }
     if step % 2:
         out["odd"] = True
     return out
@@ -378,8 +366,9 @@ def _mutated_after_next(rank: int, world: int, prefetch: int) -> list[str]:
     """Every rank keeps every batch; later in-place mutation by the source's loader must not
     reach batches already handed out, on the source or on receivers."""
     source = _ReusingSource() if rank == 0 else None
-    loader = tc.BroadcastingDataLoader(source, group=dist.group.WORLD, src=0, prefetch=prefetch,
-                                       timeout=TIMEOUT)
+    loader = tc.BroadcastingDataLoader(
+        source, group=dist.group.WORLD, src=0, prefetch=prefetch, timeout=TIMEOUT
+    )
     kept = list(loader)
     assert len(kept) == _ReusingSource.steps
     for step, batch in enumerate(kept):
@@ -449,8 +438,11 @@ def _desync_and_integrity(rank: int, world: int) -> dict[str, Any]:
     dist.barrier()  # nobody is left inside a collective
 
     # 3. verify=True: a CRC32 travels and is checked, inline and in a second message.
-    batches = [good_batch(2, 0), {"big": torch.arange(1 << 17, dtype=torch.float32)},
-               {"nothing": None, "empty": torch.empty(0, 3)}]
+    batches = [
+        good_batch(2, 0),
+        {"big": torch.arange(1 << 17, dtype=torch.float32)},
+        {"nothing": None, "empty": torch.empty(0, 3)},
+    ]
     ch = _transport.Channel(group, 0, timeout=TIMEOUT, verify=True)
     for want in batches:
         got = ch.send_batch(want) if rank == 0 else _transport.raise_for(*ch.recv(), 0)
@@ -484,8 +476,9 @@ def _endless(tag: int) -> Iterator[Any]:
         step += 1
 
 
-def _die_at(rank: int, world: int, victim: int, die_after: int, mesh_shape: tuple[int, ...]
-            ) -> dict[str, Any]:
+def _die_at(
+    rank: int, world: int, victim: int, die_after: int, mesh_shape: tuple[int, ...]
+) -> dict[str, Any]:
     """Iterate a loader on every rank; ``victim`` SIGKILLs itself after ``die_after`` batches.
     Every survivor must raise a TensorcastError within the timeout."""
     if mesh_shape:
@@ -496,8 +489,9 @@ def _die_at(rank: int, world: int, victim: int, die_after: int, mesh_shape: tupl
         loader = tc.BroadcastingDataLoader(source, mesh, prefetch=1, timeout=TIMEOUT)
     else:
         source = _endless(5) if rank == 0 else None
-        loader = tc.BroadcastingDataLoader(source, group=dist.group.WORLD, src=0, prefetch=1,
-                                           timeout=TIMEOUT)
+        loader = tc.BroadcastingDataLoader(
+            source, group=dist.group.WORLD, src=0, prefetch=1, timeout=TIMEOUT
+        )
     received = 0
     last = time.monotonic()
     try:
@@ -510,8 +504,12 @@ def _die_at(rank: int, world: int, victim: int, die_after: int, mesh_shape: tupl
             if received > 10_000:
                 raise AssertionError("the loader kept going after a peer died")
     except tc.TensorcastError as e:
-        return {"error": type(e).__name__, "message": str(e), "waited": time.monotonic() - last,
-                "received": received}
+        return {
+            "error": type(e).__name__,
+            "message": str(e),
+            "waited": time.monotonic() - last,
+            "received": received,
+        }
     raise AssertionError("the pass ended without an error")
 
 
@@ -545,8 +543,13 @@ def test_offsets_past_2_and_4_gib_are_exact() -> None:
     plan = _codec.plan(tree)
     schema = tc.read_header(plan.header)
     want, end = [], 0
-    for path, n in (("['head']", 3), ("['g2']", (1 << 31) + 3), ("['g4']", 4 << 30),
-                    ("['tail']", 40), ("['text']", 5000)):
+    for path, n in (
+        ("['head']", 3),
+        ("['g2']", (1 << 31) + 3),
+        ("['g4']", 4 << 30),
+        ("['tail']", 40),
+        ("['text']", 5000),
+    ):
         off = (end + 63) // 64 * 64
         want.append((path, off, n))
         end = off + n
@@ -630,6 +633,8 @@ def test_source_death_fails_every_receiver(pool2: RankPool) -> None:
 
 def test_receiver_death_fails_source_and_other_receivers(pool4: RankPool) -> None:
     results = pool4.run(_die_at, 3, 3, (2, 2), timeout=CALL_TIMEOUT, allow_death=True)
-    _check_survivors(results, 3, {0: "a receiver rank stopped answering",
-                                  1: "stopped answering", 2: "stopped answering"})
-
+    _check_survivors(
+        results,
+        3,
+        {0: "a receiver rank stopped answering", 1: "stopped answering", 2: "stopped answering"},
+    )

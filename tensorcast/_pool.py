@@ -20,6 +20,7 @@ __all__ = ["BufferPool"]
 _MIN_CAPACITY = 4096
 _LARGE = 1 << 20
 _LARGE_RETRIES = 20
+_STALE_AFTER = 64  # takes without reuse after which an idle buffer is dropped
 _RETRY_SLEEP = 50e-6  # 20 x 50 us: at most ~1 ms before allocating anew
 
 
@@ -34,9 +35,10 @@ class _Entry:
     of its own, which the idle count includes.
     """
 
-    __slots__ = ("buffer", "capacity", "cdata", "idle", "storage")
+    __slots__ = ("buffer", "capacity", "cdata", "idle", "last_used", "storage")
 
-    def __init__(self, buffer: torch.Tensor):
+    def __init__(self, buffer: torch.Tensor, now: int):
+        self.last_used = now
         self.buffer = buffer
         self.capacity = buffer.numel()
         self.storage = buffer.untyped_storage()
@@ -69,6 +71,7 @@ class BufferPool:
     def __init__(self, *, max_buffers: int = 6) -> None:
         self._max_buffers = max_buffers
         self._lock = threading.Lock()
+        self._takes = 0  # a clock: how many takes this pool has served
         # key -> entries, most recently used last
         self._buffers: dict[tuple[torch.device, bool], list[_Entry]] = {}
 
@@ -82,10 +85,14 @@ class BufferPool:
         for attempt in range(retries + 1):
             with self._lock:
                 entries = self._buffers.setdefault(key, [])
+                if attempt == 0:
+                    self._takes += 1
+                    self._evict_stale(entries)
                 fits = [e for e in entries if nbytes <= e.capacity <= limit]
                 fits.sort(key=_capacity_of)
                 for entry in fits:
                     if entry.use_count() == entry.idle:
+                        entry.last_used = self._takes
                         entries.remove(entry)
                         entries.append(entry)
                         return entry.buffer[:nbytes]
@@ -98,7 +105,7 @@ class BufferPool:
         self, entries: list[_Entry], nbytes: int, device: torch.device, pinned: bool
     ) -> torch.Tensor:
         buf = torch.empty(_capacity(nbytes), dtype=torch.uint8, device=device, pin_memory=pinned)
-        entries.append(_Entry(buf))
+        entries.append(_Entry(buf, self._takes))
         if len(entries) > self._max_buffers:
             # Forget the least recently used idle buffer (a busy one stays with its user).
             for i, old in enumerate(entries[:-1]):
@@ -108,6 +115,13 @@ class BufferPool:
             else:
                 del entries[0]
         return buf[:nbytes]
+
+    def _evict_stale(self, entries: list[_Entry]) -> None:
+        """Forget idle buffers not reused lately: a rare large batch should not pin its
+        memory for the rest of the run, while buffers in steady rotation stay."""
+        stale = self._takes - _STALE_AFTER
+        if entries and entries[0].last_used < stale:
+            entries[:] = [e for e in entries if e.last_used >= stale or e.use_count() != e.idle]
 
     def clear(self) -> None:
         with self._lock:

@@ -436,7 +436,7 @@ def read_header(header: bytes) -> Schema:
         HeaderError: the header is not valid for this version of tensorcast.
     """
     decoded = _schema.decode(header)
-    _, paths = _tree.build(decoded.tokens, None, len(decoded.leaves), want_paths=True)
+    _, paths = _tree.compile_tokens(decoded.tokens, len(decoded.leaves), want_paths=True)
     assert paths is not None
     leaves = tuple(
         LeafSpec(_tree.render_path(path), kind, code, tuple(shape), off, n)

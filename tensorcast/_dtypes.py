@@ -12,11 +12,11 @@ import torch
 
 __all__ = [
     "CODE_ITEMSIZE",
+    "CODE_OF_TORCH",
     "NUMPY_CODES",
     "TORCH_CODES",
     "numpy_code",
     "numpy_dtype",
-    "torch_code",
     "torch_dtype",
 ]
 
@@ -49,7 +49,8 @@ _TORCH_BY_NAME: dict[str, str] = {
 TORCH_CODES: dict[str, torch.dtype] = {
     code: getattr(torch, name) for code, name in _TORCH_BY_NAME.items() if hasattr(torch, name)
 }
-_CODE_OF_TORCH: dict[torch.dtype, str] = {dtype: code for code, dtype in TORCH_CODES.items()}
+#: torch dtype -> code; the encoder looks dtypes up here directly (a hot path).
+CODE_OF_TORCH: dict[torch.dtype, str] = {dtype: code for code, dtype in TORCH_CODES.items()}
 
 # numpy has every one of these except bfloat16 and the float8 / float4 types, under the
 # same names as torch.
@@ -65,11 +66,6 @@ _CODE_OF_NUMPY: dict[np.dtype, str] = {dtype: code for code, dtype in NUMPY_CODE
 CODE_ITEMSIZE: dict[str, int] = {
     code: torch.empty((), dtype=dtype).element_size() for code, dtype in TORCH_CODES.items()
 }
-
-
-def torch_code(dtype: torch.dtype) -> str | None:
-    """The code of a torch dtype, or None when it cannot travel."""
-    return _CODE_OF_TORCH.get(dtype)
 
 
 def numpy_code(dtype: np.dtype) -> str | None:

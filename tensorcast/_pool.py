@@ -24,10 +24,6 @@ _STALE_AFTER = 64  # takes without reuse after which an idle buffer is dropped
 _RETRY_SLEEP = 50e-6  # 20 x 50 us: at most ~1 ms before allocating anew
 
 
-def _use_count(t: torch.Tensor) -> int:
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
-
-
 class _Entry:
     """A pooled buffer and the storage use count that means "nobody else holds it".
 

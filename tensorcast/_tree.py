@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from tensorcast import _registry
-from tensorcast._dtypes import _CODE_OF_TORCH, NUMPY_CODES, numpy_code
+from tensorcast._dtypes import CODE_OF_TORCH, NUMPY_CODES, numpy_code
 from tensorcast._errors import HeaderError, UnsupportedLeafError
 
-__all__ = ["BufferLeaf", "build", "flatten", "render_path"]
+__all__ = ["BufferLeaf", "compile_tokens", "flatten", "render_path", "run"]
 
 # Strings and bytes longer than this travel in the buffer, not in the header.
 INLINE_LIMIT = 1024
@@ -124,7 +124,7 @@ def _check_tensor(t: torch.Tensor, path: Path) -> str:
         )
     if t.is_meta:
         return _raise(t, path, "meta tensors have no data to send")
-    code = _CODE_OF_TORCH.get(t.dtype)
+    code = CODE_OF_TORCH.get(t.dtype)
     if code is not None:
         return code
     return _raise(t, path, f"dtype {t.dtype} is not in tensorcast's dtype table")
@@ -255,7 +255,7 @@ def _walk(
             continue
         t = type(obj)
         if t is torch.Tensor or t is _Parameter:
-            code = _CODE_OF_TORCH.get(obj.dtype)
+            code = CODE_OF_TORCH.get(obj.dtype)
             if code is None or obj.layout is not _STRIDED or obj.is_nested or obj.is_meta:
                 raise _Fail(obj, functools.partial(_check_tensor, obj))
             dev = obj.get_device()
@@ -638,11 +638,3 @@ def run(program: list[tuple[Any, ...]], leaf_values: Sequence[Any]) -> Any:
         else:
             root = value
     return root
-
-
-def build(
-    tokens: Any, leaf_values: Sequence[Any] | None, n_leaves: int, *, want_paths: bool = False
-) -> tuple[Any, list[Path] | None]:
-    """Validate ``tokens`` and rebuild the tree (``leaf_values`` None: validate only)."""
-    program, paths = compile_tokens(tokens, n_leaves, want_paths=want_paths)
-    return (run(program, leaf_values) if leaf_values is not None else None), paths

@@ -84,6 +84,8 @@ class PackPlan:
         leaves: list[_tree.BufferLeaf],
         offsets: list[int],
         device: torch.device,
+        layout: Layout,
+        has_gaps: bool,
     ):
         self.header = header
         self.nbytes = nbytes
@@ -91,8 +93,10 @@ class PackPlan:
         self.offsets = offsets
         #: the device of the batch's tensors (cpu when it has none)
         self.device = device
-        self.layout: Layout | None = None
-        self.has_gaps = True
+        #: what the header was encoded from, for the next batch's header reuse
+        self.layout = layout
+        #: whether alignment leaves gaps between leaves (they are zeroed when written)
+        self.has_gaps = has_gaps
 
     def write(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Copy every leaf's bytes into ``buffer[:self.nbytes]`` at its offset.
@@ -256,10 +260,10 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = Non
         header = previous.header  # same layout and small values: comparing beats encoding
     else:
         header = _schema.encode(end, align, table, tokens)
-    out = PackPlan(header, end, leaves, offsets, device or torch.device("cpu"))
-    out.has_gaps = data_bytes != end
-    out.layout = Layout(table, tokens, header, not loose)
-    return out
+    layout = Layout(table, tokens, header, not loose)
+    return PackPlan(
+        header, end, leaves, offsets, device or torch.device("cpu"), layout, data_bytes != end
+    )
 
 
 def pack(

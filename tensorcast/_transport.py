@@ -83,6 +83,7 @@ class Frame:
     packed: torch.Tensor | None = None  # a pre-packed buffer
     # the typed views the plan was written into, when it was written into the payload
     tensor_views: list[torch.Tensor] | None = None
+    decoded: _schema.Decoded | None = None  # a pre-packed batch's validated header
 
 
 @dataclass(slots=True)
@@ -222,7 +223,9 @@ class Channel:
         if isinstance(batch, Packed):
             decoded = _schema.decode(batch.header)
             _codec._check_buffer(batch.buffer, decoded.nbytes)
-            return Frame(FRAME_DATA, batch.header, decoded.nbytes, packed=batch.buffer)
+            return Frame(
+                FRAME_DATA, batch.header, decoded.nbytes, packed=batch.buffer, decoded=decoded
+            )
         plan = _codec.plan(batch, previous=self._last_layout)
         self._last_layout = plan.layout  # no tensors: it keeps no batch alive
         return Frame(FRAME_DATA, plan.header, plan.nbytes, plan=plan)
@@ -349,6 +352,10 @@ class Channel:
             assert frame.plan is not None
             values = frame.plan.values(payload, frame.tensor_views)
             return _codec.rebuild(_schema.decode(frame.header), payload, values)
+        if frame.decoded is not None:  # pre-packed: its header was validated in encode()
+            if device is not None and device != payload.device:
+                payload = _codec.copy_to_device(payload, device)
+            return _codec.rebuild(frame.decoded, payload)
         return _codec.unpack(frame.header, payload, device=device)
 
     # -- receivers -----------------------------------------------------------------

@@ -7,7 +7,9 @@ One GPU cannot host a multi-rank NCCL group, so this checks what one GPU can:
    back as CPU arrays, ``Packed.pin_memory``;
 2. gloo ranks sharing the GPU: ``tc.broadcast`` and a ``BroadcastingDataLoader`` pass of
    CUDA batches, receivers asking for ``device="cuda"`` and running under
-   ``torch.cuda.set_sync_debug_mode("error")``: no host-device sync on receivers.
+   ``torch.cuda.set_sync_debug_mode("error")``: no host-device sync on receivers;
+3. an NCCL group of one rank: the source's side of the NCCL path (the gloo group for
+   headers, the payload on NCCL, CPU trees staged through pinned memory).
 
     python benchmarks/gpu_check.py [--world-size 2]
 
@@ -32,25 +34,43 @@ from tensorcast._dtypes import TORCH_CODES
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().cpu().contiguous().reshape(-1)
+    t = t.detach().cpu()
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)  # a bool copy would turn bytes other than 0 / 1 into 1
+    t = t.contiguous().reshape(-1)
     return t.view(torch.uint8) if t.numel() else t.to(torch.uint8)
 
 
-def _same(a: object, b: object) -> bool:
+def _diff(a: object, b: object, where: str = "batch") -> str | None:
+    """Where ``a`` and ``b`` first differ (types, dtypes, shapes, bytes), or None."""
     if isinstance(a, torch.Tensor):
-        return (
-            isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(_bits(a), _bits(b))
-        )
+        if not isinstance(b, torch.Tensor):
+            return f"{where}: tensor vs {type(b).__name__}"
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        if not torch.equal(_bits(a), _bits(b)):
+            return f"{where}: bytes differ: {_bits(a)[:16].tolist()} vs {_bits(b)[:16].tolist()}"
+        return None
     if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+        same = isinstance(b, np.ndarray) and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+        return None if same else f"{where}: arrays differ"
     if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+        if not isinstance(b, dict) or list(a) != list(b):
+            return f"{where}: keys differ"
+        return next((d for k in a if (d := _diff(a[k], b[k], f"{where}[{k!r}]"))), None)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
-    return a == b and type(a) is type(b)
+        if type(a) is not type(b) or len(a) != len(b):  # type: ignore[arg-type]
+            return f"{where}: {type(a).__name__} vs {type(b).__name__}"
+        pairs = enumerate(zip(a, b))  # type: ignore[call-overload]
+        return next((d for i, (x, y) in pairs if (d := _diff(x, y, f"{where}[{i}]"))), None)
+    return None if a == b and type(a) is type(b) else f"{where}: {a!r} vs {b!r}"
+
+
+def _same(a: object, b: object) -> bool:
+    diff = _diff(a, b)
+    if diff is not None:
+        raise AssertionError(diff)  # the check's report shows where
+    return True
 
 
 def _batch(device: str, step: int = 0) -> dict[str, object]:
@@ -155,6 +175,41 @@ def shared_gpu(world: int) -> list[tuple[str, bool, str]]:
     return sorted(out)
 
 
+def _nccl_rank(store_path: str, queue: object) -> None:
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.FileStore(store_path, 1), rank=0, world_size=1)
+    try:
+        out = []
+        for step in range(3):
+            for device in ("cuda", "cpu"):
+                batch = _batch(device, step)
+                got = tc.broadcast(batch, 0)
+                diff = _diff(batch, got) or ("" if got["audio"].is_cuda else "not on cuda")
+                out.append((f"NCCL group of one: a {device} tree, step {step}", not diff, diff))
+        got = tc.broadcast(tc.pack(_batch("cpu", 9)), 0, device="cpu")
+        diff = _diff(_batch("cpu", 9), got) or ""
+        out.append(("NCCL group of one: a pre-packed batch, device='cpu'", not diff, diff))
+        queue.put(out)  # type: ignore[attr-defined]
+    except Exception:
+        queue.put([("NCCL group of one", False, traceback.format_exc())])  # type: ignore[attr-defined]
+    finally:
+        dist.destroy_process_group()
+
+
+def nccl_single_rank() -> list[tuple[str, bool, str]]:
+    """One NCCL rank cannot test receivers, but it runs every step of the source's side."""
+    if not dist.is_nccl_available():
+        return [("NCCL group of one", False, "NCCL is not available in this torch build")]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = ctx.Process(target=_nccl_rank, args=(os.path.join(tmp, "store"), queue))
+        proc.start()
+        out = queue.get(timeout=300)
+        proc.join(30)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
@@ -162,7 +217,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 2
-    results = single_process() + shared_gpu(args.world_size)
+    results = single_process() + shared_gpu(args.world_size) + nccl_single_rank()
     for name, ok, err in results:
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
         if err:

@@ -134,6 +134,10 @@ class PackPlan:
                     buffer[end:off].zero_()
             end = off + (len(data) if kind == "bytes" or kind == "str" else data.nbytes)
             if kind == "tensor":
+                if code == "BOOL":
+                    # As bytes: a bool copy would turn bytes other than 0 / 1 (masks made
+                    # with .view(torch.bool)) into 1, and the bytes must arrive as they are.
+                    code, data = "U8", data.view(torch.uint8)
                 base = bases.get(code)
                 if base is None:
                     isz = CODE_ITEMSIZE[code]
@@ -170,9 +174,10 @@ class PackPlan:
         out: list[Any] = []
         views = iter(tensor_views)
         host: np.ndarray | None = None
-        for (kind, _code, shape, data), off in zip(self.leaves, self.offsets):
+        for (kind, code, shape, data), off in zip(self.leaves, self.offsets):
             if kind == "tensor":
-                out.append(next(views))
+                view = next(views)
+                out.append(view.view(torch.bool) if code == "BOOL" else view)
             elif kind == "bytes":
                 out.append(data)
             elif kind == "str":

@@ -30,7 +30,10 @@ from tensorcast._dtypes import NUMPY_CODES, TORCH_CODES
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """The bytes of ``t`` in C order (works for 0-d tensors and every dtype)."""
     # A fresh tensor has canonical strides; .contiguous() may keep a size-1 dim's odd stride.
-    fresh = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
+    t = t.detach()
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)  # a bool copy would turn bytes other than 0 / 1 into 1
+    fresh = torch.empty(t.shape, dtype=t.dtype).copy_(t)
     return fresh.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
@@ -225,6 +228,20 @@ def test_every_torch_dtype_round_trips_bit_for_bit(code: str) -> None:
     assert_same(out, {k: v.contiguous() for k, v in cases.items()})
     for v in out.values():
         assert v.is_contiguous()
+
+
+def test_bool_masks_made_from_bytes_keep_their_bytes() -> None:
+    raw = torch.tensor([0, 1, 2, 127, 128, 255, 7, 0], dtype=torch.uint8)
+    mask = raw.view(torch.bool)
+    batch = {"mask": mask, "strided": mask[::2], "grid": mask.reshape(2, 4).t(), "0d": mask[5]}
+    batch["np"] = raw.numpy().view(np.bool_)
+    out = roundtrip(batch)
+    assert out["mask"].dtype == torch.bool
+    assert torch.equal(out["mask"].view(torch.uint8), raw)
+    assert torch.equal(out["strided"].view(torch.uint8), raw[::2])
+    assert torch.equal(out["grid"].contiguous().view(torch.uint8), raw.reshape(2, 4).t())
+    assert out["0d"].view(torch.uint8).item() == 255
+    assert out["np"].view(np.uint8).tolist() == raw.tolist()
 
 
 def test_non_contiguous_tensors_arrive_contiguous_with_the_same_values() -> None:

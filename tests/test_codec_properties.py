@@ -52,8 +52,7 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
     itemsize = torch.empty((), dtype=dtype).element_size()
     raw = draw(st.binary(min_size=numel * itemsize, max_size=numel * itemsize))
-    if dtype == torch.bool:
-        raw = bytes(b & 1 for b in raw)  # other bool bytes are undefined behaviour in torch
+    # bool bytes other than 0 / 1 included: masks made with .view(torch.bool) hold them
     t = torch.frombuffer(bytearray(raw) or bytearray(1), dtype=torch.uint8)[: len(raw)]
     t = t.view(dtype).reshape(shape)
     if layout == "transposed" and t.dim() >= 2:
@@ -71,8 +70,6 @@ def arrays(draw: st.DrawFn) -> np.ndarray:
     shape = draw(shapes)
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
     raw = draw(st.binary(min_size=numel * dtype.itemsize, max_size=numel * dtype.itemsize))
-    if dtype == np.bool_:
-        raw = bytes(b & 1 for b in raw)
     a = np.frombuffer(raw, dtype=dtype).reshape(shape)
     if draw(st.booleans()) and a.ndim >= 2:
         a = a.T

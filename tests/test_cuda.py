@@ -34,3 +34,9 @@ def test_gloo_ranks_sharing_the_gpu_receive_without_syncing() -> None:
     import gpu_check
 
     _assert_all_pass(gpu_check.shared_gpu(2))
+
+
+def test_nccl_group_of_one_runs_the_source_side() -> None:
+    import gpu_check
+
+    _assert_all_pass(gpu_check.nccl_single_rank())

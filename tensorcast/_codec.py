@@ -11,6 +11,7 @@ Nothing here knows about process groups; ``_transport`` moves headers and buffer
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -98,11 +99,16 @@ class PackPlan:
         #: whether alignment leaves gaps between leaves (they are zeroed when written)
         self.has_gaps = has_gaps
 
-    def write(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+    def write(self, buffer: torch.Tensor, skip: Container[int] = ()) -> list[torch.Tensor]:
         """Copy every leaf's bytes into ``buffer[:self.nbytes]`` at its offset.
 
         Tensor leaves are copied by one batched ``_foreach_copy_`` into typed views of
         the buffer: per-leaf Python work is what dominates batches of many small leaves.
+
+        Args:
+            buffer: at least ``nbytes`` bytes, on any device.
+            skip: indices of tensor leaves not to copy (they travel from their own
+                memory); their bytes in ``buffer`` are left as they are.
 
         Returns:
             The typed views the tensor leaves were copied into, in leaf order: the
@@ -121,11 +127,13 @@ class PackPlan:
         # Alignment gaps are zeroed: the bytes are deterministic, and no stale memory of
         # this process travels to the peers. Small or many-leaf buffers get one memset;
         # large ones (where a second pass over the data would cost) get one per gap.
-        per_gap = self.nbytes > _MEMSET_BELOW and len(self.leaves) <= _MEMSET_ABOVE_LEAVES
+        per_gap = bool(skip) or (
+            self.nbytes > _MEMSET_BELOW and len(self.leaves) <= _MEMSET_ABOVE_LEAVES
+        )
         if self.has_gaps and not per_gap:
             buffer[: self.nbytes].zero_()
         end = 0
-        for (kind, code, shape, data), off in zip(self.leaves, self.offsets):
+        for i, ((kind, code, shape, data), off) in enumerate(zip(self.leaves, self.offsets)):
             if per_gap and off > end:
                 if on_cpu:
                     host = buffer.numpy() if host is None else host
@@ -134,6 +142,8 @@ class PackPlan:
                     buffer[end:off].zero_()
             end = off + (len(data) if kind == "bytes" or kind == "str" else data.nbytes)
             if kind == "tensor":
+                if skip and i in skip:
+                    continue
                 if code == "BOOL":
                     # As bytes: a bool copy would turn bytes other than 0 / 1 (masks made
                     # with .view(torch.bool)) into 1, and the bytes must arrive as they are.
@@ -169,13 +179,22 @@ class PackPlan:
             torch._foreach_copy_(dsts, srcs)
         return dsts
 
-    def values(self, buffer: torch.Tensor, tensor_views: list[torch.Tensor]) -> list[Any]:
-        """The leaf values the receivers will see, built from what :meth:`write` returned."""
+    def values(
+        self,
+        buffer: torch.Tensor,
+        tensor_views: list[torch.Tensor],
+        given: dict[int, torch.Tensor] | None = None,
+    ) -> list[Any]:
+        """The leaf values the receivers will see, built from what :meth:`write` returned
+        (and, for the leaves it skipped, from ``given``)."""
         out: list[Any] = []
         views = iter(tensor_views)
         host: np.ndarray | None = None
-        for (kind, code, shape, data), off in zip(self.leaves, self.offsets):
+        for i, ((kind, code, shape, data), off) in enumerate(zip(self.leaves, self.offsets)):
             if kind == "tensor":
+                if given and i in given:
+                    out.append(given[i])
+                    continue
                 view = next(views)
                 out.append(view.view(torch.bool) if code == "BOOL" else view)
             elif kind == "bytes":

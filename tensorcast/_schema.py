@@ -104,6 +104,8 @@ class Decoded:
     tokens: list[Any]
     program: list[tuple[Any, ...]] | None = None
     view_specs: list[tuple[Any, ...]] | None = None
+    #: the transport's cut of the payload for a direct-leaf size (see _transport)
+    segments: tuple[int, list[tuple[int, int, int]]] | None = None
 
 
 def encode(nbytes: int, align: int, leaves: list[Any], tokens: list[Any]) -> bytes:

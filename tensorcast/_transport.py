@@ -1,6 +1,6 @@
 """Moving a packed batch from one source rank to its peers: frames and collectives.
 
-Each step is one *frame*, sent as at most two broadcasts on the group:
+Each step is one *frame*, usually sent as one or two broadcasts on the group:
 
 1. the *first message*, of a fixed capacity that every rank knows in advance (it starts
    at 4 KiB and the source announces any growth in the previous frame)::
@@ -10,6 +10,13 @@ Each step is one *frame*, sent as at most two broadcasts on the group:
    A batch whose header and buffer fit travels in this one message: one collective.
 2. the *payload*, only when it did not fit inline: exactly ``payload_len`` bytes,
    received into a pooled buffer on the transfer device.
+
+A tensor leaf of at least ``DIRECT_MIN`` bytes is not copied into the source's buffer:
+it travels from its own memory as a broadcast of its own, straight into its place in the
+receivers' buffer (the frame's ``direct_min`` says which leaves, so both sides cut the
+payload into the same pieces). The bytes between such leaves go inline in the first
+message when they fit, else as broadcasts of their own. A batch of one large tensor and
+some small values is thus two collectives with no packing copy on the source.
 
 A header too large for the current capacity spills into a header-only second message
 (the capacity then grows so later steps do not spill). END and ERROR frames are
@@ -50,11 +57,11 @@ __all__ = ["Channel", "Frame", "channel_for_group"]
 
 FRAME_DATA, FRAME_END, FRAME_ERROR = 1, 2, 3
 _KINDS = {FRAME_DATA: "data", FRAME_END: "end", FRAME_ERROR: "error"}
-_INLINE, _CRC, _SPILL = 1, 2, 4
+_INLINE, _CRC, _SPILL, _DIRECT = 1, 2, 4, 8
 
 # magic, kind, flags, desc_len, pass, step, fingerprint, header_len, payload_len,
-# next_capacity, crc32
-_PREFIX = struct.Struct("<4sBBHIQQIQII")
+# next_capacity, crc32, direct_min
+_PREFIX = struct.Struct("<4sBBHIQQIQIII")
 _MAGIC = b"TCFR"
 INITIAL_CAPACITY = 4096
 MAX_CAPACITY = 256 << 10  # larger payloads always take a second message
@@ -62,6 +69,30 @@ _PAYLOAD_ALIGN = 64
 _MAX_DESC = 1024
 _MAX_ERROR = 64 << 10
 _CPU = torch.device("cpu")
+#: Tensor leaves of at least this many bytes travel from their own memory, as their own
+#: broadcast: copying 2 MiB costs more than the extra collective.
+DIRECT_MIN = 2 << 20
+_DIRECT_FLOOR = 64 << 10  # a frame asking for smaller direct leaves is not ours
+
+
+def _segments(table: list[Any], nbytes: int, direct_min: int) -> list[tuple[int, int, int]]:
+    """The payload cut into ``(start, end, leaf)`` pieces that cover it in order.
+
+    ``leaf`` is the index of a tensor leaf of at least ``direct_min`` bytes (it is a piece
+    of its own), or -1 for the bytes between such leaves. ``table`` rows are the header's
+    ``(kind, code, shape, offset, nbytes)``, validated: in order and not overlapping.
+    """
+    out: list[tuple[int, int, int]] = []
+    at = 0
+    for i, (kind, _code, _shape, off, n) in enumerate(table):
+        if kind == "tensor" and n >= direct_min:
+            if off > at:
+                out.append((at, off, -1))
+            out.append((off, off + n, i))
+            at = off + n
+    if at < nbytes:
+        out.append((at, nbytes, -1))
+    return out
 
 
 def _align_up(n: int, a: int = _PAYLOAD_ALIGN) -> int:
@@ -84,6 +115,10 @@ class Frame:
     # the typed views the plan was written into, when it was written into the payload
     tensor_views: list[torch.Tensor] | None = None
     decoded: _schema.Decoded | None = None  # a pre-packed batch's validated header
+    # the source's own values of the leaves that travelled from their own memory, and
+    # where their bytes belong in the payload
+    direct_values: dict[int, torch.Tensor] | None = None
+    direct_ranges: list[tuple[int, int, torch.Tensor]] | None = None
 
 
 @dataclass(slots=True)
@@ -95,10 +130,33 @@ class _Prepared:
     payload: torch.Tensor | None
     flags: int
     next_capacity: int
+    # what follows the first message on the group, in order (None: the whole payload)
+    pieces: list[torch.Tensor] | None = None
 
 
-def _crc(buffer: torch.Tensor) -> int:
-    return zlib.crc32(buffer.cpu().numpy().data) if buffer.numel() else 0
+def _crc(buffer: torch.Tensor, start: int = 0) -> int:
+    return zlib.crc32(buffer.cpu().numpy().data, start) if buffer.numel() else start
+
+
+def _crc_of_direct(buffer: torch.Tensor, frame: Frame) -> int:
+    """The CRC32 of the payload as receivers will hold it: ``buffer`` with the direct
+    leaves' bytes in their places."""
+    crc = at = 0
+    for a, b, piece in frame.direct_ranges or ():
+        crc = _crc(piece, _crc(buffer[at:a], crc))
+        at = b
+    return _crc(buffer[at : frame.payload_len], crc)
+
+
+def _segments_of(decoded: _schema.Decoded, direct_min: int) -> list[tuple[int, int, int]]:
+    """:func:`_segments` of a received header, computed once per distinct header."""
+    cached = decoded.segments
+    if cached is None or cached[0] != direct_min:
+        cached = decoded.segments = (
+            direct_min,
+            _segments(decoded.leaves, decoded.nbytes, direct_min),
+        )
+    return cached[1]
 
 
 class Channel:
@@ -254,6 +312,53 @@ class Channel:
         frame.tensor_views = plan.write(out)
         return out
 
+    def _direct_sources(self, frame: Frame) -> list[tuple[int, int, int]] | None:
+        """The payload's pieces when some of its tensor leaves can travel from their own
+        memory (see the module docstring); None when it travels as one buffer."""
+        plan = frame.plan
+        if plan is None or plan.nbytes < DIRECT_MIN or plan.device != self.transfer_device:
+            return None
+        segments = _segments(plan.layout.table, plan.nbytes, DIRECT_MIN)
+        return None if len(segments) == 1 and segments[0][2] < 0 else segments
+
+    def _write_direct(
+        self, frame: Frame, segments: list[tuple[int, int, int]], inline: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Write the bytes that do not travel from their own memory; return the source's
+        buffer and the pieces to broadcast after the first message, in order.
+
+        ``inline`` is where the bytes between direct leaves go when they fit in the first
+        message. A large leaf that is not contiguous is copied into the buffer as usual
+        and sent from there.
+        """
+        plan = frame.plan
+        assert plan is not None
+        sources: dict[int, torch.Tensor] = {}
+        for _a, _b, i in segments:
+            if i >= 0:
+                t = plan.leaves[i][3]
+                if t.is_contiguous() and not t.is_conj() and not t.is_neg():
+                    sources[i] = t.detach()
+        buffer = self.pool.take(plan.nbytes, self.transfer_device)
+        frame.tensor_views = plan.write(buffer, skip=sources)
+        frame.direct_values = sources
+        pieces: list[torch.Tensor] = []
+        frame.direct_ranges = []
+        at = 0
+        for a, b, i in segments:
+            if i < 0 and inline is not None:
+                inline[at : at + b - a].copy_(buffer[a:b])
+                at += b - a
+                continue
+            source = sources.get(i)
+            if source is None:
+                pieces.append(buffer[a:b])
+            else:
+                piece = source.reshape(-1).view(torch.uint8)
+                pieces.append(piece)
+                frame.direct_ranges.append((a, b, piece))
+        return buffer, pieces
+
     def _prepare(self, frame: Frame) -> _Prepared:
         """Everything before the first collective: the first message and the payload.
 
@@ -266,14 +371,19 @@ class Channel:
         payload_at = _align_up(head_end)
         payload_len = frame.payload_len
         capacity = self.capacity
+        segments = self._direct_sources(frame) if frame.kind == FRAME_DATA else None
         flags = 0
+        inline_len = payload_len  # the bytes that would go in the first message
+        if segments is not None:
+            flags |= _DIRECT
+            inline_len = sum(b - a for a, b, i in segments if i < 0)
         if head_end > capacity:
             flags |= _SPILL
-        elif frame.kind == FRAME_DATA and self.inline_ok and payload_at + payload_len <= capacity:
+        elif frame.kind == FRAME_DATA and self.inline_ok and payload_at + inline_len <= capacity:
             flags |= _INLINE
         # Grow the next first message so a frame like this one fits inline (bounded by
         # MAX_CAPACITY: larger payloads take a second message, larger headers spill).
-        want = payload_at + (payload_len if self.inline_ok else 0)
+        want = payload_at + (inline_len if self.inline_ok else 0)
         if want > MAX_CAPACITY:
             want = head_end if head_end <= MAX_CAPACITY else 0
         next_capacity = max(capacity, _pow2_at_least(want)) if want else capacity
@@ -281,8 +391,13 @@ class Channel:
         first = self.frames.take(capacity, _CPU)
         host = first.numpy()
         payload: torch.Tensor | None = None
+        pieces: list[torch.Tensor] | None = None
         if flags & _INLINE:
             host[head_end:payload_at] = 0  # no stale bytes between header and payload
+        if segments is not None:
+            inline = first[payload_at : payload_at + inline_len] if flags & _INLINE else None
+            payload, pieces = self._write_direct(frame, segments, inline)
+        elif flags & _INLINE:
             payload = first[payload_at : payload_at + payload_len]
             if frame.packed is not None:
                 payload.copy_(frame.packed)
@@ -293,7 +408,7 @@ class Channel:
         crc = 0
         if self.verify and payload is not None:
             flags |= _CRC
-            crc = _crc(payload)
+            crc = _crc(payload) if segments is None else _crc_of_direct(payload, frame)
         prefix = _PREFIX.pack(
             _MAGIC,
             frame.kind,
@@ -306,10 +421,11 @@ class Channel:
             payload_len,
             next_capacity,
             crc,
+            DIRECT_MIN if segments is not None else 0,
         )
         head = prefix + desc if flags & _SPILL else prefix + desc + header
         host[: len(head)] = np.frombuffer(head, np.uint8)  # one copy for the whole head
-        return _Prepared(frame, first, payload, flags, next_capacity)
+        return _Prepared(frame, first, payload, flags, next_capacity, pieces)
 
     def _post(self, prepared: _Prepared) -> torch.Tensor | None:
         """The collectives of one frame: the first message, then what did not fit in it."""
@@ -318,7 +434,10 @@ class Channel:
         if flags & _SPILL:
             spill = torch.frombuffer(bytearray(frame.header), dtype=torch.uint8)
             self._broadcast(spill, self.header_group, "spilled header")
-        if payload is not None and not flags & _INLINE and frame.payload_len:
+        if prepared.pieces is not None:
+            for piece in prepared.pieces:
+                self._broadcast(piece, self.group, "batch buffer")
+        elif payload is not None and not flags & _INLINE and frame.payload_len:
             self._broadcast(payload, self.group, "batch buffer")
         self.step += 1
         self.capacity = prepared.next_capacity
@@ -348,10 +467,13 @@ class Channel:
         payload = self._post(prepared)
         assert payload is not None
         if frame.tensor_views is not None and (device is None or device == payload.device):
-            # The views the batch was packed into are the very leaves receivers rebuild.
+            # The views the batch was packed into are the very leaves receivers rebuild;
+            # leaves that travelled from their own memory are themselves (detached).
             assert frame.plan is not None
-            values = frame.plan.values(payload, frame.tensor_views)
+            values = frame.plan.values(payload, frame.tensor_views, frame.direct_values)
             return _codec.rebuild(_schema.decode(frame.header), payload, values)
+        for a, b, piece in frame.direct_ranges or ():
+            payload[a:b].copy_(piece)  # the buffer as receivers hold it, to move it
         if frame.decoded is not None:  # pre-packed: its header was validated in encode()
             if device is not None and device != payload.device:
                 payload = _codec.copy_to_device(payload, device)
@@ -385,6 +507,7 @@ class Channel:
             payload_len,
             next_capacity,
             crc,
+            direct_min,
         ) = _PREFIX.unpack_from(host.data, 0)
         if magic != _MAGIC or kind not in _KINDS or desc_len > _MAX_DESC:
             raise HeaderError(
@@ -434,27 +557,45 @@ class Channel:
                 f"{self._where()}: frame says {payload_len} payload bytes, "
                 f"header says {decoded.nbytes}"
             )
-        if flags & _INLINE:
-            at = _align_up(head_end)
-            if at + payload_len > capacity:
-                raise HeaderError(f"{self._where()}: inline payload overruns the first message")
+        # Where the payload's bytes come from: all inline in the first message, or pieces
+        # (the whole payload, or direct leaves and the bytes between them) that follow it.
+        inline = flags & _INLINE
+        segments: list[tuple[int, int, int]] | None = None
+        inline_len = payload_len if inline else 0
+        if flags & _DIRECT:
+            if direct_min < _DIRECT_FLOOR:
+                raise HeaderError(f"{self._where()}: invalid direct leaf size {direct_min}")
+            segments = _segments_of(decoded, direct_min)
+            if inline:
+                inline_len = sum(b - a for a, b, i in segments if i < 0)
+        at = _align_up(head_end)
+        if inline and at + inline_len > capacity:
+            raise HeaderError(f"{self._where()}: inline payload overruns the first message")
+        if inline and segments is None:
             payload = first[at : at + payload_len]
-        elif device is not None and device.type == "cuda" and self.transfer_device.type == "cpu":
-            # gloo into pinned memory, so the copy to the GPU below is asynchronous.
-            payload = torch.empty(payload_len, dtype=torch.uint8, pin_memory=True)
-            if payload_len:
-                self._broadcast(payload, self.group, "batch buffer")
         else:
-            try:
-                payload = self.pool.take(payload_len, self.transfer_device)
-            except RuntimeError as e:  # out of memory: the collective sequence is now lost
-                self.broken = e
-                raise TensorcastError(
-                    f"{self._where()}: cannot allocate the {payload_len}-byte batch buffer on "
-                    f"{self.transfer_device}: {e}"
-                ) from e
-            if payload_len:
-                self._broadcast(payload, self.group, "batch buffer")
+            if device is not None and device.type == "cuda" and self.transfer_device.type == "cpu":
+                # gloo into pinned memory, so the copy to the GPU below is asynchronous.
+                payload = torch.empty(payload_len, dtype=torch.uint8, pin_memory=True)
+            else:
+                try:
+                    payload = self.pool.take(payload_len, self.transfer_device)
+                except RuntimeError as e:  # out of memory: the collective sequence is lost
+                    self.broken = e
+                    raise TensorcastError(
+                        f"{self._where()}: cannot allocate the {payload_len}-byte batch buffer "
+                        f"on {self.transfer_device}: {e}"
+                    ) from e
+            if segments is None:
+                if payload_len:
+                    self._broadcast(payload, self.group, "batch buffer")
+            else:
+                for a, b, i in segments:
+                    if i < 0 and inline:
+                        payload[a:b].copy_(first[at : at + b - a])
+                        at += b - a
+                    else:
+                        self._broadcast(payload[a:b], self.group, "batch buffer")
         if flags & _CRC and _crc(payload) != crc:
             raise PeerError(
                 f"{self._where()}: the received buffer's CRC32 is {_crc(payload):#010x} but the "

@@ -248,6 +248,28 @@ def large() -> dict[str, Any]:
     return {"audio": torch.randn(300_000, generator=g), "lens": torch.tensor([300_000])}
 
 
+def direct() -> dict[str, Any]:
+    """Leaves of 2 MiB and more travel from their own memory, each as its own broadcast:
+    contiguous, non-contiguous (copied, then sent), a bool mask of raw bytes, a complex
+    one; small leaves between them go inline in the first message."""
+    g = torch.Generator().manual_seed(4)
+    return {
+        "audio": torch.randn(4, 150_000, generator=g),
+        "lens": torch.tensor([150_000, 1, 2, 3]),
+        "feats": torch.randn(700, 800, generator=g).t(),
+        "ids": [f"utt-{i}" for i in range(4)],
+        "mask": torch.randint(0, 256, (3 << 20,), generator=g, dtype=torch.uint8).view(torch.bool),
+        "spec": torch.randn(300_000, generator=g, dtype=torch.complex64),
+        "tail": torch.arange(5),
+    }
+
+
+def direct_and_large_rest() -> dict[str, Any]:
+    """A direct leaf, then 400 KB of small leaves: too much to go inline."""
+    g = torch.Generator().manual_seed(5)
+    return {"audio": torch.randn(1 << 20, generator=g), "rest": torch.randn(100_000, generator=g)}
+
+
 def big_header() -> dict[str, Any]:
     """A header well over 256 KiB and no buffer at all (every str is under the inline limit)."""
     return {"words": [f"{i:05d}" + "w" * 1000 for i in range(300)], "n": 300}
@@ -262,6 +284,8 @@ CASES: dict[str, Callable[[], Any]] = {
     "every_kind": every_kind,
     "large": large,
     "tiny_after_large": tiny,
+    "direct": direct,
+    "direct_and_large_rest": direct_and_large_rest,
     "big_header": big_header,
     "big_header_and_payload": big_header_and_payload,
     "none": lambda: None,
@@ -365,6 +389,18 @@ def _rank_two(rank: int, world: int) -> dict[str, Any]:
             assert all(t.is_contiguous() and t.device.type == "cpu" for t in tensors_of(out))
             found[f"{name}/{src}"] = (digest(out), counter.calls)
             kept.append((name, out))
+
+    # On the source, a large contiguous leaf comes back as itself, detached (it was sent
+    # from its own memory); a non-contiguous one as a contiguous copy.
+    g = torch.Generator().manual_seed(6)
+    weights = torch.randn(1 << 20, generator=g).requires_grad_()
+    grid = torch.randn(1000, 1000, generator=g).t()
+    out = tc.broadcast({"w": weights, "grid": grid} if rank == 0 else None, 0)
+    check_same(out, {"w": weights.detach(), "grid": grid.contiguous()}, "direct leaves")
+    assert not out["w"].requires_grad and out["grid"].is_contiguous()
+    if rank == 0:
+        assert out["w"].data_ptr() == weights.data_ptr()
+        assert out["grid"].data_ptr() != grid.data_ptr()
 
     for device in ("cpu", torch.device("cpu")):
         out = tc.broadcast(large() if rank == 1 else None, 1, device=device)
@@ -534,6 +570,8 @@ def test_broadcast_trees_of_every_kind_on_two_ranks(pool2: Any) -> None:
         assert calls[f"large/{src}"] == 2, "header message, then the >256 KiB payload"
         assert calls[f"big_header/{src}"] == 2, "a >256 KiB header spills into a second message"
         assert calls[f"big_header_and_payload/{src}"] >= 2
+        assert calls[f"direct/{src}"] == 5, "first message, then each leaf of >= 2 MiB"
+        assert calls[f"direct_and_large_rest/{src}"] == 3
 
 
 def test_broadcast_on_meshes_and_groups_of_four(pool4: Any) -> None:

@@ -395,7 +395,7 @@ class _CorruptingChannel(_transport.Channel):
         elif what == "frame header":
             fields = _transport._PREFIX.unpack_from(tensor.numpy(), 0)
             flags, desc_len, header_len, payload_len = fields[2], fields[3], fields[7], fields[8]
-            if flags & _transport._INLINE and payload_len:
+            if flags & _transport._INLINE and not flags & _transport._DIRECT and payload_len:
                 at = _transport._align_up(_transport._PREFIX.size + desc_len + header_len)
                 tensor[at + payload_len // 2] ^= 0x5A
 
@@ -437,10 +437,12 @@ def _desync_and_integrity(rank: int, world: int) -> dict[str, Any]:
         out["restart"] = msg
     dist.barrier()  # nobody is left inside a collective
 
-    # 3. verify=True: a CRC32 travels and is checked, inline and in a second message.
+    # 3. verify=True: a CRC32 travels and is checked, inline, in a second message, and
+    # over a payload whose large leaves travel from their own memory.
     batches = [
         good_batch(2, 0),
         {"big": torch.arange(1 << 17, dtype=torch.float32)},
+        {"direct": torch.arange(1 << 20, dtype=torch.float32), "after": torch.arange(3)},
         {"nothing": None, "empty": torch.empty(0, 3)},
     ]
     ch = _transport.Channel(group, 0, timeout=TIMEOUT, verify=True)
@@ -452,7 +454,7 @@ def _desync_and_integrity(rank: int, world: int) -> dict[str, Any]:
     for verify in (True, False):
         cls = _transport.Channel if rank == 0 else _CorruptingChannel
         ch = cls(group, 0, timeout=TIMEOUT, verify=verify)
-        for want in batches[:2]:  # inline, then a second message
+        for want in batches[:3]:  # inline, a second message, direct leaves
             if rank == 0:
                 ch.send_batch(want)
             elif verify:
@@ -565,8 +567,17 @@ def test_offsets_past_2_and_4_gib_are_exact() -> None:
         assert view.storage_offset() * view.element_size() == spec.offset
         assert view.numel() * view.element_size() == spec.nbytes
     # The frame prefix carries such sizes without truncation.
-    fields = (b"TCFR", 1, 0, 0, 1, 2, 3, 4, schema.nbytes, 4096, 0)
+    fields = (b"TCFR", 1, 0, 0, 1, 2, 3, 4, schema.nbytes, 4096, 0, 2 << 20)
     assert _transport._PREFIX.unpack(_transport._PREFIX.pack(*fields)) == fields
+    # ... and cuts it into the same pieces on both sides: each large leaf its own piece.
+    (_, head), (_, g2), (_, g4), (_, tail), (_, text) = [(p, (o, o + n)) for p, o, n in want]
+    assert _transport._segments(decoded.leaves, schema.nbytes, 2 << 20) == [
+        (0, g2[0], -1),
+        (*g2, 1),
+        (g2[1], g4[0], -1),
+        (*g4, 2),
+        (g4[1], schema.nbytes, -1),
+    ]
 
 
 def test_mutation_while_packing_is_detected_locally() -> None:
@@ -623,7 +634,7 @@ def test_batch_mutated_after_next_is_not_corrupted(pool2: RankPool) -> None:
 def test_desync_setup_mismatch_and_integrity(pool2: RankPool) -> None:
     _, recv = pool2.run(_desync_and_integrity, timeout=CALL_TIMEOUT)
     assert "source:" in recv["fingerprint"] and "this rank:" in recv["fingerprint"]
-    assert len(recv["crc"]) == 2
+    assert len(recv["crc"]) == 3
 
 
 def test_source_death_fails_every_receiver(pool2: RankPool) -> None:

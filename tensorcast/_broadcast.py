@@ -34,9 +34,9 @@ def broadcast(
     Every rank of ``group`` calls this. The source packs the tree into a header and one
     buffer and sends both (one collective when they are small, two otherwise); receivers
     rebuild the tree as views into the received buffer. Nothing is pickled on any rank.
-    Tensor leaves of 2 MiB or more are not copied on the source: each travels from its own
-    memory as a broadcast of its own, straight into its place in the receivers' buffer,
-    and the source gets that very tensor back (detached).
+    Tensor leaves of 2 MiB or more travel from their own memory, each as a broadcast of
+    its own, straight into its place in the receivers' buffer; the source copies them for
+    its own result while they are on the wire.
 
     Args:
         tree: the batch on the source rank (a tree or a :class:`Packed`); ignored elsewhere,

@@ -99,7 +99,12 @@ class PackPlan:
         #: whether alignment leaves gaps between leaves (they are zeroed when written)
         self.has_gaps = has_gaps
 
-    def write(self, buffer: torch.Tensor, skip: Container[int] = ()) -> list[torch.Tensor]:
+    def write(
+        self,
+        buffer: torch.Tensor,
+        defer: Container[int] = (),
+        later: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> list[torch.Tensor]:
         """Copy every leaf's bytes into ``buffer[:self.nbytes]`` at its offset.
 
         Tensor leaves are copied by one batched ``_foreach_copy_`` into typed views of
@@ -107,8 +112,9 @@ class PackPlan:
 
         Args:
             buffer: at least ``nbytes`` bytes, on any device.
-            skip: indices of tensor leaves not to copy (they travel from their own
-                memory); their bytes in ``buffer`` are left as they are.
+            defer: indices of tensor leaves not to copy now: their ``(view, source)``
+                pairs go to ``later``, for the caller to copy when it suits it.
+            later: where deferred copies go.
 
         Returns:
             The typed views the tensor leaves were copied into, in leaf order: the
@@ -120,14 +126,15 @@ class PackPlan:
         total = buffer.numel()
         as_strided = torch.as_strided
         strides_cache = _strides_cache
-        dsts: list[torch.Tensor] = []
+        views: list[torch.Tensor] = []  # every tensor leaf's view, in leaf order
+        dsts: list[torch.Tensor] = []  # those copied now, and from what
         srcs: list[torch.Tensor] = []
         on_cpu = buffer.device.type == "cpu"
         host: np.ndarray | None = None
         # Alignment gaps are zeroed: the bytes are deterministic, and no stale memory of
         # this process travels to the peers. Small or many-leaf buffers get one memset;
         # large ones (where a second pass over the data would cost) get one per gap.
-        per_gap = bool(skip) or (
+        per_gap = bool(defer) or (
             self.nbytes > _MEMSET_BELOW and len(self.leaves) <= _MEMSET_ABOVE_LEAVES
         )
         if self.has_gaps and not per_gap:
@@ -142,8 +149,6 @@ class PackPlan:
                     buffer[end:off].zero_()
             end = off + (len(data) if kind == "bytes" or kind == "str" else data.nbytes)
             if kind == "tensor":
-                if skip and i in skip:
-                    continue
                 if code == "BOOL":
                     # As bytes: a bool copy would turn bytes other than 0 / 1 (masks made
                     # with .view(torch.bool)) into 1, and the bytes must arrive as they are.
@@ -155,8 +160,14 @@ class PackPlan:
                 strides = strides_cache.get(shape)
                 if strides is None:
                     strides = _contiguous_strides(shape)
-                dsts.append(as_strided(base[0], shape, strides, (base_offset + off) // base[1]))
-                srcs.append(data)
+                dst = as_strided(base[0], shape, strides, (base_offset + off) // base[1])
+                views.append(dst)
+                if defer and i in defer:
+                    assert later is not None
+                    later.append((dst, data.detach()))  # copy_ would carry requires_grad
+                else:
+                    dsts.append(dst)
+                    srcs.append(data)
                 continue
             if kind == "ndarray":
                 src = data
@@ -177,24 +188,15 @@ class PackPlan:
             dsts[0].copy_(srcs[0])
         elif dsts:
             torch._foreach_copy_(dsts, srcs)
-        return dsts
+        return views
 
-    def values(
-        self,
-        buffer: torch.Tensor,
-        tensor_views: list[torch.Tensor],
-        given: dict[int, torch.Tensor] | None = None,
-    ) -> list[Any]:
-        """The leaf values the receivers will see, built from what :meth:`write` returned
-        (and, for the leaves it skipped, from ``given``)."""
+    def values(self, buffer: torch.Tensor, tensor_views: list[torch.Tensor]) -> list[Any]:
+        """The leaf values the receivers will see, built from what :meth:`write` returned."""
         out: list[Any] = []
         views = iter(tensor_views)
         host: np.ndarray | None = None
-        for i, ((kind, code, shape, data), off) in enumerate(zip(self.leaves, self.offsets)):
+        for (kind, code, shape, data), off in zip(self.leaves, self.offsets):
             if kind == "tensor":
-                if given and i in given:
-                    out.append(given[i])
-                    continue
                 view = next(views)
                 out.append(view.view(torch.bool) if code == "BOOL" else view)
             elif kind == "bytes":

@@ -115,10 +115,10 @@ class Frame:
     # the typed views the plan was written into, when it was written into the payload
     tensor_views: list[torch.Tensor] | None = None
     decoded: _schema.Decoded | None = None  # a pre-packed batch's validated header
-    # the source's own values of the leaves that travelled from their own memory, and
-    # where their bytes belong in the payload
-    direct_values: dict[int, torch.Tensor] | None = None
+    # the leaves that travel from their own memory: where their bytes belong in the
+    # payload, and the copies into the source's buffer made while they are on the wire
     direct_ranges: list[tuple[int, int, torch.Tensor]] | None = None
+    later: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass(slots=True)
@@ -238,6 +238,21 @@ class Channel:
     # -- collectives ---------------------------------------------------------------
 
     def _broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup, what: str) -> None:
+        self._broadcast_many([tensor], group, what)
+
+    def _broadcast_many(
+        self,
+        tensors: list[torch.Tensor],
+        group: dist.ProcessGroup,
+        what: str,
+        meanwhile: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
+        """Broadcast ``tensors`` in order: all are posted, then all are waited for.
+
+        ``meanwhile`` holds ``(dst, src)`` copies made while the broadcasts are in flight
+        (gloo and NCCL run them outside the GIL): the source's own copy of the leaves that
+        travel from their own memory.
+        """
         if self.broken is not None:
             raise PeerError(
                 f"{self._where()}: this channel failed earlier ({self.broken}); "
@@ -246,11 +261,17 @@ class Channel:
         try:
             # The group's own broadcast with cached options: dist.broadcast re-derives them
             # on every call, which shows up on small batches.
-            work = group.broadcast([tensor], self._options(group))
-            if self.timeout is None:
-                work.wait()
-            else:
-                work.wait(self.timeout)
+            opts = self._options(group)
+            works = [group.broadcast([t], opts) for t in tensors]
+            try:
+                for dst, src in meanwhile or ():
+                    dst.copy_(src)
+            finally:
+                for work in works:
+                    if self.timeout is None:
+                        work.wait()
+                    else:
+                        work.wait(self.timeout)
         except RuntimeError as e:
             self.broken = e
             who = (
@@ -324,24 +345,26 @@ class Channel:
     def _write_direct(
         self, frame: Frame, segments: list[tuple[int, int, int]], inline: torch.Tensor | None
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Write the bytes that do not travel from their own memory; return the source's
-        buffer and the pieces to broadcast after the first message, in order.
+        """Write the payload except the leaves that travel from their own memory; return
+        the source's buffer and the pieces to broadcast after the first message, in order.
 
-        ``inline`` is where the bytes between direct leaves go when they fit in the first
-        message. A large leaf that is not contiguous is copied into the buffer as usual
-        and sent from there.
+        Those leaves are copied into the buffer too (the source's own result must not
+        change when its loader reuses a tensor), but later: while they are on the wire
+        (``frame.later``). ``inline`` is where the bytes between them go when they fit in
+        the first message. A large leaf that is not contiguous is copied now, and sent
+        from the buffer.
         """
         plan = frame.plan
         assert plan is not None
-        sources: dict[int, torch.Tensor] = {}
+        own: dict[int, torch.Tensor] = {}
         for _a, _b, i in segments:
             if i >= 0:
                 t = plan.leaves[i][3]
                 if t.is_contiguous() and not t.is_conj() and not t.is_neg():
-                    sources[i] = t.detach()
+                    own[i] = t.reshape(-1).view(torch.uint8)
         buffer = self.pool.take(plan.nbytes, self.transfer_device)
-        frame.tensor_views = plan.write(buffer, skip=sources)
-        frame.direct_values = sources
+        frame.later = []
+        frame.tensor_views = plan.write(buffer, defer=own, later=frame.later)
         pieces: list[torch.Tensor] = []
         frame.direct_ranges = []
         at = 0
@@ -350,11 +373,10 @@ class Channel:
                 inline[at : at + b - a].copy_(buffer[a:b])
                 at += b - a
                 continue
-            source = sources.get(i)
-            if source is None:
+            piece = own.get(i)
+            if piece is None:
                 pieces.append(buffer[a:b])
             else:
-                piece = source.reshape(-1).view(torch.uint8)
                 pieces.append(piece)
                 frame.direct_ranges.append((a, b, piece))
         return buffer, pieces
@@ -435,8 +457,7 @@ class Channel:
             spill = torch.frombuffer(bytearray(frame.header), dtype=torch.uint8)
             self._broadcast(spill, self.header_group, "spilled header")
         if prepared.pieces is not None:
-            for piece in prepared.pieces:
-                self._broadcast(piece, self.group, "batch buffer")
+            self._broadcast_many(prepared.pieces, self.group, "batch buffer", frame.later)
         elif payload is not None and not flags & _INLINE and frame.payload_len:
             self._broadcast(payload, self.group, "batch buffer")
         self.step += 1
@@ -467,13 +488,10 @@ class Channel:
         payload = self._post(prepared)
         assert payload is not None
         if frame.tensor_views is not None and (device is None or device == payload.device):
-            # The views the batch was packed into are the very leaves receivers rebuild;
-            # leaves that travelled from their own memory are themselves (detached).
+            # The views the batch was packed into are the very leaves receivers rebuild.
             assert frame.plan is not None
-            values = frame.plan.values(payload, frame.tensor_views, frame.direct_values)
+            values = frame.plan.values(payload, frame.tensor_views)
             return _codec.rebuild(_schema.decode(frame.header), payload, values)
-        for a, b, piece in frame.direct_ranges or ():
-            payload[a:b].copy_(piece)  # the buffer as receivers hold it, to move it
         if frame.decoded is not None:  # pre-packed: its header was validated in encode()
             if device is not None and device != payload.device:
                 payload = _codec.copy_to_device(payload, device)
@@ -590,12 +608,14 @@ class Channel:
                 if payload_len:
                     self._broadcast(payload, self.group, "batch buffer")
             else:
+                pieces = []
                 for a, b, i in segments:
                     if i < 0 and inline:
                         payload[a:b].copy_(first[at : at + b - a])
                         at += b - a
                     else:
-                        self._broadcast(payload[a:b], self.group, "batch buffer")
+                        pieces.append(payload[a:b])
+                self._broadcast_many(pieces, self.group, "batch buffer")
         if flags & _CRC and _crc(payload) != crc:
             raise PeerError(
                 f"{self._where()}: the received buffer's CRC32 is {_crc(payload):#010x} but the "

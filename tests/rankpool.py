@@ -48,8 +48,13 @@ def _init(rank: int, world: int, store_path: str, timeout_s: float) -> None:
     import torch.distributed as dist
 
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def _worker(rank: int, world: int, tasks: Any, results: Any) -> None:
@@ -70,7 +75,9 @@ def _worker(rank: int, world: int, tasks: Any, results: Any) -> None:
             value = fn(rank, world, *args, **kwargs)
             results.put((call_id, rank, True, value))
         except BaseException as e:  # reported to the parent, which fails the test
-            results.put((call_id, rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            results.put(
+                (call_id, rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+            )
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -96,8 +103,12 @@ class RankPool:
         self._results = self._ctx.Queue()
         self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
-            self._ctx.Process(target=_worker, args=(r, self.world_size, self._tasks[r], self._results),
-                              daemon=True, name=f"rank{r}")
+            self._ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, self._tasks[r], self._results),
+                daemon=True,
+                name=f"rank{r}",
+            )
             for r in range(self.world_size)
         ]
         for p in self._procs:
@@ -111,8 +122,14 @@ class RankPool:
             p.join(5)
         self._procs = []
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0,
-            allow_death: bool = False, **kwargs: Any) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float = 60.0,
+        allow_death: bool = False,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; its results by rank.
 
         Raises:

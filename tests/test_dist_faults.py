@@ -333,14 +333,21 @@ def _check_views(got: dict[str, Any]) -> None:
 
 class _ReusingSource:
     """A loader that yields ONE dict object, mutated in place for every step (containers
-    and tensor data), as loaders with preallocated buffers do."""
+    and tensor data), as loaders with preallocated buffers do. Its 4 MiB tensor travels
+    from its own memory: the source's kept batches must not change with it."""
 
     steps = 6
 
     def __iter__(self) -> Iterator[Any]:
-        batch: dict[str, Any] = {"x": torch.zeros(4), "items": [], "meta": {"step": -1}}
+        batch: dict[str, Any] = {
+            "x": torch.zeros(4),
+            "big": torch.zeros(1 << 20),
+            "items": [],
+            "meta": {"step": -1},
+        }
         for step in range(self.steps):
             batch["x"].fill_(step)
+            batch["big"].fill_(step)
             batch["items"].append(step)
             batch["meta"]["step"] = step
             if step % 2:
@@ -353,6 +360,7 @@ class _ReusingSource:
 def _reused_expected(step: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         "x": torch.full((4,), float(step)),
+        "big": torch.full((1 << 20,), float(step)),
         "items": list(range(step + 1)),
         "meta": {"step": step},
     }
@@ -386,13 +394,15 @@ class _CorruptingChannel(_transport.Channel):
     check sees exactly what a flaky interconnect would produce.
     """
 
-    def _broadcast(self, tensor: torch.Tensor, group: Any, what: str) -> None:
-        super()._broadcast(tensor, group, what)
+    def _broadcast_many(self, tensors: list[torch.Tensor], group: Any, what: str) -> None:  # type: ignore[override]
+        super()._broadcast_many(tensors, group, what)
         if self.is_source:
             return
         if what == "batch buffer":
-            tensor[tensor.numel() // 2] ^= 0x5A
+            for tensor in tensors:
+                tensor[tensor.numel() // 2] ^= 0x5A
         elif what == "frame header":
+            (tensor,) = tensors
             fields = _transport._PREFIX.unpack_from(tensor.numpy(), 0)
             flags, desc_len, header_len, payload_len = fields[2], fields[3], fields[7], fields[8]
             if flags & _transport._INLINE and not flags & _transport._DIRECT and payload_len:
@@ -570,7 +580,7 @@ def test_offsets_past_2_and_4_gib_are_exact() -> None:
     fields = (b"TCFR", 1, 0, 0, 1, 2, 3, 4, schema.nbytes, 4096, 0, 2 << 20)
     assert _transport._PREFIX.unpack(_transport._PREFIX.pack(*fields)) == fields
     # ... and cuts it into the same pieces on both sides: each large leaf its own piece.
-    (_, head), (_, g2), (_, g4), (_, tail), (_, text) = [(p, (o, o + n)) for p, o, n in want]
+    g2, g4 = ((o, o + n) for _, o, n in want[1:3])
     assert _transport._segments(decoded.leaves, schema.nbytes, 2 << 20) == [
         (0, g2[0], -1),
         (*g2, 1),

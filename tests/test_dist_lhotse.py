@@ -59,10 +59,14 @@ tc.register_type(PromptedAudioBatch, name="tests.PromptedAudioBatch")
 def corpus(n: int, *, seed: int = 0) -> CutSet:
     """In-memory cuts of 0.1-0.5 s with token ids in ``custom``, as NeMo keeps them."""
     rng = np.random.default_rng(seed)
-    return CutSet([
-        memory_cut(seed * 1000 + i, float(rng.integers(1, 6)) / 10, tokens=int(rng.integers(2, 9)))
-        for i in range(n)
-    ])
+    return CutSet(
+        [
+            memory_cut(
+                seed * 1000 + i, float(rng.integers(1, 6)) / 10, tokens=int(rng.integers(2, 9))
+            )
+            for i in range(n)
+        ]
+    )
 
 
 def speech_batches() -> list[Any]:
@@ -78,19 +82,30 @@ def speech_batches() -> list[Any]:
     token_lens = torch.tensor([t.numel() for t in token_list])
     nemo_asr = (audio[:3], audio_lens[:3], tokens, token_lens, cuts.subset(first=3))
     prompted = PromptedAudioBatch(
-        audio=audio, audio_lens=audio_lens,
+        audio=audio,
+        audio_lens=audio_lens,
         prompt=torch.tensor([[4, 8, 15], [16, 23, 42], [1, 2, 3], [0, 0, 0]]),
         prompt_lens=torch.tensor([3, 3, 3, 0]),
-        transcript=[c.supervisions[0].text if isinstance(c, Cut) and c.supervisions else ""
-                    for c in part],
-        languages=["en", "de", "en", "fr"], cuts=part,
+        transcript=[
+            c.supervisions[0].text if isinstance(c, Cut) and c.supervisions else "" for c in part
+        ],
+        languages=["en", "de", "en", "fr"],
+        cuts=part,
     )
     metadata = {
         "audio": audio,
         "audio_lens": audio_lens,
         "ids": [c.id for c in part],
-        "metadata": [{"duration": c.duration, "num_samples": c.num_samples, "lang": "en",
-                      "speaker": None, "offset": 0.0} for c in part],
+        "metadata": [
+            {
+                "duration": c.duration,
+                "num_samples": c.num_samples,
+                "lang": "en",
+                "speaker": None,
+                "offset": 0.0,
+            }
+            for c in part
+        ],
     }
     k2 = K2SpeechRecognitionDataset(return_cuts=True, input_strategy=AudioSamples())
     k2_batch = k2[cuts.subset(last=3)]
@@ -137,8 +152,9 @@ def _speech_shapes(rank: int, world: int) -> list[str]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     want = speech_batches()
     source = want if tc.is_dp_source_rank(mesh) else None
-    loader = tc.BroadcastingDataLoader(source=source, device_mesh=mesh, axes=("cp", "tp"),
-                                       prefetch=1)
+    loader = tc.BroadcastingDataLoader(
+        source=source, device_mesh=mesh, axes=("cp", "tp"), prefetch=1
+    )
     got = list(loader)
     assert len(got) == len(want), (len(got), len(want))
     for i, (w, g) in enumerate(zip(want, got)):
@@ -184,15 +200,23 @@ class SamplerStateLoader:
 
 def _source(kind: str) -> Any:
     # Under TP/CP the sampler shards by DP slot: lhotse's default would be the global world.
-    sampler = DynamicBucketingSampler(corpus(24, seed=1), max_duration=1.2, num_buckets=2,
-                                      shuffle=True, seed=7, world_size=1, rank=0)
+    sampler = DynamicBucketingSampler(
+        corpus(24, seed=1),
+        max_duration=1.2,
+        num_buckets=2,
+        shuffle=True,
+        seed=7,
+        world_size=1,
+        rank=0,
+    )
     dataset = K2SpeechRecognitionDataset(return_cuts=True, input_strategy=AudioSamples())
     if kind == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         # fork: spawned workers would import torch again, seconds each on a busy machine
-        return StatefulDataLoader(dataset, sampler=sampler, batch_size=None, num_workers=2,
-                                  multiprocessing_context="fork")
+        return StatefulDataLoader(
+            dataset, sampler=sampler, batch_size=None, num_workers=2, multiprocessing_context="fork"
+        )
     return SamplerStateLoader(DataLoader(dataset, sampler=sampler, batch_size=None), sampler)
 
 
@@ -231,7 +255,9 @@ def _resume_pass(kind: str, stop_after: int, save_s: float) -> dict[str, Any]:
     def fresh() -> tc.BroadcastingDataLoader:
         return tc.BroadcastingDataLoader(
             source=_source(kind) if tc.is_dp_source_rank(mesh) else None,
-            device_mesh=mesh, axes=("cp", "tp"), prefetch=1,
+            device_mesh=mesh,
+            axes=("cp", "tp"),
+            prefetch=1,
         )
 
     whole = [digest(b) for b in fresh()]

@@ -52,9 +52,15 @@ def memory_cut(seed: int, seconds: float, *, text: str = "", tokens: int = 0) ->
     rec = Recording.from_bytes(wav_bytes(seed, round(seconds * SR)), recording_id=f"rec-{seed}")
     cut = rec.to_cut()
     cut.supervisions = [
-        SupervisionSegment(id=f"sup-{seed}", recording_id=rec.id, start=0.0,
-                           duration=rec.duration, channel=0, text=text or f"utterance {seed}",
-                           language="en")
+        SupervisionSegment(
+            id=f"sup-{seed}",
+            recording_id=rec.id,
+            start=0.0,
+            duration=rec.duration,
+            channel=0,
+            text=text or f"utterance {seed}",
+            language="en",
+        )
     ]
     if tokens:
         cut.custom = {"tokens": np.arange(tokens, dtype=np.int64) + seed}
@@ -142,13 +148,19 @@ custom_values = st.one_of(
     st.integers(0, 40).map(lambda n: np.arange(n, dtype=np.int64)),  # NeMo token ids
     st.integers(1, 5).map(lambda n: np.linspace(0, 1, n * 3, dtype=np.float32).reshape(n, 3)),
     st.just(np.float32(0.5)),
-    st.builds(lambda rank, worker: {"rank": rank, "world_size": 2, "worker_id": worker},
-              st.integers(0, 1), st.one_of(st.none(), st.integers(0, 3))),
+    st.builds(
+        lambda rank, worker: {"rank": rank, "world_size": 2, "worker_id": worker},
+        st.integers(0, 1),
+        st.one_of(st.none(), st.integers(0, 3)),
+    ),
 )
 customs = st.one_of(
     st.none(),
-    st.dictionaries(st.sampled_from(["tokens", "lang", "prompt", "score", "dataloading_info",
-                                     "emb"]), custom_values, max_size=4),
+    st.dictionaries(
+        st.sampled_from(["tokens", "lang", "prompt", "score", "dataloading_info", "emb"]),
+        custom_values,
+        max_size=4,
+    ),
 )
 
 
@@ -160,13 +172,30 @@ def supervisions(draw: st.DrawFn, rec: Recording) -> list[SupervisionSegment]:
         duration = draw(st.integers(1, 20)) / 100
         ali = None
         if draw(st.booleans()):
-            ali = {"word": [AlignmentItem(symbol=draw(st.text(max_size=5)), start=start,
-                                          duration=duration, score=draw(st.none() | st.floats(0, 1)))]}
-        out.append(SupervisionSegment(
-            id=f"{rec.id}-sup{i}", recording_id=rec.id, start=start, duration=duration,
-            channel=0, text=draw(st.none() | short_text), language=draw(st.none() | st.just("en")),
-            speaker=draw(st.none() | st.just("spk1")), custom=draw(customs), alignment=ali,
-        ))
+            ali = {
+                "word": [
+                    AlignmentItem(
+                        symbol=draw(st.text(max_size=5)),
+                        start=start,
+                        duration=duration,
+                        score=draw(st.none() | st.floats(0, 1)),
+                    )
+                ]
+            }
+        out.append(
+            SupervisionSegment(
+                id=f"{rec.id}-sup{i}",
+                recording_id=rec.id,
+                start=start,
+                duration=duration,
+                channel=0,
+                text=draw(st.none() | short_text),
+                language=draw(st.none() | st.just("en")),
+                speaker=draw(st.none() | st.just("spk1")),
+                custom=draw(customs),
+                alignment=ali,
+            )
+        )
     return out
 
 
@@ -175,16 +204,18 @@ def mono_cuts(draw: st.DrawFn, files: list[Path]) -> MonoCut:
     """A MonoCut on an in-memory or file-backed recording, maybe truncated or perturbed."""
     if draw(st.booleans()):
         seed = draw(st.integers(0, 5))
-        rec = Recording.from_bytes(wav_bytes(seed, draw(st.sampled_from([1600, 2400, 4000]))),
-                                   recording_id=f"mem-{seed}")
+        rec = Recording.from_bytes(
+            wav_bytes(seed, draw(st.sampled_from([1600, 2400, 4000]))), recording_id=f"mem-{seed}"
+        )
     else:
         path = draw(st.sampled_from([p for p in files if "stereo" not in p.name]))
         rec = Recording.from_file(path)
     cut = rec.to_cut()
     assert isinstance(cut, MonoCut)
     if draw(st.booleans()):
-        cut = cut.truncate(offset=draw(st.integers(0, 5)) / 100,
-                           duration=draw(st.integers(5, 15)) / 100)
+        cut = cut.truncate(
+            offset=draw(st.integers(0, 5)) / 100, duration=draw(st.integers(5, 15)) / 100
+        )
     if draw(st.booleans()):
         cut = cut.perturb_volume(factor=draw(st.sampled_from([0.5, 1.25])))
     cut.supervisions = draw(supervisions(rec))
@@ -198,12 +229,18 @@ def cuts(draw: st.DrawFn, files: list[Path]) -> Cut:
     cut = draw(mono_cuts(files))
     kind = draw(st.sampled_from(["mono", "padded", "mixed", "padding"]))
     if kind == "padded":
-        return cut.pad(duration=cut.duration + draw(st.integers(1, 20)) / 100,
-                       direction=draw(st.sampled_from(["right", "left", "both"])))
+        return cut.pad(
+            duration=cut.duration + draw(st.integers(1, 20)) / 100,
+            direction=draw(st.sampled_from(["right", "left", "both"])),
+        )
     if kind == "mixed":
         other = draw(mono_cuts(files))
-        return cut.mix(other, offset_other_by=draw(st.integers(0, 10)) / 100,
-                       snr=draw(st.none() | st.integers(0, 20)), allow_padding=True)
+        return cut.mix(
+            other,
+            offset_other_by=draw(st.integers(0, 10)) / 100,
+            snr=draw(st.none() | st.integers(0, 20)),
+            allow_padding=True,
+        )
     if kind == "padding":
         pad = cut.pad(duration=cut.duration + 0.05)
         return next(t.cut for t in pad.tracks if isinstance(t.cut, PaddingCut))
@@ -347,8 +384,14 @@ def test_attached_in_memory_tensor_and_custom_recording() -> None:
 
 def test_supervision_alignment_and_extra_manifest_types() -> None:
     sup = SupervisionSegment(
-        id="s", recording_id="r", start=0.1, duration=0.2, channel=[0, 1], text="hey",
-        alignment={"word": [AlignmentItem("hey", 0.1, 0.2, 0.9)]}, custom={"x": [1, (2, 3)]},
+        id="s",
+        recording_id="r",
+        start=0.1,
+        duration=0.2,
+        channel=[0, 1],
+        text="hey",
+        alignment={"word": [AlignmentItem("hey", 0.1, 0.2, 0.9)]},
+        custom={"x": [1, (2, 3)]},
     )
     rec = Recording.from_bytes(wav_bytes(9, 800), recording_id="r")
     out_sup, out_rec = round_trip([sup, rec])
@@ -420,7 +463,9 @@ def test_read_header_does_not_build_cuts() -> None:
 @pytest.fixture
 def without_lhotse(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A freshly imported tensorcast in an interpreter where ``import lhotse`` fails."""
-    saved = {k: m for k, m in sys.modules.items() if k == "tensorcast" or k.startswith("tensorcast.")}
+    saved = {
+        k: m for k, m in sys.modules.items() if k == "tensorcast" or k.startswith("tensorcast.")
+    }
     for k in saved:
         del sys.modules[k]
     monkeypatch.setitem(sys.modules, "lhotse", None)
@@ -442,8 +487,10 @@ def test_without_lhotse_import_works_and_decoding_cuts_says_what_is_missing(
     assert fresh is not tc
     plain = fresh.unpack(fresh.pack({"x": torch.arange(3)}))  # no lhotse needed
     assert torch.equal(plain["x"], torch.arange(3))
-    for decode in (lambda: fresh.unpack(packed.header, packed.buffer),
-                   lambda: fresh.read_header(packed.header)):
+    for decode in (
+        lambda: fresh.unpack(packed.header, packed.buffer),
+        lambda: fresh.read_header(packed.header),
+    ):
         with pytest.raises(fresh.HeaderError, match="lhotse") as err:
             decode()
         assert "pip install lhotse" in str(err.value)

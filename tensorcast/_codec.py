@@ -11,7 +11,7 @@ Nothing here knows about process groups; ``_transport`` moves headers and buffer
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -104,6 +104,7 @@ class PackPlan:
         buffer: torch.Tensor,
         defer: Container[int] = (),
         later: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        views: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Copy every leaf's bytes into ``buffer[:self.nbytes]`` at its offset.
 
@@ -115,60 +116,55 @@ class PackPlan:
             defer: indices of tensor leaves not to copy now: their ``(view, source)``
                 pairs go to ``later``, for the caller to copy when it suits it.
             later: where deferred copies go.
+            views: what an earlier call returned for this layout and this very buffer
+                (the tensor views to write through), to save making them again.
 
         Returns:
             The typed views the tensor leaves were copied into, in leaf order: the
             sender's own rebuilt tree can use them (see :meth:`values`).
         """
-        # Typed views, one as_strided per tensor leaf, inlined: this loop is the hot path.
-        bases: dict[str, tuple[torch.Tensor, int]] = {}
-        base_offset = buffer.storage_offset()
-        total = buffer.numel()
-        as_strided = torch.as_strided
-        strides_cache = _strides_cache
-        views: list[torch.Tensor] = []  # every tensor leaf's view, in leaf order
-        dsts: list[torch.Tensor] = []  # those copied now, and from what
-        srcs: list[torch.Tensor] = []
+        layout = self.layout
+        spec = layout.write_spec()
+        leaves = self.leaves
         on_cpu = buffer.device.type == "cpu"
         host: np.ndarray | None = None
         # Alignment gaps are zeroed: the bytes are deterministic, and no stale memory of
         # this process travels to the peers. Small or many-leaf buffers get one memset;
         # large ones (where a second pass over the data would cost) get one per gap.
-        per_gap = bool(defer) or (
-            self.nbytes > _MEMSET_BELOW and len(self.leaves) <= _MEMSET_ABOVE_LEAVES
-        )
-        if self.has_gaps and not per_gap:
-            buffer[: self.nbytes].zero_()
-        end = 0
-        for i, ((kind, code, shape, data), off) in enumerate(zip(self.leaves, self.offsets)):
-            if per_gap and off > end:
-                if on_cpu:
-                    host = buffer.numpy() if host is None else host
-                    host[end:off] = 0
+        if self.has_gaps:
+            if defer or (self.nbytes > _MEMSET_BELOW and len(leaves) <= _MEMSET_ABOVE_LEAVES):
+                for start, stop in layout.gaps():
+                    if on_cpu:
+                        host = buffer.numpy() if host is None else host
+                        host[start:stop] = 0
+                    else:
+                        buffer[start:stop].zero_()
+            else:
+                buffer[: self.nbytes].zero_()
+        if views is None:
+            views = spec.tensor_views(buffer)
+        srcs = [leaves[i][3] for i in spec.tensor_index]
+        for j in spec.bools:
+            # As bytes: a bool copy would turn bytes other than 0 / 1 (masks made with
+            # .view(torch.bool)) into 1, and the bytes must arrive as they are.
+            srcs[j] = srcs[j].view(torch.uint8)
+        dsts = views
+        if defer:
+            assert later is not None
+            dsts, now = [], []
+            for view, src, i in zip(views, srcs, spec.tensor_index):
+                if i in defer:
+                    later.append((view, src.detach()))  # copy_ would carry requires_grad
                 else:
-                    buffer[end:off].zero_()
-            end = off + (len(data) if kind == "bytes" or kind == "str" else data.nbytes)
-            if kind == "tensor":
-                if code == "BOOL":
-                    # As bytes: a bool copy would turn bytes other than 0 / 1 (masks made
-                    # with .view(torch.bool)) into 1, and the bytes must arrive as they are.
-                    code, data = "U8", data.view(torch.uint8)
-                base = bases.get(code)
-                if base is None:
-                    isz = CODE_ITEMSIZE[code]
-                    base = bases[code] = (buffer[: total - total % isz].view(data.dtype), isz)
-                strides = strides_cache.get(shape)
-                if strides is None:
-                    strides = _contiguous_strides(shape)
-                dst = as_strided(base[0], shape, strides, (base_offset + off) // base[1])
-                views.append(dst)
-                if defer and i in defer:
-                    assert later is not None
-                    later.append((dst, data.detach()))  # copy_ would carry requires_grad
-                else:
-                    dsts.append(dst)
-                    srcs.append(data)
-                continue
+                    dsts.append(view)
+                    now.append(src)
+            srcs = now
+        if len(dsts) == 1:
+            dsts[0].copy_(srcs[0])
+        elif dsts:
+            torch._foreach_copy_(dsts, srcs)
+        for i, (kind, _code, _shape, off, _n) in spec.others:
+            data = leaves[i][3]
             if kind == "ndarray":
                 src = data
                 n = data.nbytes
@@ -184,32 +180,33 @@ class PackPlan:
                 staged = torch.empty(n, dtype=torch.uint8)
                 staged.numpy().view(src.dtype).reshape(src.shape)[...] = src
                 buffer[off : off + n].copy_(staged)
-        if len(dsts) == 1:
-            dsts[0].copy_(srcs[0])
-        elif dsts:
-            torch._foreach_copy_(dsts, srcs)
         return views
 
     def values(self, buffer: torch.Tensor, tensor_views: list[torch.Tensor]) -> list[Any]:
         """The leaf values the receivers will see, built from what :meth:`write` returned."""
-        out: list[Any] = []
-        views = iter(tensor_views)
+        spec = self.layout.write_spec()
+        out: list[Any] = list(tensor_views)
+        for j in spec.bools:
+            out[j] = out[j].view(torch.bool)  # written as bytes
+        if not spec.others:
+            return out
+        values: list[Any] = [None] * len(self.leaves)
+        for i, view in zip(spec.tensor_index, out):
+            values[i] = view
         host: np.ndarray | None = None
-        for (kind, code, shape, data), off in zip(self.leaves, self.offsets):
-            if kind == "tensor":
-                view = next(views)
-                out.append(view.view(torch.bool) if code == "BOOL" else view)
-            elif kind == "bytes":
-                out.append(data)
+        for i, (kind, _code, shape, off, _n) in spec.others:
+            data = self.leaves[i][3]
+            if kind == "bytes":
+                values[i] = data
             elif kind == "str":
-                out.append(data.decode("utf-8", "surrogatepass"))
+                values[i] = data.decode("utf-8", "surrogatepass")
             else:
                 if host is None:  # one holder view: it keeps the storage's use count up
                     host = (
                         buffer[:].numpy() if buffer.device.type == "cpu" else buffer.cpu().numpy()
                     )
-                out.append(host[off : off + data.nbytes].view(data.dtype).reshape(shape))
-        return out
+                values[i] = host[off : off + data.nbytes].view(data.dtype).reshape(shape)
+        return values
 
 
 _strides_cache: dict[tuple[int, ...], tuple[int, ...]] = {}
@@ -231,9 +228,10 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class Layout:
-    """What a header was encoded from, so an identical next batch can reuse its bytes."""
+    """What a header was encoded from, so an identical next batch can reuse its bytes
+    (and the views and gaps worked out for it)."""
 
-    __slots__ = ("comparable", "header", "table", "tokens")
+    __slots__ = ("_gaps", "_write_spec", "comparable", "header", "table", "tokens")
 
     def __init__(
         self, table: list[tuple[Any, ...]], tokens: list[Any], header: bytes, comparable: bool
@@ -243,6 +241,25 @@ class Layout:
         self.header = header
         #: False when ``==`` on the tokens could mistake True for 1 (see _tree.flatten)
         self.comparable = comparable
+        self._write_spec: ViewSpec | None = None
+        self._gaps: list[tuple[int, int]] | None = None
+
+    def write_spec(self) -> ViewSpec:
+        """The views leaves are written through (bool leaves as bytes)."""
+        if self._write_spec is None:
+            self._write_spec = ViewSpec(self.table, bool_as_bytes=True)
+        return self._write_spec
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """The ``(start, stop)`` byte ranges between leaves."""
+        if self._gaps is None:
+            self._gaps = []
+            end = 0
+            for _kind, _code, _shape, off, n in self.table:
+                if off > end:
+                    self._gaps.append((end, off))
+                end = off + n
+        return self._gaps
 
 
 def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = None) -> PackPlan:
@@ -283,10 +300,10 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = Non
         and previous.table == table
         and previous.tokens == tokens
     ):
-        header = previous.header  # same layout and small values: comparing beats encoding
+        layout = previous  # same layout and small values: comparing beats encoding
     else:
-        header = _schema.encode(end, align, table, tokens)
-    layout = Layout(table, tokens, header, not loose)
+        layout = Layout(table, tokens, _schema.encode(end, align, table, tokens), not loose)
+    header = layout.header
     return PackPlan(
         header, end, leaves, offsets, device or torch.device("cpu"), layout, data_bytes != end
     )
@@ -324,42 +341,72 @@ def pack(
     return Packed(p.header, buffer)
 
 
-def _view_specs(decoded: _schema.Decoded) -> list[tuple[Any, ...]]:
-    """Per leaf, what making its view needs; computed once per distinct header."""
-    if decoded.view_specs is None:
-        specs: list[tuple[Any, ...]] = []
-        for kind, code, shape, off, n in decoded.leaves:
-            shape_t = tuple(shape)
+class ViewSpec:
+    """How to view a buffer as one layout's leaves; computed once per distinct layout.
+
+    ``specs`` has one ``(code, shape, strides, element offset)`` per tensor leaf, in leaf
+    order, so making the views is one comprehension of ``as_strided`` calls: with many
+    small leaves, that is most of a receiver's work.
+    """
+
+    __slots__ = ("bools", "codes", "others", "specs", "tensor_index")
+
+    def __init__(self, table: Sequence[Sequence[Any]], bool_as_bytes: bool = False):
+        self.specs: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
+        self.codes: dict[str, int] = {}  # code -> itemsize, for the typed bases
+        self.tensor_index: list[int] = []  # the leaf index of each spec
+        self.bools: list[int] = []  # positions in specs of bool leaves
+        self.others: list[tuple[int, Any]] = []  # (leaf index, row) of the other leaves
+        for i, row in enumerate(table):
+            kind, code, shape, off = row[0], row[1], row[2], row[3]
+            if kind != "tensor":
+                self.others.append((i, row))
+                continue
+            if code == "BOOL":
+                self.bools.append(len(self.specs))
+                if bool_as_bytes:
+                    code = "U8"
             isz = CODE_ITEMSIZE[code]
-            specs.append((kind, code, shape_t, _contiguous_strides(shape_t), off, n, isz))
-        decoded.view_specs = specs
+            self.codes[code] = isz
+            shape_t = tuple(shape)
+            self.specs.append((code, shape_t, _contiguous_strides(shape_t), off // isz))
+            self.tensor_index.append(i)
+
+    def tensor_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Every tensor leaf's typed view of ``buffer``, in leaf order."""
+        total = buffer.numel()
+        base_offset = buffer.storage_offset()  # as_strided offsets count from the storage
+        bases = {
+            code: buffer[: total - total % isz].view(torch_dtype(code))
+            for code, isz in self.codes.items()
+        }
+        as_strided = torch.as_strided
+        if not base_offset:
+            return [as_strided(bases[c], sh, st, o) for c, sh, st, o in self.specs]
+        shift = {code: base_offset // isz for code, isz in self.codes.items()}
+        return [as_strided(bases[c], sh, st, o + shift[c]) for c, sh, st, o in self.specs]
+
+
+def view_spec(decoded: _schema.Decoded) -> ViewSpec:
+    if decoded.view_specs is None:
+        decoded.view_specs = ViewSpec(decoded.leaves)
     return decoded.view_specs
 
 
 def views(decoded: _schema.Decoded, buffer: torch.Tensor) -> list[Any]:
-    """The buffer leaves of ``decoded`` as views into ``buffer`` (ndarrays: CPU views).
-
-    One ``as_strided`` per tensor leaf, on a per-dtype view of the buffer: with many
-    small leaves this loop is the receiver's whole cost, so it is kept tight.
-    """
-    base_offset = buffer.storage_offset()
-    if base_offset % _MAX_ITEMSIZE:
+    """The buffer leaves of ``decoded`` as views into ``buffer`` (ndarrays: CPU views)."""
+    if buffer.storage_offset() % _MAX_ITEMSIZE:
         buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
-        base_offset = 0
-    total = buffer.numel()
-    bases: dict[str, torch.Tensor] = {}
-    as_strided = torch.as_strided
-    values: list[Any] = []
-    append = values.append
+    spec = view_spec(decoded)
+    tensors = spec.tensor_views(buffer)
+    if not spec.others:
+        return tensors
+    values: list[Any] = [None] * len(decoded.leaves)
+    for i, view in zip(spec.tensor_index, tensors):
+        values[i] = view
     host: np.ndarray | None = None
     on_cpu = buffer.device.type == "cpu"
-    for kind, code, shape, strides, off, n, isz in _view_specs(decoded):
-        if kind == "tensor":
-            base = bases.get(code)
-            if base is None:
-                base = bases[code] = buffer[: total - total % isz].view(torch_dtype(code))
-            append(as_strided(base, shape, strides, (base_offset + off) // isz))
-            continue
+    for i, (kind, code, shape, off, n) in spec.others:
         if on_cpu:
             if host is None:
                 # One holder view for all host leaves: it keeps the storage's use count up
@@ -369,12 +416,12 @@ def views(decoded: _schema.Decoded, buffer: torch.Tensor) -> list[Any]:
         else:
             piece = buffer[off : off + n].cpu().numpy()
         if kind == "ndarray":
-            append(piece.view(numpy_dtype(code)).reshape(shape))
+            values[i] = piece.view(numpy_dtype(code)).reshape(shape)
         elif kind == "bytes":
-            append(piece.tobytes())
+            values[i] = piece.tobytes()
         else:
             try:
-                append(piece.tobytes().decode("utf-8", "surrogatepass"))
+                values[i] = piece.tobytes().decode("utf-8", "surrogatepass")
             except UnicodeDecodeError as e:
                 raise HeaderError(f"a str leaf holds invalid UTF-8: {e}") from None
     return values

@@ -41,6 +41,7 @@ import struct
 import threading
 import weakref
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +120,7 @@ class Frame:
     # payload, and the copies into the source's buffer made while they are on the wire
     direct_ranges: list[tuple[int, int, torch.Tensor]] | None = None
     later: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    in_first: bool = False  # the payload went inline, in the source's own first message
 
 
 @dataclass(slots=True)
@@ -217,6 +219,13 @@ class Channel:
         )
         self.pool = BufferPool()  # payloads
         self.frames = BufferPool()  # first messages: few sizes, kept apart so takes are quick
+        # The source's first message: its own, never handed out (its rebuilt tree views a
+        # copy), so the views an inline payload is written through can be kept too.
+        self._out_first: torch.Tensor | None = None
+        self._inline_views: tuple[Any, ...] = ()  # (layout, first, at, views)
+        # A receiver's last inline header, and how many times in a row it repeated.
+        self._last: tuple[bytes, _schema.Decoded] | None = None
+        self._repeats = 0
         self.pass_index = 0
         self.step = 0
         self.capacity = INITIAL_CAPACITY
@@ -245,13 +254,12 @@ class Channel:
         tensors: list[torch.Tensor],
         group: dist.ProcessGroup,
         what: str,
-        meanwhile: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> None:
         """Broadcast ``tensors`` in order: all are posted, then all are waited for.
 
-        ``meanwhile`` holds ``(dst, src)`` copies made while the broadcasts are in flight
-        (gloo and NCCL run them outside the GIL): the source's own copy of the leaves that
-        travel from their own memory.
+        ``meanwhile`` runs while the broadcasts are in flight (gloo and NCCL run them
+        outside the GIL): the source builds its own copy of the batch then.
         """
         if self.broken is not None:
             raise PeerError(
@@ -264,8 +272,8 @@ class Channel:
             opts = self._options(group)
             works = [group.broadcast([t], opts) for t in tensors]
             try:
-                for dst, src in meanwhile or ():
-                    dst.copy_(src)
+                if meanwhile is not None:
+                    meanwhile()
             finally:
                 for work in works:
                     if self.timeout is None:
@@ -410,7 +418,9 @@ class Channel:
             want = head_end if head_end <= MAX_CAPACITY else 0
         next_capacity = max(capacity, _pow2_at_least(want)) if want else capacity
 
-        first = self.frames.take(capacity, _CPU)
+        first = self._out_first
+        if first is None or first.numel() != capacity:
+            first = self._out_first = torch.empty(capacity, dtype=torch.uint8)
         host = first.numpy()
         payload: torch.Tensor | None = None
         pieces: list[torch.Tensor] | None = None
@@ -421,10 +431,24 @@ class Channel:
             payload, pieces = self._write_direct(frame, segments, inline)
         elif flags & _INLINE:
             payload = first[payload_at : payload_at + payload_len]
+            frame.in_first = True
             if frame.packed is not None:
                 payload.copy_(frame.packed)
             elif frame.plan is not None:
-                frame.tensor_views = frame.plan.write(payload)
+                # Steady state writes a repeated layout through the views made for it the
+                # first time: no view is made before the collective.
+                layout = frame.plan.layout
+                cached = self._inline_views
+                if (
+                    cached
+                    and cached[0] is layout
+                    and cached[1] is first
+                    and cached[2] == payload_at
+                ):
+                    frame.plan.write(payload, views=cached[3])
+                else:
+                    views = frame.plan.write(payload)
+                    self._inline_views = (layout, first, payload_at, views)
         elif frame.kind == FRAME_DATA:
             payload = self._payload_on_device(frame)
         crc = 0
@@ -449,19 +473,32 @@ class Channel:
         host[: len(head)] = np.frombuffer(head, np.uint8)  # one copy for the whole head
         return _Prepared(frame, first, payload, flags, next_capacity, pieces)
 
-    def _post(self, prepared: _Prepared) -> torch.Tensor | None:
-        """The collectives of one frame: the first message, then what did not fit in it."""
+    def _post(
+        self, prepared: _Prepared, meanwhile: Callable[[], None] | None = None
+    ) -> torch.Tensor | None:
+        """The collectives of one frame: the first message, then what did not fit in it.
+
+        ``meanwhile`` runs while the frame's last collective is in flight.
+        """
         frame, payload, flags = prepared.frame, prepared.payload, prepared.flags
-        self._broadcast(prepared.first, self.header_group, "frame header")
+        stages: list[tuple[list[torch.Tensor], dist.ProcessGroup, str]] = [
+            ([prepared.first], self.header_group, "frame header")
+        ]
         if flags & _SPILL:
             spill = torch.frombuffer(bytearray(frame.header), dtype=torch.uint8)
-            self._broadcast(spill, self.header_group, "spilled header")
+            stages.append(([spill], self.header_group, "spilled header"))
         if prepared.pieces is not None:
-            self._broadcast_many(prepared.pieces, self.group, "batch buffer", frame.later)
+            stages.append((prepared.pieces, self.group, "batch buffer"))
         elif payload is not None and not flags & _INLINE and frame.payload_len:
-            self._broadcast(payload, self.group, "batch buffer")
-        self.step += 1
-        self.capacity = prepared.next_capacity
+            stages.append(([payload], self.group, "batch buffer"))
+        try:
+            for k, (tensors, group, what) in enumerate(stages):
+                self._broadcast_many(
+                    tensors, group, what, meanwhile if k == len(stages) - 1 else None
+                )
+        finally:  # a failed collective breaks the channel; anything else keeps it in step
+            self.step += 1
+            self.capacity = prepared.next_capacity
         return payload
 
     def send(self, frame: Frame) -> torch.Tensor | None:
@@ -485,17 +522,38 @@ class Channel:
         except Exception as e:
             self.send(self.error_frame(f"batch serialization failed: {type(e).__name__}: {e}"))
             raise
-        payload = self._post(prepared)
+        payload = prepared.payload
         assert payload is not None
-        if frame.tensor_views is not None and (device is None or device == payload.device):
-            # The views the batch was packed into are the very leaves receivers rebuild.
-            assert frame.plan is not None
-            values = frame.plan.values(payload, frame.tensor_views)
-            return _codec.rebuild(_schema.decode(frame.header), payload, values)
-        if frame.decoded is not None:  # pre-packed: its header was validated in encode()
+        if frame.packed is not None:
+            payload = frame.packed  # this rank's tree views the caller's own buffer
+        # This rank's own tree is built while the last collective is on the wire: every
+        # byte it needs is in place before the first one is sent.
+        own: list[Any] = []
+
+        def build() -> None:
+            for dst, src in frame.later or ():  # direct leaves: this rank's own copy
+                dst.copy_(src)
             if device is not None and device != payload.device:
-                payload = _codec.copy_to_device(payload, device)
-            return _codec.rebuild(frame.decoded, payload)
+                return  # built after: moving to another device may synchronise
+            if frame.tensor_views is not None:  # the views the batch was packed into
+                assert frame.plan is not None
+                values = frame.plan.values(payload, frame.tensor_views)
+                own.append(_codec.rebuild(_schema.decode(frame.header), payload, values))
+            elif frame.decoded is not None:  # pre-packed, its header validated in encode()
+                own.append(_codec.rebuild(frame.decoded, payload))
+            elif frame.in_first:
+                # The first message is reused for the next frame: view a copy.
+                copy = self.pool.take(payload.numel(), payload.device).copy_(payload)
+                own.append(_codec.rebuild(_schema.decode(frame.header), copy))
+            else:
+                own.append(_codec.unpack(frame.header, payload))
+
+        self._post(prepared, build)
+        if own:
+            return own[0]
+        assert device is not None  # the tree goes to another device
+        if frame.decoded is not None:
+            return _codec.rebuild(frame.decoded, _codec.copy_to_device(payload, device))
         return _codec.unpack(frame.header, payload, device=device)
 
     # -- receivers -----------------------------------------------------------------
@@ -511,6 +569,7 @@ class Channel:
         """
         capacity = self.capacity
         first = self.frames.take(capacity, _CPU)
+        guess = self._guess(first, device)
         self._broadcast(first, self.header_group, "frame header")
         host = first.numpy()
         (
@@ -589,9 +648,14 @@ class Channel:
         at = _align_up(head_end)
         if inline and at + inline_len > capacity:
             raise HeaderError(f"{self._where()}: inline payload overruns the first message")
+        tree: Any = None
         if inline and segments is None:
             payload = first[at : at + payload_len]
+            if guess is not None and guess[1] == at and guess[0] == header:
+                tree = guess[2]  # built while waiting, on these very bytes
+            self._remember(header, decoded, device)
         else:
+            self._last = None
             if device is not None and device.type == "cuda" and self.transfer_device.type == "cpu":
                 # gloo into pinned memory, so the copy to the GPU below is asynchronous.
                 payload = torch.empty(payload_len, dtype=torch.uint8, pin_memory=True)
@@ -623,7 +687,31 @@ class Channel:
             )
         if device is not None and device != payload.device:
             payload = _codec.copy_to_device(payload, device)
-        return "data", _codec.rebuild(decoded, payload)
+        return "data", tree if tree is not None else _codec.rebuild(decoded, payload)
+
+    def _remember(self, header: bytes, decoded: _schema.Decoded, device: Any) -> None:
+        """Note an inline frame's header, to build the next one's tree ahead (see _guess)."""
+        last = self._last
+        self._repeats = self._repeats + 1 if last is not None and last[0] == header else 0
+        guessable = device is None or device == _CPU
+        if guessable:  # bytes and str leaves are copies: they cannot be made ahead
+            guessable = all(row[0] == "ndarray" for _, row in _codec.view_spec(decoded).others)
+        self._last = (header, decoded) if guessable else None
+
+    def _guess(self, first: torch.Tensor, device: Any) -> tuple[bytes, int, Any] | None:
+        """Build the tree of the next frame before it arrives, assuming it repeats the
+        last header (steady state): receivers wait for the source anyway, so the views and
+        containers are made while it packs. Used only if the header does repeat, and only
+        once headers have been repeating, so varying batches waste no work.
+        """
+        last = self._last
+        if last is None or self._repeats < 1 or (device is not None and device != _CPU):
+            return None
+        header, decoded = last
+        at = _align_up(_PREFIX.size + len(self.description) + len(header))
+        if at + decoded.nbytes > first.numel():
+            return None
+        return header, at, _codec.rebuild(decoded, first[at : at + decoded.nbytes])
 
 
 _channels: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, Channel]] = (

@@ -394,8 +394,10 @@ class _CorruptingChannel(_transport.Channel):
     check sees exactly what a flaky interconnect would produce.
     """
 
-    def _broadcast_many(self, tensors: list[torch.Tensor], group: Any, what: str) -> None:  # type: ignore[override]
-        super()._broadcast_many(tensors, group, what)
+    def _broadcast_many(
+        self, tensors: list[torch.Tensor], group: Any, what: str, *args: Any
+    ) -> None:
+        super()._broadcast_many(tensors, group, what, *args)
         if self.is_source:
             return
         if what == "batch buffer":

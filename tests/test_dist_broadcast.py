@@ -598,6 +598,51 @@ def test_every_dp_slot_gets_its_own_source_batches(pool8: Any) -> None:
         assert steps == [(dp, step) for step in range(4)], f"rank {rank}"
 
 
+def _steady_batch(step: int) -> Any:
+    """Batches whose header repeats for a while, then changes in ways a stale tree built
+    ahead would get wrong: a small value, a shape, a dtype, a bytes leaf, an ndarray."""
+    phase = step // 4
+    batch: dict[str, Any] = {
+        "x": torch.full((3, 4), float(step)),
+        "arr": np.full(5, step, dtype=np.int32),
+        "epoch": phase,  # travels in the header: a repeat of the header repeats it
+    }
+    if phase == 1:
+        batch["x"] = torch.full((4, 3), float(step))
+    elif phase == 2:
+        batch["x"] = torch.full((3, 4), step, dtype=torch.int64)
+    elif phase == 3:
+        batch["blob"] = bytes([step]) * 2000  # a copy by nature: nothing is built ahead
+    return batch
+
+
+def _rank_steady(rank: int, world: int) -> int:
+    real = _transport.Channel._guess
+    built: list[bool] = []
+
+    def counting(channel: Any, *args: Any) -> Any:
+        guess = real(channel, *args)
+        built.append(guess is not None)
+        return guess
+
+    _transport.Channel._guess = counting  # type: ignore[method-assign]
+    try:
+        for step in range(20):
+            out = tc.broadcast(_steady_batch(step) if rank == 0 else None, 0)
+            check_same(out, _steady_batch(step), f"step {step}")
+    finally:
+        _transport.Channel._guess = real  # type: ignore[method-assign]
+    return sum(built)
+
+
+def test_trees_built_ahead_match_what_arrives(pool2: Any) -> None:
+    """Receivers build the next tree before it arrives once headers repeat; whenever the
+    header changes (even only a small value in it), what they return is what arrived."""
+    source, receiver = pool2.run(_rank_steady, timeout=TIMEOUT)
+    assert source == 0
+    assert 6 <= receiver < 20, "trees were built ahead in the repeating phases only"
+
+
 def test_nothing_is_pickled_on_any_rank(pool4: Any) -> None:
     digests = pool4.run(_rank_zero_pickle, timeout=TIMEOUT)
     assert all(d == digests[0] for d in digests)

@@ -186,6 +186,14 @@ def _nccl_rank(store_path: str, queue: object) -> None:
                 got = tc.broadcast(batch, 0)
                 diff = _diff(batch, got) or ("" if got["audio"].is_cuda else "not on cuda")
                 out.append((f"NCCL group of one: a {device} tree, step {step}", not diff, diff))
+        big = {"audio": torch.randn(4, 1 << 20, device="cuda"), "lens": torch.arange(4)}
+        big["lens"] = big["lens"].cuda()
+        for step in range(2):  # leaves of >= 2 MiB travel from their own memory on NCCL
+            got = tc.broadcast(big, 0)
+            diff = _diff(big, got) or ""
+            if not diff and got["audio"].data_ptr() == big["audio"].data_ptr():
+                diff = "the source's tree aliases its input"
+            out.append((f"NCCL group of one: direct leaves, step {step}", not diff, diff))
         got = tc.broadcast(tc.pack(_batch("cpu", 9)), 0, device="cpu")
         diff = _diff(_batch("cpu", 9), got) or ""
         out.append(("NCCL group of one: a pre-packed batch, device='cpu'", not diff, diff))

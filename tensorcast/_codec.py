@@ -76,14 +76,13 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device | No
 class PackPlan:
     """A batch flattened and laid out, ready to be written into any large-enough buffer."""
 
-    __slots__ = ("device", "has_gaps", "header", "layout", "leaves", "nbytes", "offsets")
+    __slots__ = ("device", "has_gaps", "header", "layout", "leaves", "nbytes")
 
     def __init__(
         self,
         header: bytes,
         nbytes: int,
         leaves: list[_tree.BufferLeaf],
-        offsets: list[int],
         device: torch.device,
         layout: Layout,
         has_gaps: bool,
@@ -91,7 +90,6 @@ class PackPlan:
         self.header = header
         self.nbytes = nbytes
         self.leaves = leaves
-        self.offsets = offsets
         #: the device of the batch's tensors (cpu when it has none)
         self.device = device
         #: what the header was encoded from, for the next batch's header reuse
@@ -190,9 +188,7 @@ class PackPlan:
             out[j] = out[j].view(torch.bool)  # written as bytes
         if not spec.others:
             return out
-        values: list[Any] = [None] * len(self.leaves)
-        for i, view in zip(spec.tensor_index, out):
-            values[i] = view
+        values = spec.placed(out, len(self.leaves))
         host: np.ndarray | None = None
         for i, (kind, _code, shape, off, _n) in spec.others:
             data = self.leaves[i][3]
@@ -273,7 +269,6 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = Non
         raise ValueError(f"align must be a power of two in [1, {_schema.MAX_ALIGN}], got {align!r}")
     tokens, leaves, loose = _tree.flatten(tree)
     table: list[tuple[Any, ...]] = []
-    offsets: list[int] = []
     device: torch.device | None = None
     end = 0
     data_bytes = 0
@@ -285,7 +280,6 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = Non
         if device is None and kind == "tensor":
             device = data.device  # flatten checked that every tensor shares it
         table.append((kind, code, shape, off, size))
-        offsets.append(off)
         end = off + size
         data_bytes += size
     if end > _schema.MAX_BUFFER_BYTES:
@@ -303,9 +297,8 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = Non
         layout = previous  # same layout and small values: comparing beats encoding
     else:
         layout = Layout(table, tokens, _schema.encode(end, align, table, tokens), not loose)
-    header = layout.header
     return PackPlan(
-        header, end, leaves, offsets, device or torch.device("cpu"), layout, data_bytes != end
+        layout.header, end, leaves, device or torch.device("cpu"), layout, data_bytes != end
     )
 
 
@@ -372,6 +365,14 @@ class ViewSpec:
             self.specs.append((code, shape_t, _contiguous_strides(shape_t), off // isz))
             self.tensor_index.append(i)
 
+    def placed(self, tensors: list[Any], count: int) -> list[Any]:
+        """``tensors`` (one per spec) at their leaf indices in a list of ``count`` leaves;
+        the other leaves' places are None, for the caller to fill."""
+        values: list[Any] = [None] * count
+        for i, value in zip(self.tensor_index, tensors):
+            values[i] = value
+        return values
+
     def tensor_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Every tensor leaf's typed view of ``buffer``, in leaf order."""
         total = buffer.numel()
@@ -401,9 +402,7 @@ def views(decoded: _schema.Decoded, buffer: torch.Tensor) -> list[Any]:
     tensors = spec.tensor_views(buffer)
     if not spec.others:
         return tensors
-    values: list[Any] = [None] * len(decoded.leaves)
-    for i, view in zip(spec.tensor_index, tensors):
-        values[i] = view
+    values = spec.placed(tensors, len(decoded.leaves))
     host: np.ndarray | None = None
     on_cpu = buffer.device.type == "cpu"
     for i, (kind, code, shape, off, n) in spec.others:

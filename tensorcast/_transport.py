@@ -132,7 +132,7 @@ class _Prepared:
     payload: torch.Tensor | None
     flags: int
     next_capacity: int
-    # what follows the first message on the group, in order (None: the whole payload)
+    # what follows the first message on the group, in order (None: nothing)
     pieces: list[torch.Tensor] | None = None
 
 
@@ -222,7 +222,7 @@ class Channel:
         # The source's first message: its own, never handed out (its rebuilt tree views a
         # copy), so the views an inline payload is written through can be kept too.
         self._out_first: torch.Tensor | None = None
-        self._inline_views: tuple[Any, ...] = ()  # (layout, first, at, views)
+        self._inline_views: tuple[Any, ...] = ()  # (layout, first, views)
         # A receiver's last inline header, and how many times in a row it repeated.
         self._last: tuple[bytes, _schema.Decoded] | None = None
         self._repeats = 0
@@ -341,7 +341,7 @@ class Channel:
         frame.tensor_views = plan.write(out)
         return out
 
-    def _direct_sources(self, frame: Frame) -> list[tuple[int, int, int]] | None:
+    def _direct_segments(self, frame: Frame) -> list[tuple[int, int, int]] | None:
         """The payload's pieces when some of its tensor leaves can travel from their own
         memory (see the module docstring); None when it travels as one buffer."""
         plan = frame.plan
@@ -401,7 +401,7 @@ class Channel:
         payload_at = _align_up(head_end)
         payload_len = frame.payload_len
         capacity = self.capacity
-        segments = self._direct_sources(frame) if frame.kind == FRAME_DATA else None
+        segments = self._direct_segments(frame) if frame.kind == FRAME_DATA else None
         flags = 0
         inline_len = payload_len  # the bytes that would go in the first message
         if segments is not None:
@@ -439,18 +439,15 @@ class Channel:
                 # first time: no view is made before the collective.
                 layout = frame.plan.layout
                 cached = self._inline_views
-                if (
-                    cached
-                    and cached[0] is layout
-                    and cached[1] is first
-                    and cached[2] == payload_at
-                ):
-                    frame.plan.write(payload, views=cached[3])
+                # (The layout fixes the header, so where the payload starts.)
+                if cached and cached[0] is layout and cached[1] is first:
+                    frame.plan.write(payload, views=cached[2])
                 else:
                     views = frame.plan.write(payload)
-                    self._inline_views = (layout, first, payload_at, views)
+                    self._inline_views = (layout, first, views)
         elif frame.kind == FRAME_DATA:
             payload = self._payload_on_device(frame)
+            pieces = [payload] if payload_len else []
         crc = 0
         if self.verify and payload is not None:
             flags |= _CRC
@@ -487,10 +484,8 @@ class Channel:
         if flags & _SPILL:
             spill = torch.frombuffer(bytearray(frame.header), dtype=torch.uint8)
             stages.append(([spill], self.header_group, "spilled header"))
-        if prepared.pieces is not None:
+        if prepared.pieces:
             stages.append((prepared.pieces, self.group, "batch buffer"))
-        elif payload is not None and not flags & _INLINE and frame.payload_len:
-            stages.append(([payload], self.group, "batch buffer"))
         try:
             for k, (tensors, group, what) in enumerate(stages):
                 self._broadcast_many(
@@ -668,10 +663,8 @@ class Channel:
                         f"{self._where()}: cannot allocate the {payload_len}-byte batch buffer "
                         f"on {self.transfer_device}: {e}"
                     ) from e
-            if segments is None:
-                if payload_len:
-                    self._broadcast(payload, self.group, "batch buffer")
-            else:
+            pieces = [payload] if payload_len else []
+            if segments is not None:
                 pieces = []
                 for a, b, i in segments:
                     if i < 0 and inline:
@@ -679,6 +672,7 @@ class Channel:
                         at += b - a
                     else:
                         pieces.append(payload[a:b])
+            if pieces:
                 self._broadcast_many(pieces, self.group, "batch buffer")
         if flags & _CRC and _crc(payload) != crc:
             raise PeerError(

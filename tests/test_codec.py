@@ -54,6 +54,23 @@ def _registered_fields(obj: Any) -> list[Any] | None:
     return None
 
 
+def tensors_of(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in a tree of dicts, lists, tuples and dataclasses, without recursion."""
+    found: list[torch.Tensor] = []
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return found
+
+
 def assert_same(got: Any, want: Any, where: str = "batch") -> None:
     """``got == want`` as the contract means it, checked without recursion.
 

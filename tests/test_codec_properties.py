@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_codec import assert_same, is_view_into
+from test_codec import assert_same, is_view_into, tensors_of
 
 import tensorcast as tc
 from tensorcast import _codec
@@ -164,22 +164,6 @@ def _buffer_leaves(tree: Any) -> list[tuple[str, str, str, tuple[int, ...], int]
     return out
 
 
-def _output_tensors(tree: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    stack = [tree]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            found.append(obj)
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, PropRecord):
-            stack.extend((obj.data, obj.note))
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-    return found
-
-
 # --------------------------------------------------------------------------- laws
 
 
@@ -190,7 +174,7 @@ def test_unpack_inverts_pack_bit_for_bit(tree: Any, align: int) -> None:
     floats bit for bit (NaN payloads, -0.0); non-contiguous tensors arrive contiguous."""
     out = tc.unpack(tc.pack(tree, align=align))
     assert_same(out, tree)
-    for t in _output_tensors(out):
+    for t in tensors_of(out):
         assert t.is_contiguous()
 
 
@@ -211,7 +195,7 @@ def test_every_offset_is_aligned(tree: Any, align: int) -> None:
 def test_tensor_leaves_are_views_into_the_buffer(tree: Any) -> None:
     """Every tensor leaf ``unpack`` returns lives inside the packed buffer (no copy)."""
     packed = tc.pack(tree)
-    for t in _output_tensors(tc.unpack(packed)):
+    for t in tensors_of(tc.unpack(packed)):
         if t.numel():
             assert is_view_into(t, packed)
 

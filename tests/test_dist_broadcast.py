@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.serialization
+from test_codec import tensors_of
 from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -123,22 +124,6 @@ def check_same(got: Any, want: Any, what: str) -> None:
             )
     if len(a) != len(b):
         raise AssertionError(f"{what}: {len(a)} nodes received, {len(b)} expected")
-
-
-def tensors_of(tree: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    stack = [tree]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            found.append(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-            stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return found
 
 
 # -- the trees ----------------------------------------------------------------------------

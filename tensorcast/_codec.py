@@ -21,6 +21,7 @@ import torch
 from tensorcast import _schema, _tree
 from tensorcast._dtypes import CODE_ITEMSIZE, numpy_dtype, torch_dtype
 from tensorcast._errors import HeaderError
+from tensorcast._pool import BufferPool
 from tensorcast._schema import LeafSpec, Schema
 
 __all__ = [
@@ -258,6 +259,21 @@ class Layout:
         return self._gaps
 
 
+_masks_by_align: dict[int, dict[str, int]] = {}
+_CPU = torch.device("cpu")
+
+
+def _align_masks(align: int) -> dict[str, int]:
+    """``code -> alignment - 1`` for every dtype code: a leaf is aligned to ``align`` or
+    to its itemsize, whichever is larger (both powers of two)."""
+    masks = _masks_by_align.get(align)
+    if masks is None:
+        masks = _masks_by_align[align] = {
+            code: max(align, itemsize) - 1 for code, itemsize in CODE_ITEMSIZE.items()
+        }
+    return masks
+
+
 def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = None) -> PackPlan:
     """Flatten ``tree`` and lay its leaves out; no buffer is touched yet.
 
@@ -269,19 +285,18 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = Non
         raise ValueError(f"align must be a power of two in [1, {_schema.MAX_ALIGN}], got {align!r}")
     tokens, leaves, loose = _tree.flatten(tree)
     table: list[tuple[Any, ...]] = []
-    device: torch.device | None = None
+    add = table.append
+    masks = _align_masks(align)
     end = 0
     data_bytes = 0
     for kind, code, shape, data in leaves:
-        itemsize = CODE_ITEMSIZE[code]
-        a = align if align >= itemsize else itemsize
-        off = -(-end // a) * a
+        off = (end + masks[code]) & ~masks[code]
         size = len(data) if kind == "bytes" or kind == "str" else data.nbytes
-        if device is None and kind == "tensor":
-            device = data.device  # flatten checked that every tensor shares it
-        table.append((kind, code, shape, off, size))
+        add((kind, code, shape, off, size))
         end = off + size
         data_bytes += size
+    # flatten checked that every tensor shares the first one's device
+    device = next((leaf[3].device for leaf in leaves if leaf[0] == "tensor"), _CPU)
     if end > _schema.MAX_BUFFER_BYTES:
         raise ValueError(
             f"the batch needs a {end}-byte buffer, over the {_schema.MAX_BUFFER_BYTES}-byte "
@@ -297,9 +312,7 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = Non
         layout = previous  # same layout and small values: comparing beats encoding
     else:
         layout = Layout(table, tokens, _schema.encode(end, align, table, tokens), not loose)
-    return PackPlan(
-        layout.header, end, leaves, device or torch.device("cpu"), layout, data_bytes != end
-    )
+    return PackPlan(layout.header, end, leaves, device, layout, data_bytes != end)
 
 
 def pack(
@@ -394,12 +407,20 @@ def view_spec(decoded: _schema.Decoded) -> ViewSpec:
     return decoded.view_specs
 
 
-def views(decoded: _schema.Decoded, buffer: torch.Tensor) -> list[Any]:
-    """The buffer leaves of ``decoded`` as views into ``buffer`` (ndarrays: CPU views)."""
+def views(
+    decoded: _schema.Decoded, buffer: torch.Tensor, pool: BufferPool | None = None
+) -> list[Any]:
+    """The buffer leaves of ``decoded`` as views into ``buffer`` (ndarrays: CPU views).
+
+    ``pool``: the pool ``buffer`` came from, which keeps the views it was last made for.
+    """
     if buffer.storage_offset() % _MAX_ITEMSIZE:
         buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
     spec = view_spec(decoded)
-    tensors = spec.tensor_views(buffer)
+    if pool is None:
+        tensors = spec.tensor_views(buffer)
+    else:
+        tensors = pool.views(buffer, (spec, buffer.storage_offset()), spec.tensor_views)
     if not spec.others:
         return tensors
     values = spec.placed(tensors, len(decoded.leaves))
@@ -498,11 +519,16 @@ def unpack(
     return rebuild(decoded, buffer)
 
 
-def rebuild(decoded: _schema.Decoded, buffer: torch.Tensor, values: list[Any] | None = None) -> Any:
+def rebuild(
+    decoded: _schema.Decoded,
+    buffer: torch.Tensor,
+    values: list[Any] | None = None,
+    pool: BufferPool | None = None,
+) -> Any:
     """The tree of a decoded header, its leaves viewing ``buffer`` (or ``values``)."""
     if decoded.program is None:
         decoded.program, _ = _tree.compile_tokens(decoded.tokens, len(decoded.leaves))
-    return _tree.run(decoded.program, views(decoded, buffer) if values is None else values)
+    return _tree.run(decoded.program, views(decoded, buffer, pool) if values is None else values)
 
 
 def read_header(header: bytes) -> Schema:

@@ -6,12 +6,19 @@ buffer is handed out again only when nothing else holds its storage: every tenso
 array view handed to the caller keeps a reference to the storage, so its use count says
 whether the caller still holds any of it. Reuse therefore needs no promise from the
 caller; a batch kept for long simply keeps its buffer out of the pool.
+
+A pooled buffer also keeps the typed views of the last layout it was viewed as. Making a
+view costs microseconds (``as_strided``), detaching one a fraction of that, so a batch of
+many small leaves that repeats its layout gets each leaf as a ``detach()`` of a kept
+view: a fresh tensor on the same bytes. The kept views hold references to the storage
+too; the idle count includes them, so they never make a buffer look busy.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -31,7 +38,16 @@ class _Entry:
     of its own, which the idle count includes.
     """
 
-    __slots__ = ("buffer", "capacity", "cdata", "idle", "last_used", "storage")
+    __slots__ = (
+        "buffer",
+        "capacity",
+        "cdata",
+        "idle",
+        "last_used",
+        "storage",
+        "views",
+        "views_key",
+    )
 
     def __init__(self, buffer: torch.Tensor, now: int):
         self.last_used = now
@@ -40,6 +56,8 @@ class _Entry:
         self.storage = buffer.untyped_storage()
         self.cdata = self.storage._cdata
         self.idle = self.use_count()
+        self.views_key: Hashable = None
+        self.views: list[torch.Tensor] = []  # detached: each holds one storage reference
 
     def use_count(self) -> int:
         return int(torch._C._storage_Use_Count(self.cdata))
@@ -70,6 +88,7 @@ class BufferPool:
         self._takes = 0  # a clock: how many takes this pool has served
         # key -> entries, most recently used last
         self._buffers: dict[tuple[torch.device, bool], list[_Entry]] = {}
+        self._by_storage: dict[int, _Entry] = {}  # storage cdata -> its entry
 
     def take(self, nbytes: int, device: torch.device, *, pinned: bool = False) -> torch.Tensor:
         """A 1-D uint8 tensor of exactly ``nbytes`` bytes, a view into a pooled buffer."""
@@ -97,28 +116,67 @@ class BufferPool:
             time.sleep(_RETRY_SLEEP)
         raise AssertionError("unreachable")
 
+    def views(
+        self,
+        buffer: torch.Tensor,
+        key: Hashable,
+        make: Callable[[torch.Tensor], list[torch.Tensor]],
+    ) -> list[torch.Tensor]:
+        """Fresh tensors on ``buffer``'s bytes: ``make(buffer)``, or detached copies of
+        what it returned the last time this pooled buffer was viewed under ``key``.
+
+        ``key`` must name everything the views depend on but the storage (the layout
+        and where ``buffer`` starts in it). A buffer not from this pool gets ``make``.
+        """
+        entry = self._by_storage.get(buffer.untyped_storage()._cdata)
+        if entry is None:
+            return make(buffer)
+        with self._lock:
+            if entry.views_key != key:
+                made = [v.detach() for v in make(buffer)]
+                entry.idle += len(made) - len(entry.views)
+                entry.views, entry.views_key = made, key
+            kept = entry.views
+        return list(map(_detach, kept))
+
     def _allocate(
         self, entries: list[_Entry], nbytes: int, device: torch.device, pinned: bool
     ) -> torch.Tensor:
         buf = torch.empty(_capacity(nbytes), dtype=torch.uint8, device=device, pin_memory=pinned)
-        entries.append(_Entry(buf, self._takes))
+        entry = _Entry(buf, self._takes)
+        entries.append(entry)
+        self._by_storage[entry.cdata] = entry
         if len(entries) > self._max_buffers:
             # Forget the least recently used idle buffer (a busy one stays with its user).
             for i, old in enumerate(entries[:-1]):
                 if old.use_count() == old.idle:
-                    del entries[i]
+                    self._forget(entries.pop(i))
                     break
             else:
-                del entries[0]
+                self._forget(entries.pop(0))
         return buf[:nbytes]
+
+    def _forget(self, entry: _Entry) -> None:
+        if self._by_storage.get(entry.cdata) is entry:
+            del self._by_storage[entry.cdata]
 
     def _evict_stale(self, entries: list[_Entry]) -> None:
         """Forget idle buffers not reused lately: a rare large batch should not pin its
         memory for the rest of the run, while buffers in steady rotation stay."""
         stale = self._takes - _STALE_AFTER
         if entries and entries[0].last_used < stale:
-            entries[:] = [e for e in entries if e.last_used >= stale or e.use_count() != e.idle]
+            keep: list[_Entry] = []
+            for e in entries:
+                if e.last_used >= stale or e.use_count() != e.idle:
+                    keep.append(e)
+                else:
+                    self._forget(e)
+            entries[:] = keep
 
     def clear(self) -> None:
         with self._lock:
             self._buffers.clear()
+            self._by_storage.clear()
+
+
+_detach = torch.Tensor.detach

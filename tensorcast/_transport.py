@@ -338,7 +338,8 @@ class Channel:
             plan.write(staging)
             return _codec.copy_to_device(staging, dev)
         out = self.pool.take(plan.nbytes, dev)
-        frame.tensor_views = plan.write(out)
+        spec = plan.layout.write_spec()
+        frame.tensor_views = plan.write(out, views=self.pool.views(out, spec, spec.tensor_views))
         return out
 
     def _direct_segments(self, frame: Frame) -> list[tuple[int, int, int]] | None:
@@ -539,7 +540,7 @@ class Channel:
             elif frame.in_first:
                 # The first message is reused for the next frame: view a copy.
                 copy = self.pool.take(payload.numel(), payload.device).copy_(payload)
-                own.append(_codec.rebuild(_schema.decode(frame.header), copy))
+                own.append(_codec.rebuild(_schema.decode(frame.header), copy, pool=self.pool))
             else:
                 own.append(_codec.unpack(frame.header, payload))
 
@@ -564,8 +565,15 @@ class Channel:
         """
         capacity = self.capacity
         first = self.frames.take(capacity, _CPU)
-        guess = self._guess(first, device)
-        self._broadcast(first, self.header_group, "frame header")
+        ahead: list[tuple[bytes, int, Any] | None] = []
+        # Posted before the tree is built ahead: the source must never wait for this rank.
+        self._broadcast_many(
+            [first],
+            self.header_group,
+            "frame header",
+            lambda: ahead.append(self._guess(first, device)),
+        )
+        guess = ahead[0] if ahead else None
         host = first.numpy()
         (
             magic,
@@ -681,7 +689,10 @@ class Channel:
             )
         if device is not None and device != payload.device:
             payload = _codec.copy_to_device(payload, device)
-        return "data", tree if tree is not None else _codec.rebuild(decoded, payload)
+        if tree is None:
+            pool = self.frames if inline and segments is None else self.pool
+            tree = _codec.rebuild(decoded, payload, pool=pool)
+        return "data", tree
 
     def _remember(self, header: bytes, decoded: _schema.Decoded, device: Any) -> None:
         """Note an inline frame's header, to build the next one's tree ahead (see _guess)."""
@@ -695,7 +706,7 @@ class Channel:
     def _guess(self, first: torch.Tensor, device: Any) -> tuple[bytes, int, Any] | None:
         """Build the tree of the next frame before it arrives, assuming it repeats the
         last header (steady state): receivers wait for the source anyway, so the views and
-        containers are made while it packs. Used only if the header does repeat, and only
+        containers are made while it packs, with the first message's broadcast posted. Used only if the header does repeat, and only
         once headers have been repeating, so varying batches waste no work.
         """
         last = self._last
@@ -705,7 +716,11 @@ class Channel:
         at = _align_up(_PREFIX.size + len(self.description) + len(header))
         if at + decoded.nbytes > first.numel():
             return None
-        return header, at, _codec.rebuild(decoded, first[at : at + decoded.nbytes])
+        return (
+            header,
+            at,
+            _codec.rebuild(decoded, first[at : at + decoded.nbytes], pool=self.frames),
+        )
 
 
 _channels: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, Channel]] = (

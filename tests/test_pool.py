@@ -56,3 +56,48 @@ def test_slices_are_exactly_the_requested_size() -> None:
     for n in (0, 1, 4095, 4096, 4097, 123_456):
         t = pool.take(n, CPU)
         assert t.dtype == torch.uint8 and t.dim() == 1 and t.numel() == n
+
+
+def _as_floats(buffer: torch.Tensor) -> list[torch.Tensor]:
+    return [buffer[i * 64 : i * 64 + 16].view(torch.float32) for i in range(3)]
+
+
+def test_views_kept_for_a_buffer_are_handed_out_fresh_and_do_not_pin_it() -> None:
+    """Kept views come back as new tensors on the same bytes; while the caller holds any,
+    the buffer stays out of the pool; once it drops them, the buffer is reused, views
+    and all."""
+    pool = BufferPool()
+    buffer = pool.take(100_000, CPU)
+    address = buffer.data_ptr()
+    first = pool.views(buffer, "layout", _as_floats)
+    first[1].fill_(2.0)
+    again = pool.views(buffer, "layout", _as_floats)
+    assert all(a is not b and a.data_ptr() == b.data_ptr() for a, b in zip(first, again))
+    assert again[1].tolist() == [2.0] * 4
+    again[1].resize_(1)  # a caller's own metadata change stays with its tensor
+    assert pool.views(buffer, "layout", _as_floats)[1].shape == (4,)
+    del buffer, again
+    assert pool.take(100_000, CPU).data_ptr() != address  # `first` still views it
+    del first
+    both = [pool.take(100_000, CPU) for _ in range(2)]
+    (reused,) = [b for b in both if b.data_ptr() == address]
+    del both
+    made: list[int] = []
+
+    def count(buffer: torch.Tensor) -> list[torch.Tensor]:
+        made.append(1)
+        return _as_floats(buffer)
+
+    pool.views(reused, "layout", count)
+    pool.views(reused, "other layout", count)
+    pool.views(reused, "other layout", count)
+    assert len(made) == 1  # kept across takes; made again only for a new key
+    del reused
+    assert address in [pool.take(100_000, CPU).data_ptr() for _ in range(2)]
+
+
+def test_views_of_a_buffer_from_elsewhere_are_made_each_time() -> None:
+    pool = BufferPool()
+    outside = torch.zeros(4096, dtype=torch.uint8)
+    one, two = pool.views(outside, "k", _as_floats), pool.views(outside, "k", _as_floats)
+    assert one[0] is not two[0] and one[0].data_ptr() == two[0].data_ptr()

@@ -102,7 +102,7 @@ class Decoded:
     align: int
     leaves: list[list[Any]]
     tokens: list[Any]
-    program: list[tuple[Any, ...]] | None = None
+    program: Any = None  # _tree.Program, compiled on first use
     view_specs: Any = None  # _codec.ViewSpec, made on first use
     #: the transport's cut of the payload for a direct-leaf size (see _transport)
     segments: tuple[int, list[tuple[int, int, int]]] | None = None

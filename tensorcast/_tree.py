@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import operator
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -37,7 +38,7 @@ from tensorcast import _registry
 from tensorcast._dtypes import CODE_OF_TORCH, NUMPY_CODES, numpy_code
 from tensorcast._errors import HeaderError, UnsupportedLeafError
 
-__all__ = ["BufferLeaf", "compile_tokens", "flatten", "render_path", "run"]
+__all__ = ["BufferLeaf", "Program", "compile_tokens", "flatten", "render_path", "run"]
 
 # Strings and bytes longer than this travel in the buffer, not in the header.
 INLINE_LIMIT = 1024
@@ -238,88 +239,101 @@ def _locate(tree: Any, target: Any, codec_trees: dict[int, tuple[str, Any]]) -> 
 def _walk(
     tree: Any, codec_trees: dict[int, tuple[str, Any]]
 ) -> tuple[list[Any], list[BufferLeaf], bool]:
+    # The hot loop of the source: every name it uses is a local, and the common types are
+    # tested first. A batch of 200 small tensors spends most of its packing time here.
     tokens: list[Any] = []
     leaves: list[BufferLeaf] = []
-    append = tokens.append
+    append, add_leaf = tokens.append, leaves.append
     # A stack of objects; _EXIT followed by an id leaves a container (cycle detection).
     stack: list[Any] = [tree]
-    pop, push = stack.pop, stack.append
+    pop, push, extend = stack.pop, stack.append, stack.extend
     active: set[int] = set()
+    codes = CODE_OF_TORCH
+    tensor_t, param_t, strided, exit_t = torch.Tensor, _Parameter, _STRIDED, _Exit
+    n_leaves = 0
     device: int | None = None  # get_device() of the first tensor: -1 for CPU
     first_tensor: Any = None
     loose = False
     while stack:
         obj = pop()
-        if obj is _EXIT:
-            active.discard(pop())
-            continue
         t = type(obj)
-        if t is torch.Tensor or t is _Parameter:
-            code = CODE_OF_TORCH.get(obj.dtype)
-            if code is None or obj.layout is not _STRIDED or obj.is_nested or obj.is_meta:
+        if t is tensor_t or t is param_t:
+            code = codes.get(obj.dtype)
+            if code is None or obj.layout is not strided or obj.is_nested or obj.is_meta:
                 raise _Fail(obj, functools.partial(_check_tensor, obj))
             dev = obj.get_device()
             if dev != device:
                 if device is not None:
                     raise _Fail(obj, functools.partial(_mixed_devices, obj, first_tensor))
                 device, first_tensor = dev, obj
-            append(len(leaves))
-            leaves.append(("tensor", code, obj.shape, obj))
-        elif t is str:
-            if len(obj) <= INLINE_LIMIT:
-                append(obj)
-            else:
-                append(len(leaves))
-                data = obj.encode("utf-8", "surrogatepass")
-                leaves.append(("str", "U8", (len(data),), data))
-        elif t is int:
-            append(["i", obj] if _I64_MIN <= obj <= _I64_MAX else ["I", hex(obj)])
-        elif obj is None:
-            append(obj)
-        elif t is bool:
-            loose = True
-            append(obj)
-        elif t is float:
-            append(["f", _U64.unpack(_F64.pack(obj))[0]])
+            append(n_leaves)
+            n_leaves += 1
+            add_leaf(("tensor", code, obj.shape, obj))
         elif t is dict or t is _OrderedDict:
-            if id(obj) in active:
+            key = id(obj)
+            if key in active:
                 raise _Fail(obj, _contains_itself)
+            # Keys, then each key's value: cheaper than listing items, and a key removed
+            # or added meanwhile (another thread) is seen below, never mispaired.
             try:
-                items = list(obj.items())
-            except RuntimeError as e:  # changed size during iteration (another thread)
-                raise _Fail(obj, functools.partial(_changed, e)) from None
-            keys = [k for k, _ in items]
+                keys = list(obj)
+                values = list(map(obj.__getitem__, keys))
+            except (RuntimeError, KeyError):
+                raise _Fail(obj, _changed) from None
+            if len(obj) != len(keys):
+                raise _Fail(obj, _changed)
             for k in keys:
                 if type(k) is not str:  # rare: encode them, and note bool / int keys
                     keys = [_encode_key(k, obj) for k in keys]
                     loose = loose or any(type(k) is bool or type(k) is int for k in keys)
                     break
-            append(["d" if t is dict else "o", len(items), keys])
-            active.add(id(obj))
-            push(id(obj))
+            append(["d" if t is dict else "o", len(keys), keys])
+            active.add(key)
+            push(key)
             push(_EXIT)
-            for i in range(len(items) - 1, -1, -1):
-                push(items[i][1])
+            extend(reversed(values))
+        elif t is exit_t:
+            active.discard(pop())
+        elif t is str:
+            if len(obj) <= INLINE_LIMIT:
+                append(obj)
+            else:
+                append(n_leaves)
+                n_leaves += 1
+                data = obj.encode("utf-8", "surrogatepass")
+                add_leaf(("str", "U8", (len(data),), data))
+        elif t is int:
+            append(["i", obj] if _I64_MIN <= obj <= _I64_MAX else ["I", hex(obj)])
         elif t is list or t is tuple:
-            if id(obj) in active:
+            key = id(obj)
+            if key in active:
                 raise _Fail(obj, _contains_itself)
             append(["l" if t is list else "t", len(obj)])
-            active.add(id(obj))
-            push(id(obj))
+            active.add(key)
+            push(key)
             push(_EXIT)
-            stack.extend(reversed(obj))
+            extend(reversed(obj))
+        elif obj is None:
+            append(obj)
+        elif t is float:
+            append(["f", _U64.unpack(_F64.pack(obj))[0]])
+        elif t is bool:
+            loose = True
+            append(obj)
         elif t is np.ndarray:
             code = numpy_code(obj.dtype)
             if code is None:
                 raise _Fail(obj, functools.partial(_bad_array, obj))
-            append(len(leaves))
-            leaves.append(("ndarray", code, obj.shape, obj))
+            append(n_leaves)
+            n_leaves += 1
+            add_leaf(("ndarray", code, obj.shape, obj))
         elif t is bytes:
             if len(obj) <= INLINE_LIMIT:
                 append(["y", obj.hex()])
             else:
-                append(len(leaves))
-                leaves.append(("bytes", "U8", (len(obj),), obj))
+                append(n_leaves)
+                n_leaves += 1
+                add_leaf(("bytes", "U8", (len(obj),), obj))
         elif t is complex:
             append(["c", _U64.unpack(_F64.pack(obj.real))[0], _U64.unpack(_F64.pack(obj.imag))[0]])
         elif isinstance(obj, np.generic) and t.__module__ == "numpy":
@@ -330,16 +344,17 @@ def _walk(
                 if isinstance(obj, torch.Tensor):
                     raise _Fail(obj, functools.partial(_check_tensor, obj))
                 raise _Fail(obj, functools.partial(_raise_unsupported, obj))
-            if id(obj) in active:
+            key = id(obj)
+            if key in active:
                 raise _Fail(obj, _contains_itself)
-            active.add(id(obj))
-            push(id(obj))
+            active.add(key)
+            push(key)
             push(_EXIT)
             if entry.kind == "codec":
                 assert entry.to_tree is not None
                 append(["x", entry.name])
                 sub = entry.to_tree(obj)
-                codec_trees[id(obj)] = (entry.name, sub)  # for error paths inside it
+                codec_trees[key] = (entry.name, sub)  # for error paths inside it
                 push(sub)
             else:
                 append(["r", entry.name, list(entry.fields)])
@@ -352,11 +367,11 @@ def _contains_itself(path: Path) -> None:
     raise ValueError(f"the tree contains itself at `{render_path(path, 'batch')}`")
 
 
-def _changed(error: RuntimeError, path: Path) -> None:
+def _changed(path: Path) -> None:
     raise RuntimeError(
         f"the dict at `{render_path(path, 'batch')}` changed while it was being packed "
-        f"({error}); do not mutate a batch while it is being sent"
-    ) from error
+        f"(keys were added or removed); do not mutate a batch while it is being sent"
+    )
 
 
 def _mixed_devices(obj: torch.Tensor, first: torch.Tensor, path: Path) -> None:
@@ -380,7 +395,11 @@ def _raise_unsupported(obj: Any, path: Path) -> None:
     raise _unsupported(obj, path)
 
 
-_EXIT = object()
+class _Exit:
+    """The marker that closes a container on the walk's stack."""
+
+
+_EXIT = _Exit()
 
 
 def _decode_key(key: Any) -> Any:
@@ -445,7 +464,7 @@ def _decode_small(tok: list[Any]) -> Any:
 class _Frame:
     """An open container while compiling."""
 
-    __slots__ = ("count", "extra", "n", "path", "tag")
+    __slots__ = ("children", "count", "extra", "n", "path", "tag")
 
     def __init__(self, tag: str, n: int, extra: Any, path: Path):
         self.tag = tag
@@ -453,6 +472,7 @@ class _Frame:
         self.count = 0
         self.extra = extra
         self.path = path
+        self.children: list[tuple[int, int]] = []  # value references, see compile_tokens
 
 
 def _child_path(frame: _Frame) -> Any:
@@ -516,9 +536,29 @@ def _open(tok: list[Any], remaining: int, path: Path) -> _Frame:
 
 _CONTAINER_TAGS = frozenset("ltdorx")
 
-# Program ops: (LEAF, i) buffer leaf i; (CONST, v) an immutable small value;
-# (OPEN, tag, n, extra, path) a container of n > 0 children; (EMPTY, tag, extra, path).
-_LEAF, _CONST, _OPEN, _EMPTY = 0, 1, 2, 3
+
+class Program:
+    """A compiled tree: how to rebuild it from its buffer leaves' values.
+
+    ``run`` lays out one list of values: the buffer leaves, then the constants (small
+    leaves), then each container as it is built. Containers are built children first,
+    each from its children's values picked out of that list by one ``itemgetter`` call,
+    so rebuilding costs a few C calls per container, none per leaf.
+
+    Attributes:
+        consts: the small leaves' values (immutable: shared by every rebuilt tree).
+        steps: per container, children first: ``(tag, extra, path, pick, n)``; ``pick``
+            is an ``itemgetter`` of the ``n`` children's places when ``n > 1``, the one
+            child's place when ``n == 1``.
+        root: the root's place.
+    """
+
+    __slots__ = ("consts", "root", "steps")
+
+    def __init__(self, steps: list[tuple[Any, ...]], consts: list[Any], root: int):
+        self.steps = steps
+        self.consts = consts
+        self.root = root
 
 
 def _make(tag: str, items: list[Any], extra: Any, path: Path) -> Any:
@@ -552,8 +592,8 @@ def _make(tag: str, items: list[Any], extra: Any, path: Path) -> Any:
 
 def compile_tokens(
     tokens: Any, n_leaves: int, *, want_paths: bool = False
-) -> tuple[list[tuple[Any, ...]], list[Path] | None]:
-    """Validate ``tokens`` completely and turn them into a program that ``run`` replays.
+) -> tuple[Program, list[Path] | None]:
+    """Validate ``tokens`` completely and compile them into a :class:`Program`.
 
     Returns:
         ``(program, paths)``, ``paths[i]`` the path of buffer leaf ``i`` when asked for.
@@ -565,9 +605,12 @@ def compile_tokens(
         raise HeaderError("the header's tree is missing or not a token list")
     used = bytearray(n_leaves)
     paths: list[Path] | None = [None] * n_leaves if want_paths else None
-    program: list[tuple[Any, ...]] = []
-    emit = program.append
+    # A value is referenced as (0, leaf), (1, constant) or (2, container step) until the
+    # number of constants is known; then as its place in run()'s list of values.
+    consts: list[Any] = []
+    steps: list[tuple[str, Any, Path, list[tuple[int, int]]]] = []
     stack: list[_Frame] = []
+    root: tuple[int, int] = (0, 0)
     roots = 0
     total = len(tokens)
     for i, tok in enumerate(tokens):
@@ -581,60 +624,65 @@ def compile_tokens(
             used[tok] = 1
             if paths is not None:
                 paths[tok] = path
-            emit((_LEAF, tok))
+            ref = (0, tok)
         elif t is str or tok is None or t is bool:
-            emit((_CONST, tok))
+            ref = (1, len(consts))
+            consts.append(tok)
         elif t is list and tok and type(tok[0]) is str:
             if tok[0] in _CONTAINER_TAGS:
                 frame = _open(tok, total - i - 1, path)
                 if frame.n:
-                    emit((_OPEN, frame.tag, frame.n, frame.extra, path))
                     stack.append(frame)
                     continue
-                emit((_EMPTY, frame.tag, frame.extra, path))
+                ref = (2, len(steps))
+                steps.append((frame.tag, frame.extra, path, []))
             else:
-                emit((_CONST, _decode_small(tok)))
+                ref = (1, len(consts))
+                consts.append(_decode_small(tok))
         else:
             raise HeaderError(f"invalid token {tok!r:.80} at position {i}")
-        # The value is complete: count it in its parent, closing every parent it completes.
+        # The value is complete: add it to its parent, closing every parent it completes.
         while stack:
             top = stack[-1]
+            top.children.append(ref)
             top.count += 1
             if top.count < top.n:
                 break
             stack.pop()
+            ref = (2, len(steps))
+            steps.append((top.tag, top.extra, top.path, top.children))
         else:
             roots += 1
+            root = ref
     if stack or roots != 1:
         raise HeaderError("the header's tree is truncated: a container is missing children")
     if n_leaves and not all(used):
         raise HeaderError("the header lists buffer leaves that the tree never references")
-    return program, paths
+    base = (0, n_leaves, n_leaves + len(consts))
+    compiled = []
+    for tag, extra, path, children in steps:
+        places = [base[kind] + k for kind, k in children]
+        pick: Any = (
+            operator.itemgetter(*places) if len(places) > 1 else places[0] if places else None
+        )
+        compiled.append((tag, extra, path, pick, len(places)))
+    return Program(compiled, consts, base[root[0]] + root[1]), paths
 
 
-def run(program: list[tuple[Any, ...]], leaf_values: Sequence[Any]) -> Any:
+def run(program: Program, leaf_values: Sequence[Any]) -> Any:
     """Rebuild a tree from a compiled program and the buffer leaves' values."""
-    stack: list[list[Any]] = []
-    root: Any = None
-    for op in program:
-        kind = op[0]
-        if kind == _LEAF:
-            value = leaf_values[op[1]]
-        elif kind == _CONST:
-            value = op[1]
-        elif kind == _OPEN:
-            stack.append([op[1], op[2], [], op[3], op[4]])
-            continue
+    values = [*leaf_values, *program.consts]
+    add = values.append
+    for tag, extra, path, pick, n in program.steps:
+        items = pick(values) if n > 1 else (values[pick],) if n else ()
+        if tag == "d":
+            add(dict(zip(extra, items)))
+        elif tag == "l":
+            add(list(items))
+        elif tag == "t":
+            add(items)
+        elif tag == "o":
+            add(_OrderedDict(zip(extra, items)))
         else:
-            value = _make(op[1], [], op[2], op[3])
-        while stack:
-            top = stack[-1]
-            items = top[2]
-            items.append(value)
-            if len(items) < top[1]:
-                break
-            stack.pop()
-            value = _make(top[0], items, top[3], top[4])
-        else:
-            root = value
-    return root
+            add(_make(tag, list(items), extra, path))
+    return values[program.root]

@@ -128,10 +128,10 @@ _installed_hooks: list[Any] = []
 class _GrowDuringGC:
     """A gc callback that adds a key to ``target`` at every collection.
 
-    ``list(d.items())`` allocates one tuple per item, so a large dict triggers several
-    collections while it is being listed: the callback then changes the dict's size in
-    the middle of the iteration, deterministically. This is exactly what another thread
-    writing to the batch would do, without depending on thread scheduling.
+    With the collection threshold at 1 (see ``_mutated_batch``), every allocation of a
+    tracked object collects: the dict then grows between any two steps of reading it,
+    deterministically. This is exactly what another thread writing to the batch would
+    do, without depending on thread scheduling.
     """
 
     def __init__(self, target: dict[str, int], limit: int = 100_000):
@@ -147,13 +147,15 @@ def _mutated_batch() -> dict[str, Any]:
     big = {f"k{i}": i for i in range(50_000)}
     hook = _GrowDuringGC(big)
     gc.callbacks.append(hook)
-    _installed_hooks.append(hook)
+    _installed_hooks.append((hook, gc.get_threshold()))
+    gc.set_threshold(1)
     return {"x": torch.ones(2), "big": big}
 
 
 def _remove_hooks() -> None:
     while _installed_hooks:
-        hook = _installed_hooks.pop()
+        hook, threshold = _installed_hooks.pop()
+        gc.set_threshold(*threshold)
         if hook in gc.callbacks:
             gc.callbacks.remove(hook)
 

@@ -66,21 +66,30 @@ class _Prefetcher:
     "Exactly" is what keeps ranks in lockstep: every rank whose consumer took k items
     produces item k + depth, stop or no stop, because its peers do too. ``close`` only
     wakes a thread that is already ``depth`` ahead, so it can leave.
+
+    Something else about to use the group (``tc.broadcast``, another loader) closes the
+    thread first (see ``_transport.drain``); the consumer then takes the items made
+    before, and a ``take`` that finds none left starts the thread again. Every rank does
+    both at the same point, so their collectives stay in the same order.
     """
 
     def __init__(self, produce: Any, depth: int, join_timeout: float, group: Any):
         self._group = group
-        self._closed = False
         self._produce = produce
         self._depth = depth
-        self._credits = threading.Semaphore(depth)
         self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._taken = 0
         self._produced = 0
-        self._stop = False
+        self._ended = False  # the last item made was the end of the pass or a failure
         self._join_timeout = join_timeout
+        self._start()
+
+    def _start(self) -> None:
+        self._closed = False
+        self._stop = False
+        self._credits = threading.Semaphore(self._depth)
         self._thread = threading.Thread(target=self._run, name="tensorcast-prefetch", daemon=True)
-        _transport.register_producer(group, self)
+        _transport.register_producer(self._group, self)
         self._thread.start()
 
     def _run(self) -> None:
@@ -93,11 +102,18 @@ class _Prefetcher:
             except BaseException as e:  # handed to the consumer, never swallowed
                 item = _Failure(e)
             self._produced += 1
-            self._items.put(item)
             if not isinstance(item, _Item):
+                self._ended = True
+            self._items.put(item)
+            if self._ended:
                 return
 
     def take(self) -> Any:
+        if self._closed and not self._ended and self._taken == self._produced:
+            # Closed for another user of the group; the pass goes on, after whatever
+            # other producer is running on the group now has finished what it owes.
+            _transport.drain(self._group)
+            self._start()
         item = self._items.get()
         self._taken += 1
         self._credits.release()

@@ -336,7 +336,8 @@ def _rank_break(rank: int, world: int, prefetch: int) -> list[str]:
 
 
 def _rank_traffic_after_break(rank: int, world: int) -> None:
-    """Item 6, "no collective pending": right after a break the group carries other traffic."""
+    """Item 6, "no collective pending": right after a break the group carries other traffic,
+    and so it does in the middle of a pass."""
     mesh = cp_tp_mesh()
     source = tc.is_dp_source_rank(mesh)
     want = [batch(i) for i in range(N)]
@@ -354,6 +355,19 @@ def _rank_traffic_after_break(rank: int, world: int) -> None:
             Stream(N) if source else None, mesh, prefetch=prefetch, timeout=HANG
         )
         check(list(fresh), want, f"a fresh loader right after a break, prefetch={prefetch}")
+    # Other traffic on the group in the middle of prefetching passes: a broadcast pauses
+    # them (they finish what they owe first) and each goes on at its next batch.
+    for prefetch in (1, 2):
+        loaders = [
+            tc.BroadcastingDataLoader(
+                Stream(N, tag) if source else None, mesh, prefetch=prefetch, timeout=HANG
+            )
+            for tag in (1, 2)
+        ]
+        for i, (one, two) in enumerate(zip(*loaders, strict=True)):
+            extra = batch(i, tag=9)
+            out = tc.broadcast_batch(extra if source else None, mesh)
+            check([one, two, out], [batch(i, 1), batch(i, 2), extra], f"interleaved, {prefetch=}")
 
 
 def _rank_resume(rank: int, world: int) -> list[tuple[int, int, Any]]:

@@ -353,7 +353,7 @@ def profile_broadcast(batch: Any, group: dist.ProcessGroup, calls: int) -> str |
         return None
     prof.disable()
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).strip_dirs().sort_stats("tottime").print_stats(15)
+    pstats.Stats(prof, stream=text).strip_dirs().sort_stats(os.environ.get("TC_SORT", "tottime")).print_stats(int(os.environ.get("TC_TOP", "15")))
     return text.getvalue()
 
 

@@ -63,10 +63,6 @@ class _Entry:
         return int(torch._C._storage_Use_Count(self.cdata))
 
 
-def _capacity_of(entry: _Entry) -> int:
-    return entry.capacity
-
-
 def _capacity(nbytes: int) -> int:
     """Round up to the next of 2**k or 1.5 * 2**k: at most a third wasted, few sizes."""
     if nbytes <= _MIN_CAPACITY:
@@ -103,14 +99,23 @@ class BufferPool:
                 if attempt == 0:
                     self._takes += 1
                     self._evict_stale(entries)
-                fits = [e for e in entries if nbytes <= e.capacity <= limit]
-                fits.sort(key=_capacity_of)
-                for entry in fits:
-                    if entry.use_count() == entry.idle:
-                        entry.last_used = self._takes
-                        entries.remove(entry)
-                        entries.append(entry)
-                        return entry.buffer[:nbytes]
+                # The smallest idle buffer that fits (the first of equals).
+                best: _Entry | None = None
+                fits = False
+                for entry in entries:
+                    capacity = entry.capacity
+                    if nbytes <= capacity <= limit:
+                        fits = True
+                        if (best is None or capacity < best.capacity) and (
+                            entry.use_count() == entry.idle
+                        ):
+                            best = entry
+                if best is not None:
+                    best.last_used = self._takes
+                    if entries[-1] is not best:
+                        entries.remove(best)
+                        entries.append(best)
+                    return best.buffer[:nbytes]
                 if not fits or attempt == retries:
                     return self._allocate(entries, nbytes, device, pinned)
             time.sleep(_RETRY_SLEEP)

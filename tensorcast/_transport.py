@@ -222,6 +222,7 @@ class Channel:
         # The source's first message: its own, never handed out (its rebuilt tree views a
         # copy), so the views an inline payload is written through can be kept too.
         self._out_first: torch.Tensor | None = None
+        self._out_host: np.ndarray = np.empty(0, np.uint8)  # a numpy view of _out_first
         self._inline_views: tuple[Any, ...] = ()  # (layout, first, views)
         # A receiver's last inline header, and how many times in a row it repeated.
         self._last: tuple[bytes, _schema.Decoded] | None = None
@@ -422,7 +423,8 @@ class Channel:
         first = self._out_first
         if first is None or first.numel() != capacity:
             first = self._out_first = torch.empty(capacity, dtype=torch.uint8)
-        host = first.numpy()
+            self._out_host = first.numpy()
+        host = self._out_host
         payload: torch.Tensor | None = None
         pieces: list[torch.Tensor] | None = None
         if flags & _INLINE:
@@ -734,12 +736,20 @@ def channel_for_group(group: dist.ProcessGroup, src: int) -> Channel:
 
     Keyed by the group object itself (a weak reference), never by ``id()``.
     """
+    global _last_channel
+    ch = _last_channel  # one call after another on the same group: no lock, no lookup
+    if ch is not None and ch.group is group and ch.src == src:
+        return ch
     with _channels_lock:
         by_src = _channels.setdefault(group, {})
         ch = by_src.get(src)
         if ch is None:
             ch = by_src[src] = Channel(group, src)
+        _last_channel = ch
         return ch
+
+
+_last_channel: Channel | None = None
 
 
 # Background producers (the loader's prefetch threads) still owed collectives on a group.
@@ -757,11 +767,17 @@ def register_producer(group: dist.ProcessGroup, producer: Any) -> None:
 
 def unregister_producer(group: dist.ProcessGroup, producer: Any) -> None:
     with _producers_lock:
-        _producers.get(group, set()).discard(producer)
+        live = _producers.get(group)
+        if live is not None:
+            live.discard(producer)
+            if not live:
+                del _producers[group]
 
 
 def drain(group: dist.ProcessGroup) -> None:
     """Close every producer still live on ``group``; each finishes what it owes first."""
+    if not _producers:  # the usual case, without taking the lock
+        return
     with _producers_lock:
         live = list(_producers.get(group, ()))
     for producer in live:

@@ -78,26 +78,16 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device | No
 class PackPlan:
     """A batch flattened and laid out, ready to be written into any large-enough buffer."""
 
-    __slots__ = ("device", "has_gaps", "header", "layout", "leaves", "nbytes")
+    __slots__ = ("device", "header", "layout", "leaves", "nbytes")
 
-    def __init__(
-        self,
-        header: bytes,
-        nbytes: int,
-        leaves: list[_tree.BufferLeaf],
-        device: torch.device,
-        layout: Layout,
-        has_gaps: bool,
-    ):
-        self.header = header
-        self.nbytes = nbytes
+    def __init__(self, leaves: list[_tree.BufferLeaf], device: torch.device, layout: Layout):
         self.leaves = leaves
         #: the device of the batch's tensors (cpu when it has none)
         self.device = device
-        #: what the header was encoded from, for the next batch's header reuse
+        #: the leaves' places and the header, reused by the next batch when it matches
         self.layout = layout
-        #: whether alignment leaves gaps between leaves (they are zeroed when written)
-        self.has_gaps = has_gaps
+        self.header = layout.header
+        self.nbytes = layout.nbytes
 
     def write(
         self,
@@ -131,7 +121,7 @@ class PackPlan:
         # Alignment gaps are zeroed: the bytes are deterministic, and no stale memory of
         # this process travels to the peers. Small or many-leaf buffers get one memset;
         # large ones (where a second pass over the data would cost) get one per gap.
-        if self.has_gaps:
+        if layout.has_gaps:
             if defer or (self.nbytes > _MEMSET_BELOW and len(leaves) <= _MEMSET_ABOVE_LEAVES):
                 for start, stop in layout.gaps():
                     if on_cpu:
@@ -327,7 +317,7 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = Non
         layout = _lay_out(leaves, kinds, tokens, align, not loose)
     # flatten checked that every tensor shares the first one's device
     device = next((leaf[3].device for leaf in leaves if leaf[0] == "tensor"), _CPU)
-    return PackPlan(layout.header, layout.nbytes, leaves, device, layout, layout.has_gaps)
+    return PackPlan(leaves, device, layout)
 
 
 def _lay_out(

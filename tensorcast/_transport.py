@@ -43,7 +43,7 @@ import weakref
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -121,6 +121,15 @@ class Frame:
     direct_ranges: list[tuple[int, int, torch.Tensor]] | None = None
     later: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     in_first: bool = False  # the payload went inline, in the source's own first message
+
+
+class _Ahead(NamedTuple):
+    """A tree built before its frame arrived, on the assumption that the header repeats."""
+
+    header: bytes
+    at: int  # where the payload starts in the first message
+    tree: Any
+    head: bytes  # the prefix, description and header the frame must start with
 
 
 @dataclass(slots=True)
@@ -567,7 +576,7 @@ class Channel:
         """
         capacity = self.capacity
         first = self.frames.take(capacity, _CPU)
-        ahead: list[tuple[bytes, int, Any, bytes] | None] = []
+        ahead: list[_Ahead | None] = []
         # Posted before the tree is built ahead: the source must never wait for this rank.
         self._broadcast_many(
             [first],
@@ -577,12 +586,12 @@ class Channel:
         )
         guess = ahead[0] if ahead else None
         host = first.numpy()
-        if guess is not None and host[: len(guess[3])].tobytes() == guess[3]:
+        if guess is not None and host[: len(guess.head)].tobytes() == guess.head:
             # Byte for byte the frame that was expected (a header validated before, this
             # very pass and step): the tree built while waiting is the batch.
             self.step += 1
             self._repeats += 1
-            return "data", guess[2]
+            return "data", guess.tree
         (
             magic,
             kind,
@@ -662,8 +671,8 @@ class Channel:
         tree: Any = None
         if inline and segments is None:
             payload = first[at : at + payload_len]
-            if guess is not None and guess[1] == at and guess[0] == header:
-                tree = guess[2]  # built while waiting, on these very bytes
+            if guess is not None and guess.at == at and guess.header == header:
+                tree = guess.tree  # built while waiting, on these very bytes
             self._remember(header, decoded, device)
         else:
             self._last = None
@@ -711,16 +720,12 @@ class Channel:
             guessable = all(row[0] == "ndarray" for _, row in _codec.view_spec(decoded).others)
         self._last = (header, decoded) if guessable else None
 
-    def _guess(self, first: torch.Tensor, device: Any) -> tuple[bytes, int, Any, bytes] | None:
+    def _guess(self, first: torch.Tensor, device: Any) -> _Ahead | None:
         """Build the tree of the next frame before it arrives, assuming it repeats the
         last header (steady state): receivers wait for the source anyway, so the views and
         containers are made while it packs, with the first message's broadcast posted.
         Used only if the header does repeat, and only once headers have been repeating, so
         varying batches waste no work.
-
-        Returns:
-            ``(header, payload offset, tree, head)``: ``head`` is the prefix, description
-            and header that frame would start with, to recognise it in one comparison.
         """
         last = self._last
         if last is None or self._repeats < 1 or (device is not None and device != _CPU):
@@ -744,7 +749,7 @@ class Channel:
             0,
         )
         tree = _codec.rebuild(decoded, first[at : at + decoded.nbytes], pool=self.frames)
-        return header, at, tree, prefix + self.description + header
+        return _Ahead(header, at, tree, prefix + self.description + header)
 
 
 _channels: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, Channel]] = (

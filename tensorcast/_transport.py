@@ -572,8 +572,18 @@ class Channel:
             ``("data", tree)``, ``("end", None)`` or ``("error", message)``.
 
         Raises:
-            HeaderError, DesyncError, PeerError: see the module docstring.
+            HeaderError, DesyncError, PeerError: see the module docstring. After a
+            ``HeaderError`` or ``DesyncError`` the channel is broken: the messages that
+            followed the bad one were never received here, so the group is out of step,
+            and every later call raises ``PeerError`` at once instead of misreading them.
         """
+        try:
+            return self._recv(device)
+        except (HeaderError, DesyncError) as e:
+            self.broken = e
+            raise
+
+    def _recv(self, device: torch.device | None) -> tuple[str, Any]:
         capacity = self.capacity
         first = self.frames.take(capacity, _CPU)
         ahead: list[_Ahead | None] = []

@@ -430,6 +430,10 @@ def _desync_and_integrity(rank: int, world: int) -> dict[str, Any]:
         msg = str(info.value)
         assert "axes=['cp', 'tp']" in msg and "axes=['tp']" in msg, msg
         out["fingerprint"] = msg
+        # The channel is out of step with its source now: it says so at once, and posts
+        # no collective that would pair with someone else's.
+        with pytest.raises(tc.PeerError, match=r"failed earlier.*source's setup differs"):
+            ch.recv()
 
     # 2. A loader restarted on one rank mid-epoch. prefetch=0 keeps the number of
     # collectives each rank posts exact, so the group stays usable afterwards.

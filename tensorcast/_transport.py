@@ -190,7 +190,9 @@ class Channel:
         timeout: float | datetime.timedelta | None = None,
         verify: bool = False,
     ):
-        self.group = group
+        # Weakly held: a channel cached for a group must not keep it (and the pooled
+        # buffers) alive once the caller and torch have let it go.
+        self._group = weakref.ref(group)
         self.ranks = tuple(dist.get_process_group_ranks(group))
         if src not in self.ranks:
             raise ValueError(
@@ -204,8 +206,8 @@ class Channel:
         if "nccl" in backend:
             self.transfer_device = torch.device("cuda", torch.cuda.current_device())
             # Headers on a CPU group over the same ranks: no host-device sync on receivers.
-            self.header_group = (
-                group
+            self._own_header_group = (
+                None
                 if "gloo" in backend
                 else dist.new_group(
                     list(self.ranks), backend="gloo", use_local_synchronization=True
@@ -213,7 +215,7 @@ class Channel:
             )
         else:
             self.transfer_device = torch.device("cpu")
-            self.header_group = group
+            self._own_header_group = None
         self.inline_ok = self.transfer_device.type == "cpu"
         if isinstance(timeout, (int, float)):
             timeout = datetime.timedelta(seconds=timeout)
@@ -240,7 +242,7 @@ class Channel:
         self.step = 0
         self.capacity = INITIAL_CAPACITY
         self.broken: BaseException | None = None
-        self._broadcast_options: dict[dist.ProcessGroup, Any] = {}
+        self._broadcast_options: dict[int, Any] = {}
         self._last_layout: _codec.Layout | None = None
 
     # -- state ---------------------------------------------------------------------
@@ -304,14 +306,32 @@ class Channel:
             ) from e
 
     def _options(self, group: dist.ProcessGroup) -> Any:
-        opts = self._broadcast_options.get(group)
+        # Keyed by id(): only this channel's own groups come here, and they outlive it.
+        opts = self._broadcast_options.get(id(group))
         if opts is None:
             opts = dist.BroadcastOptions()
             opts.rootRank = dist.get_group_rank(group, self.src)  # group-local
             opts.rootTensor = 0
             opts.asyncOp = True
-            self._broadcast_options[group] = opts
+            self._broadcast_options[id(group)] = opts
         return opts
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group the batch travels on."""
+        group = self._group()
+        if group is None:
+            raise PeerError(
+                f"{self._where()}: the process group of this channel was destroyed; "
+                f"build a new loader (or call tensorcast.broadcast) on a live group"
+            )
+        return group
+
+    @property
+    def header_group(self) -> dist.ProcessGroup:
+        """Where first messages travel: a gloo group over the same ranks."""
+        own = self._own_header_group
+        return own if own is not None else self.group
 
     # -- source --------------------------------------------------------------------
 
@@ -774,19 +794,23 @@ def channel_for_group(group: dist.ProcessGroup, src: int) -> Channel:
     Keyed by the group object itself (a weak reference), never by ``id()``.
     """
     global _last_channel
-    ch = _last_channel  # one call after another on the same group: no lock, no lookup
-    if ch is not None and ch.group is group and ch.src == src:
+    ch = _last_channel()  # one call after another on the same group: no lock, no lookup
+    if ch is not None and ch._group() is group and ch.src == src:
         return ch
     with _channels_lock:
         by_src = _channels.setdefault(group, {})
         ch = by_src.get(src)
         if ch is None:
             ch = by_src[src] = Channel(group, src)
-        _last_channel = ch
+        _last_channel = weakref.ref(ch)
         return ch
 
 
-_last_channel: Channel | None = None
+def _nothing() -> None:
+    return None
+
+
+_last_channel: Callable[[], Channel | None] = _nothing
 
 
 # Background producers (the loader's prefetch threads) still owed collectives on a group.

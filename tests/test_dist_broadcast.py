@@ -14,6 +14,7 @@ import gc
 import hashlib
 import pickle
 import struct
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -413,6 +414,17 @@ def _rank_two(rank: int, world: int) -> dict[str, Any]:
     # The pool hands a buffer out again only when nothing views it: all kept trees intact.
     for name, out in kept:
         check_same(out, CASES[name](), f"{name}, kept while later batches arrived")
+
+    # A group of its own, destroyed after use: its cached channel (and pooled buffers)
+    # go with it; a tree received on it stays intact.
+    group = dist.new_group([0, 1])
+    out = tc.broadcast(large() if rank == 0 else None, 0, group)
+    channel = weakref.ref(_transport.channel_for_group(group, 0))
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    assert channel() is None, "a destroyed group's channel is still alive"
+    check_same(out, large(), "a tree received on a group destroyed since")
     return found
 
 

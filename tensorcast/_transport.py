@@ -306,7 +306,8 @@ class Channel:
             ) from e
 
     def _options(self, group: dist.ProcessGroup) -> Any:
-        # Keyed by id(): only this channel's own groups come here, and they outlive it.
+        # Keyed by id(): only this channel's group and header group come here, and both
+        # are alive whenever they do (the ``group`` property raises for a dead one).
         opts = self._broadcast_options.get(id(group))
         if opts is None:
             opts = dist.BroadcastOptions()
@@ -484,14 +485,9 @@ class Channel:
         if self.verify and payload is not None:
             flags |= _CRC
             crc = _crc(payload) if segments is None else _crc_of_direct(payload, frame)
-        prefix = _PREFIX.pack(
-            _MAGIC,
+        prefix = self._prefix(
             frame.kind,
             flags,
-            len(desc),
-            self.pass_index,
-            self.step,
-            self.fingerprint,
             len(header),
             payload_len,
             next_capacity,
@@ -501,6 +497,33 @@ class Channel:
         head = prefix + desc if flags & _SPILL else prefix + desc + header
         host[: len(head)] = np.frombuffer(head, np.uint8)  # one copy for the whole head
         return _Prepared(frame, first, payload, flags, next_capacity, pieces)
+
+    def _prefix(
+        self,
+        kind: int,
+        flags: int,
+        header_len: int,
+        payload_len: int,
+        next_capacity: int,
+        crc: int = 0,
+        direct_min: int = 0,
+    ) -> bytes:
+        """A frame prefix for this channel's current pass and step: what the source sends,
+        and what a receiver that built the tree ahead expects to receive."""
+        return _PREFIX.pack(
+            _MAGIC,
+            kind,
+            flags,
+            len(self.description),
+            self.pass_index,
+            self.step,
+            self.fingerprint,
+            header_len,
+            payload_len,
+            next_capacity,
+            crc,
+            direct_min,
+        )
 
     def _post(
         self, prepared: _Prepared, meanwhile: Callable[[], None] | None = None
@@ -764,20 +787,7 @@ class Channel:
         at = _align_up(_PREFIX.size + len(self.description) + len(header))
         if at + decoded.nbytes > first.numel():
             return None
-        prefix = _PREFIX.pack(
-            _MAGIC,
-            FRAME_DATA,
-            _INLINE,
-            len(self.description),
-            self.pass_index,
-            self.step,
-            self.fingerprint,
-            len(header),
-            decoded.nbytes,
-            self.capacity,
-            0,
-            0,
-        )
+        prefix = self._prefix(FRAME_DATA, _INLINE, len(header), decoded.nbytes, self.capacity)
         tree = _codec.rebuild(decoded, first[at : at + decoded.nbytes], pool=self.frames)
         return _Ahead(header, at, tree, prefix + self.description + header)
 

@@ -109,7 +109,12 @@ class _Prefetcher:
                 return
 
     def take(self) -> Any:
-        if self._closed and not self._ended and self._taken == self._produced:
+        if (
+            self._closed
+            and not self._ended
+            and self._taken == self._produced
+            and not self._thread.is_alive()  # a thread stuck in a collective is not restarted
+        ):
             # Closed for another user of the group; the pass goes on, after whatever
             # other producer is running on the group now has finished what it owes.
             _transport.drain(self._group)

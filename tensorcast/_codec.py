@@ -432,6 +432,13 @@ class ViewSpec:
         shift = {code: base_offset // isz for code, isz in self.codes.items()}
         return [as_strided(bases[c], sh, st, o + shift[c]) for c, sh, st, o in self.specs]
 
+    def pooled_views(self, buffer: torch.Tensor, pool: BufferPool | None) -> list[torch.Tensor]:
+        """:meth:`tensor_views`, as fresh tensors on views ``pool`` keeps for ``buffer``
+        when it came from there (see ``BufferPool.views``)."""
+        if pool is None:
+            return self.tensor_views(buffer)
+        return pool.views(buffer, (self, buffer.storage_offset()), self.tensor_views)
+
 
 def view_spec(decoded: _schema.Decoded) -> ViewSpec:
     if decoded.view_specs is None:
@@ -449,10 +456,7 @@ def views(
     if buffer.storage_offset() % _MAX_ITEMSIZE:
         buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
     spec = view_spec(decoded)
-    if pool is None:
-        tensors = spec.tensor_views(buffer)
-    else:
-        tensors = pool.views(buffer, (spec, buffer.storage_offset()), spec.tensor_views)
+    tensors = spec.pooled_views(buffer, pool)
     if not spec.others:
         return tensors
     values = spec.placed(tensors, len(decoded.leaves))

@@ -369,8 +369,8 @@ class Channel:
             plan.write(staging)
             return _codec.copy_to_device(staging, dev)
         out = self.pool.take(plan.nbytes, dev)
-        spec = plan.layout.write_spec()
-        frame.tensor_views = plan.write(out, views=self.pool.views(out, spec, spec.tensor_views))
+        views = plan.layout.write_spec().pooled_views(out, self.pool)
+        frame.tensor_views = plan.write(out, views=views)
         return out
 
     def _direct_segments(self, frame: Frame) -> list[tuple[int, int, int]] | None:

@@ -464,12 +464,11 @@ def _decode_small(tok: list[Any]) -> Any:
 class _Frame:
     """An open container while compiling."""
 
-    __slots__ = ("children", "count", "extra", "n", "path", "tag")
+    __slots__ = ("children", "extra", "n", "path", "tag")
 
     def __init__(self, tag: str, n: int, extra: Any, path: Path):
         self.tag = tag
         self.n = n
-        self.count = 0
         self.extra = extra
         self.path = path
         self.children: list[tuple[int, int]] = []  # value references, see compile_tokens
@@ -477,7 +476,7 @@ class _Frame:
 
 def _child_path(frame: _Frame) -> Any:
     """(parent, key, style, depth): the depth keeps ``render_path`` bounded per leaf."""
-    i = frame.count
+    i = len(frame.children)
     tag = frame.tag
     parent = frame.path
     depth = parent[3] + 1 if parent is not None else 1
@@ -645,8 +644,7 @@ def compile_tokens(
         while stack:
             top = stack[-1]
             top.children.append(ref)
-            top.count += 1
-            if top.count < top.n:
+            if len(top.children) < top.n:
                 break
             stack.pop()
             ref = (2, len(steps))

@@ -8,6 +8,11 @@ measured paying ~40 us for it on 2 cores. An iteration's time for a method is th
 median over iterations (with p10 / p90). After timing, every method's output is checked
 bit for bit against the source batch on every rank.
 
+Like a real loader's, each iteration's batch differs from the last in its small values
+(a step number, utterance ids) while its structure, dtypes and shapes repeat: the source
+updates them before the iteration, outside the timed region (``--fixed-batch`` sends one
+unchanging batch instead).
+
 Methods:
 
 - ``tc.broadcast``: ``tensorcast.broadcast``; the source passes the tree every call.
@@ -32,9 +37,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
+import functools
 import gc
 import io
-import itertools
 import json
 import os
 import platform
@@ -139,6 +144,20 @@ def make_workload(name: str) -> Any:
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
 
+def next_step(name: str, batch: Any, step: int) -> None:
+    """Turn ``batch`` into the workload's batch of training step ``step``, in place: new
+    small values (a step number, ids), the same structure, dtypes and shapes."""
+    if name in ("audio_large", "audio_medium"):
+        ids = batch["ids"]
+        for i in range(len(ids)):
+            ids[i] = f"cut-{step:06d}-{(step * 32 + i) * 7919 % 10007:05d}"
+    elif name == "many_small":
+        for grp in range(20):
+            batch[f"group{grp}"]["meta"]["index"] = step * 20 + grp
+    elif name == "tiny":
+        batch["step"] = step
+
+
 # -- bit-for-bit comparison ------------------------------------------------------------
 
 
@@ -177,10 +196,24 @@ def mismatch(got: Any, want: Any, path: str = "batch") -> str | None:
 # -- methods ---------------------------------------------------------------------------
 
 
+class Feed:
+    """An endless source that yields whatever batch the harness last put in ``item``."""
+
+    def __init__(self, item: Any) -> None:
+        self.item = item
+
+    def __iter__(self) -> Feed:
+        return self
+
+    def __next__(self) -> Any:
+        return self.item
+
+
 class LoaderMethod:
     """One ``next()`` of a BroadcastingDataLoader that runs for the whole benchmark."""
 
-    def __init__(self, source: Iterator[Any] | None, group: dist.ProcessGroup, prefetch: int = 0):
+    def __init__(self, source: Feed | None, group: dist.ProcessGroup, prefetch: int = 0):
+        self.source = source
         self.loader = tc.BroadcastingDataLoader(source, group=group, src=SRC, prefetch=prefetch)
         self.it = iter(self.loader)
 
@@ -198,11 +231,12 @@ def build_methods(batch: Any, group: dist.ProcessGroup) -> dict[str, Callable[[]
     floor = baselines.Floor(baselines.batch_nbytes(batch))
     # A worker would pack each batch; packing once keeps the source's memory figure honest
     # (a fresh buffer per call would count the worker's allocation against the source).
-    packed = tc.pack(batch) if is_src else None
+    # When the batch changes, the harness packs it again before the timed call.
+    packed = Feed(tc.pack(batch)) if is_src else None
     return {
         "tc.broadcast": lambda: tc.broadcast(mine, SRC, group),
-        "tc.loader": LoaderMethod(itertools.repeat(batch) if is_src else None, group),
-        "tc.loader+packed": LoaderMethod(itertools.repeat(packed) if is_src else None, group),
+        "tc.loader": LoaderMethod(Feed(batch) if is_src else None, group),
+        "tc.loader+packed": LoaderMethod(packed, group),
         "pickled_packet": lambda: baselines.pickled_packet(mine, SRC, group),
         "object_list": lambda: baselines.object_list(mine, SRC, group),
         "per_tensor": lambda: baselines.per_tensor(mine, SRC, group),
@@ -221,12 +255,14 @@ def close_methods(methods: dict[str, Callable[[], Any]]) -> None:
 
 def time_methods(
     methods: dict[str, Callable[[], Any]], names: list[str], iters: int, warmup: int,
-    world: dist.ProcessGroup, batch: Any,
+    world: dist.ProcessGroup, batch: Any, step: Callable[[int], None] | None = None,
 ) -> tuple[dict[str, list[float]], list[str]]:
     """Interleaved timing; returns seconds per iteration (max over ranks) and check failures.
 
-    The last timed iteration's outputs are checked against ``batch`` (outside the timed
-    region); ``floor`` moves bytes only, so it has nothing to check.
+    ``step(it)``, when given, turns ``batch`` into iteration ``it``'s batch first (every
+    rank calls it: receivers keep their reference copy in step). The last timed
+    iteration's outputs are checked against ``batch`` (outside the timed region);
+    ``floor`` moves bytes only, so it has nothing to check.
     """
     times: dict[str, list[float]] = {n: [] for n in names}
     failures: list[str] = []
@@ -237,6 +273,11 @@ def time_methods(
         if k == 0:  # a new cycle of rotations, from a shuffle every rank draws alike
             random.Random(it).shuffle(base)
         order = base[k:] + base[:k]
+        if step is not None:
+            step(it)
+            packed = methods.get("tc.loader+packed")
+            if isinstance(packed, LoaderMethod) and packed.source is not None:
+                packed.source.item = tc.pack(batch)  # what a worker's packed_collate would do
         elapsed = torch.zeros(len(names), dtype=torch.float64)
         for name in order:
             dist.barrier(group=world)
@@ -331,7 +372,7 @@ def measure_overlap(batch: Any, group: dist.ProcessGroup, world: dist.ProcessGro
     is_src = dist.get_rank() == SRC
     out = {}
     for prefetch in (0, 1):
-        loader = LoaderMethod(itertools.repeat(batch) if is_src else None, group, prefetch)
+        loader = LoaderMethod(Feed(batch) if is_src else None, group, prefetch)
         for step in range(warmup + steps):
             if step == warmup:
                 dist.barrier(group=world)
@@ -387,7 +428,8 @@ def run_workload(name: str, cfg: dict[str, Any], group: dist.ProcessGroup,
     methods = build_methods(batch, group)
     names = [m for m in METHODS if m in cfg["methods"]]
     iters = cfg["iters"] or DEFAULT_ITERS[name]
-    times, failures = time_methods(methods, names, iters, cfg["warmup"], world, batch)
+    vary = None if cfg["fixed_batch"] else functools.partial(next_step, name, batch)
+    times, failures = time_methods(methods, names, iters, cfg["warmup"], world, batch, vary)
     counts = count_collectives(methods, names, world)
     memory = measure_memory(methods, names, cfg["mem_calls"], world)
     close_methods(methods)
@@ -634,7 +676,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mem-calls", type=int, default=None,
                    help="calls per method in the memory phase (default 5)")
     p.add_argument("--overlap-steps", type=int, default=None,
-                   help="steps timed in the overlap experiment (default 10)")
+                   help="steps timed in the overlap experiment (default 30)")
+    p.add_argument("--fixed-batch", action="store_true",
+                   help="send one unchanging batch (default: new small values every iteration)")
     p.add_argument("--json", metavar="PATH", help="write every figure, with raw times, here")
     p.add_argument("--png", metavar="PATH",
                    help="bar chart (needs matplotlib; default: next to --json)")
@@ -666,7 +710,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.mem_calls is None:
         args.mem_calls = 2 if args.quick else 5
     if args.overlap_steps is None:
-        args.overlap_steps = 3 if args.quick else 10
+        args.overlap_steps = 3 if args.quick else 30
     for opt in ("iters", "warmup", "mem_calls", "overlap_steps"):
         value = getattr(args, opt)
         if value is not None and value < (0 if opt == "warmup" else 1):
@@ -691,6 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "mem_calls": args.mem_calls,
         "overlap_steps": args.overlap_steps,
+        "fixed_batch": args.fixed_batch,
         "overlap_workload": overlap,
         "profile": args.profile,
         "pg_timeout": min(120.0, args.timeout),

@@ -80,7 +80,7 @@ def corpus_headers() -> list[bytes]:
     return [p.read_bytes() for p in sorted(folder.glob("*.bin")) if p.stat().st_size < 4096]
 
 
-def frame(body: bytes, version: int = 1, flags: int = 0) -> bytes:
+def frame(body: bytes, version: int = tc.FORMAT_VERSION, flags: int = 0) -> bytes:
     return PREFIX.pack(b"TCST", version, flags, len(body)) + body
 
 

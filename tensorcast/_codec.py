@@ -80,13 +80,19 @@ class PackPlan:
 
     __slots__ = ("device", "header", "layout", "leaves", "nbytes")
 
-    def __init__(self, leaves: list[_tree.BufferLeaf], device: torch.device, layout: Layout):
+    def __init__(
+        self,
+        leaves: list[_tree.BufferLeaf],
+        device: torch.device,
+        layout: Layout,
+        header: bytes,
+    ):
         self.leaves = leaves
         #: the device of the batch's tensors (cpu when it has none)
         self.device = device
-        #: the leaves' places and the header, reused by the next batch when it matches
+        #: the leaves' places and the structure, reused by the next batch when it matches
         self.layout = layout
-        self.header = layout.header
+        self.header = header
         self.nbytes = layout.nbytes
 
     def write(
@@ -216,18 +222,20 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class Layout:
-    """What a header was encoded from, so an identical next batch can reuse its bytes
-    (and the views and gaps worked out for it)."""
+    """A batch's structure laid out: the leaf table and the header's bytes up to the small
+    values, so a next batch of the same structure reuses them (and the views and gaps
+    worked out for it) and encodes its values alone."""
 
     __slots__ = (
         "_gaps",
+        "_last",
         "_write_spec",
         "align",
         "comparable",
         "has_gaps",
-        "header",
         "kinds",
         "nbytes",
+        "prefix",
         "table",
         "tokens",
     )
@@ -236,7 +244,7 @@ class Layout:
         self,
         table: list[tuple[Any, ...]],
         tokens: list[Any],
-        header: bytes,
+        prefix: bytes,
         comparable: bool,
         kinds: list[tuple[str, str, Any]],
         align: int,
@@ -245,7 +253,8 @@ class Layout:
     ):
         self.table = table
         self.tokens = tokens
-        self.header = header
+        #: the header body up to the values (see _schema.structure_prefix)
+        self.prefix = prefix
         #: False when ``==`` on the tokens could mistake True for 1 (see _tree.flatten)
         self.comparable = comparable
         #: each leaf's (kind, code, shape), which with ``align`` fixes the table
@@ -256,6 +265,19 @@ class Layout:
         self.has_gaps = has_gaps
         self._write_spec: ViewSpec | None = None
         self._gaps: list[tuple[int, int]] | None = None
+        self._last: tuple[list[Any], bytes] | None = None  # values -> header, last used
+
+    def header(self, values: list[Any]) -> bytes:
+        """The header of the batch of this structure with these small values.
+
+        A batch that repeats the last values gets the very same bytes object back.
+        """
+        last = self._last  # one read: another thread may replace it
+        if last is not None and last[0] == values:  # strict: no bare ints among values
+            return last[1]
+        header = _schema.encode(self.prefix, values)
+        self._last = (values, header)
+        return header
 
     def write_spec(self) -> ViewSpec:
         """The views leaves are written through (bool leaves as bytes)."""
@@ -300,9 +322,10 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = Non
     """
     if type(align) is not int or not 1 <= align <= _schema.MAX_ALIGN or align & (align - 1):
         raise ValueError(f"align must be a power of two in [1, {_schema.MAX_ALIGN}], got {align!r}")
-    tokens, leaves, loose = _tree.flatten(tree)
+    tokens, values, leaves, loose = _tree.flatten(tree)
     # A leaf's (kind, code, shape) fixes its size, so equal kinds and tokens mean an equal
-    # layout and header: steady state compares them instead of laying the leaves out.
+    # layout: steady state compares them instead of laying the leaves out, and encodes
+    # only the small values.
     kinds = list(map(_KIND, leaves))
     if (
         previous is not None
@@ -317,7 +340,7 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = Non
         layout = _lay_out(leaves, kinds, tokens, align, not loose)
     # flatten checked that every tensor shares the first one's device
     device = next((leaf[3].device for leaf in leaves if leaf[0] == "tensor"), _CPU)
-    return PackPlan(leaves, device, layout)
+    return PackPlan(leaves, device, layout, layout.header(values))
 
 
 def _lay_out(
@@ -327,7 +350,7 @@ def _lay_out(
     align: int,
     comparable: bool,
 ) -> Layout:
-    """Place every leaf at its aligned offset and encode the header."""
+    """Place every leaf at its aligned offset and encode the structure."""
     table: list[tuple[Any, ...]] = []
     masks = _align_masks(align)
     end = 0
@@ -343,8 +366,8 @@ def _lay_out(
             f"the batch needs a {end}-byte buffer, over the {_schema.MAX_BUFFER_BYTES}-byte "
             f"limit of the format; split it into smaller batches"
         )
-    header = _schema.encode(end, align, table, tokens)
-    return Layout(table, tokens, header, comparable, kinds, align, end, data_bytes != end)
+    prefix = _schema.structure_prefix(end, align, table, tokens)
+    return Layout(table, tokens, prefix, comparable, kinds, align, end, data_bytes != end)
 
 
 def pack(
@@ -441,9 +464,10 @@ class ViewSpec:
 
 
 def view_spec(decoded: _schema.Decoded) -> ViewSpec:
-    if decoded.view_specs is None:
-        decoded.view_specs = ViewSpec(decoded.leaves)
-    return decoded.view_specs
+    structure = decoded.structure
+    if structure.view_specs is None:
+        structure.view_specs = ViewSpec(structure.leaves)
+    return structure.view_specs
 
 
 def views(
@@ -562,9 +586,29 @@ def rebuild(
     pool: BufferPool | None = None,
 ) -> Any:
     """The tree of a decoded header, its leaves viewing ``buffer`` (or ``values``)."""
-    if decoded.program is None:
-        decoded.program, _ = _tree.compile_tokens(decoded.tokens, len(decoded.leaves))
-    return _tree.run(decoded.program, views(decoded, buffer, pool) if values is None else values)
+    program, consts = compiled(decoded)
+    return _tree.run(program, views(decoded, buffer, pool) if values is None else values, consts)
+
+
+def compiled(decoded: _schema.Decoded) -> tuple[_tree.Program, list[Any]]:
+    """The structure's program (compiled once per structure) and the decoded small values
+    (once per header); both validated.
+
+    Raises:
+        HeaderError: the tokens or values are not a valid tree.
+    """
+    structure = decoded.structure
+    if structure.program is None:
+        structure.program, _ = _tree.compile_tokens(structure.tokens, len(structure.leaves))
+    if decoded.consts is None:
+        consts = _tree.decode_values(decoded.values)
+        if len(consts) != structure.program.n_values:
+            raise HeaderError(
+                f"the header's tree has {structure.program.n_values} small values but "
+                f"{len(consts)} follow it"
+            )
+        decoded.consts = consts
+    return structure.program, decoded.consts
 
 
 def read_header(header: bytes) -> Schema:
@@ -574,6 +618,7 @@ def read_header(header: bytes) -> Schema:
         HeaderError: the header is not valid for this version of tensorcast.
     """
     decoded = _schema.decode(header)
+    compiled(decoded)  # validates the tree and its values
     _, paths = _tree.compile_tokens(decoded.tokens, len(decoded.leaves), want_paths=True)
     assert paths is not None
     leaves = tuple(

@@ -4,17 +4,21 @@ Layout of a header (all integers little-endian)::
 
     offset  size  field
     0       4     magic  b"TCST"
-    4       2     format version (u16), currently 1
-    6       2     flags (u16), must be 0 in version 1
+    4       2     format version (u16), currently 2
+    6       2     flags (u16), must be 0 in version 2
     8       4     body length in bytes (u32), at most MAX_HEADER_BYTES
-    12      n     body: ASCII JSON  [nbytes, align, leaves, tokens]
+    12      n     body: ASCII JSON  [nbytes, align, leaves, tokens, values]
 
 ``leaves`` is the leaf table, in buffer order: ``[kind, dtype_code, shape, offset, nbytes]``
-with kind one of ``"tensor" "ndarray" "bytes" "str"``; ``tokens`` is the tree (see
-``_tree``). Everything is validated before the caller allocates anything from the sizes
-it states: offsets aligned, in increasing order, not overlapping, inside the buffer; each
-leaf's nbytes equal to its shape times its itemsize; the buffer size equal to the end of
-the last leaf.
+with kind one of ``"tensor" "ndarray" "bytes" "str"``; ``tokens`` is the tree's structure
+and ``values`` its small values (see ``_tree``). Everything is validated before the
+caller allocates anything from the sizes it states: offsets aligned, in increasing order,
+not overlapping, inside the buffer; each leaf's nbytes equal to its shape times its
+itemsize; the buffer size equal to the end of the last leaf.
+
+Everything but the values comes first, so headers of one structure share their bytes up
+to the values: a header that starts with the bytes of a structure validated before is
+read by parsing its values alone (see :func:`decode`).
 """
 
 from __future__ import annotations
@@ -36,13 +40,15 @@ __all__ = [
     "Decoded",
     "LeafSpec",
     "Schema",
+    "Structure",
     "decode",
     "encode",
+    "structure_prefix",
 ]
 
 MAGIC = b"TCST"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = (2,)
 _PREFIX = struct.Struct("<4sHHI")
 PREFIX_BYTES = _PREFIX.size
 MAX_HEADER_BYTES = 64 << 20  # 64 MiB of JSON; long strings and bytes go to the buffer
@@ -93,26 +99,72 @@ class Schema:
     align: int
 
 
+class Structure:
+    """Everything a header says but its small values, validated except for the tokens
+    (those are validated when compiled into ``program``), and what is made from it once
+    for every batch of this structure. Never mutated but for filling in the caches."""
+
+    __slots__ = (
+        "align",
+        "leaves",
+        "nbytes",
+        "prefix",
+        "program",
+        "segments",
+        "tokens",
+        "view_specs",
+    )
+
+    def __init__(self, nbytes: int, align: int, leaves: list[list[Any]], tokens: list[Any]):
+        self.nbytes = nbytes
+        self.align = align
+        self.leaves = leaves
+        self.tokens = tokens
+        #: the body's bytes up to the values, when they are what encode() writes
+        self.prefix: bytes | None = None
+        self.program: Any = None  # _tree.Program, compiled on first use
+        self.view_specs: Any = None  # _codec.ViewSpec, made on first use
+        #: the transport's cut of the payload for a direct-leaf size (see _transport)
+        self.segments: tuple[int, list[tuple[int, int, int]]] | None = None
+
+
 @dataclass(slots=True)
 class Decoded:
-    """A header after framing and leaf-table validation. The tree tokens are validated
-    when they are compiled into ``program`` (once per distinct header; never mutated)."""
+    """A header after framing and leaf-table validation: its structure and its small
+    values (raw tokens; ``consts`` once decoded and validated)."""
 
-    nbytes: int
-    align: int
-    leaves: list[list[Any]]
-    tokens: list[Any]
-    program: Any = None  # _tree.Program, compiled on first use
-    view_specs: Any = None  # _codec.ViewSpec, made on first use
-    #: the transport's cut of the payload for a direct-leaf size (see _transport)
-    segments: tuple[int, list[tuple[int, int, int]]] | None = None
+    structure: Structure
+    values: list[Any]
+    consts: list[Any] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.structure.nbytes
+
+    @property
+    def align(self) -> int:
+        return self.structure.align
+
+    @property
+    def leaves(self) -> list[list[Any]]:
+        return self.structure.leaves
+
+    @property
+    def tokens(self) -> list[Any]:
+        return self.structure.tokens
 
 
-def encode(nbytes: int, align: int, leaves: list[Any], tokens: list[Any]) -> bytes:
-    """Frame a header body. The caller guarantees the leaf table is consistent."""
+def structure_prefix(nbytes: int, align: int, leaves: list[Any], tokens: list[Any]) -> bytes:
+    """The bytes a header body of this structure starts with, up to its values."""
     if not 0 <= nbytes <= MAX_BUFFER_BYTES:
         raise ValueError(f"a {nbytes}-byte buffer is over the {MAX_BUFFER_BYTES}-byte limit")
-    body = _dumps([nbytes, align, leaves, tokens]).encode("ascii")
+    return _dumps([nbytes, align, leaves, tokens]).encode("ascii")[:-1] + b","
+
+
+def encode(prefix: bytes, values: list[Any]) -> bytes:
+    """Frame a header body: a :func:`structure_prefix` and the small values. The caller
+    guarantees the leaf table is consistent."""
+    body = prefix + _dumps(values).encode("ascii") + b"]"
     if len(body) > MAX_HEADER_BYTES:
         raise ValueError(
             f"the batch's header would be {len(body)} bytes, over the {MAX_HEADER_BYTES}-byte "
@@ -147,6 +199,12 @@ def _decode_cached(header: bytes) -> Decoded:
     return _decode(header)
 
 
+# The structures read last, newest first: a header that starts with one's prefix needs
+# only its values parsed. Replaced whole, never changed in place (prefetch threads read it).
+_recent: tuple[Structure, ...] = ()
+_RECENT = 4
+
+
 def _decode(header: bytes | bytearray | memoryview) -> Decoded:
     if len(header) < PREFIX_BYTES:
         raise _fail(f"{len(header)} bytes is shorter than the {PREFIX_BYTES}-byte prefix")
@@ -169,13 +227,21 @@ def _decode(header: bytes | bytearray | memoryview) -> Decoded:
             f"the prefix says the body has {length} bytes but {len(header) - PREFIX_BYTES} follow "
             f"(truncated or padded header)"
         )
-    try:
-        body = _loads(bytes(header[PREFIX_BYTES:]).decode("ascii"))
-    except (ValueError, RecursionError, UnicodeDecodeError) as e:
-        raise _fail(f"the body is not valid JSON ({type(e).__name__}: {str(e)[:120]})") from None
-    if type(body) is not list or len(body) != 4:
-        raise _fail("the body must be a list [nbytes, align, leaves, tokens]")
-    nbytes, align, leaves, tokens = body
+    raw = bytes(header[PREFIX_BYTES:])
+    for known in _recent:
+        start = known.prefix
+        assert start is not None
+        if raw.startswith(start) and raw.endswith(b"]"):
+            # The same bytes as a body validated before, up to the values: the values are
+            # one JSON value between that prefix and the closing bracket, or not valid.
+            values = _parse(raw[len(start) : -1])
+            if type(values) is not list:
+                raise _fail("the small values are not a list")
+            return Decoded(known, values)
+    body = _parse(raw)
+    if type(body) is not list or len(body) != 5:
+        raise _fail("the body must be a list [nbytes, align, leaves, tokens, values]")
+    nbytes, align, leaves, tokens, values = body
     if type(nbytes) is not int or not 0 <= nbytes <= MAX_BUFFER_BYTES:
         raise _fail(f"buffer size {nbytes!r:.40} is not an int in [0, {MAX_BUFFER_BYTES}]")
     if type(align) is not int or not 1 <= align <= MAX_ALIGN or align & (align - 1):
@@ -187,7 +253,30 @@ def _decode(header: bytes | bytearray | memoryview) -> Decoded:
         end = _check_leaf(i, leaf, align, end, nbytes)
     if end != nbytes:
         raise _fail(f"the leaves end at byte {end} but the buffer size is {nbytes}")
-    return Decoded(nbytes, align, leaves, tokens)
+    if type(values) is not list:
+        raise _fail("the small values are not a list")
+    structure = Structure(nbytes, align, leaves, tokens)
+    try:
+        prefix: bytes | None = structure_prefix(nbytes, align, leaves, tokens)
+    except (ValueError, RecursionError):  # not something this library writes
+        prefix = None
+    if prefix is not None and raw.startswith(prefix):
+        # Written as this library writes it: later bodies can match its bytes.
+        structure.prefix = prefix
+        _remember(structure)
+    return Decoded(structure, values)
+
+
+def _remember(structure: Structure) -> None:
+    global _recent
+    _recent = (structure, *_recent[: _RECENT - 1])
+
+
+def _parse(raw: bytes) -> Any:
+    try:
+        return _loads(raw.decode("ascii"))
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        raise _fail(f"the body is not valid JSON ({type(e).__name__}: {str(e)[:120]})") from None
 
 
 def _check_leaf(i: int, leaf: Any, align: int, prev_end: int, nbytes: int) -> int:

@@ -160,10 +160,11 @@ def _crc_of_direct(buffer: torch.Tensor, frame: Frame) -> int:
 
 
 def _segments_of(decoded: _schema.Decoded, direct_min: int) -> list[tuple[int, int, int]]:
-    """:func:`_segments` of a received header, computed once per distinct header."""
-    cached = decoded.segments
+    """:func:`_segments` of a received header, computed once per structure."""
+    structure = decoded.structure
+    cached = structure.segments
     if cached is None or cached[0] != direct_min:
-        cached = decoded.segments = (
+        cached = structure.segments = (
             direct_min,
             _segments(decoded.leaves, decoded.nbytes, direct_min),
         )

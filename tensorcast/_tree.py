@@ -1,23 +1,32 @@
 """Tree <-> token list: the structural half of the codec.
 
 A batch tree is flattened, in preorder and without recursion (any nesting depth works),
-into a flat list of JSON-able *tokens* plus the list of *buffer leaves* whose bytes go
-into the packed buffer. The rebuild walks the same tokens with an explicit stack.
+into a flat list of JSON-able *tokens* (its structure), the list of its small *values*,
+and the list of *buffer leaves* whose bytes go into the packed buffer. The rebuild walks
+the same tokens with an explicit stack.
+
+The structure and the values are apart because batches of one loader repeat their
+structure while their values change (step numbers, ids): the structure is then laid
+out, encoded, validated and compiled once, and only the values travel anew.
 
 Tokens::
 
     7                    buffer leaf number 7 (a bare int; never a bool)
+    null                 the next small value
+    ["l", n] ["t", n]    list / tuple of the next n subtrees
+    ["d", n, keys]       dict; keys are str, int, bool, null or ["I", hex]
+    ["o", n, keys]       collections.OrderedDict
+    ["r", name, fields]  a registered NamedTuple / dataclass; one subtree per field
+    ["x", name]          a registered codec type; the next subtree is its to_tree()
+
+Values, in preorder::
+
     null / true / false  None / True / False
     "text"               a str leaf (short ones; long ones are buffer leaves)
     ["i", 5]             int that fits in 64 bits     ["I", "-0x1f..."] any other int
     ["f", bits]          float, its IEEE-754 bits     ["c", re_bits, im_bits] complex
     ["y", "00ff"]        short bytes, hex
     ["s", "F32", "hex"]  numpy scalar                 ["S", "U", text] / ["S", "S", hex]
-    ["l", n] ["t", n]    list / tuple of the next n subtrees
-    ["d", n, keys]       dict; keys are str, int, bool, null or ["I", hex]
-    ["o", n, keys]       collections.OrderedDict
-    ["r", name, fields]  a registered NamedTuple / dataclass; one subtree per field
-    ["x", name]          a registered codec type; the next subtree is its to_tree()
 
 Nothing here knows about byte layouts or process groups.
 """
@@ -38,7 +47,15 @@ from tensorcast import _registry
 from tensorcast._dtypes import CODE_OF_TORCH, NUMPY_CODES, numpy_code
 from tensorcast._errors import HeaderError, UnsupportedLeafError
 
-__all__ = ["BufferLeaf", "Program", "compile_tokens", "flatten", "render_path", "run"]
+__all__ = [
+    "BufferLeaf",
+    "Program",
+    "compile_tokens",
+    "decode_values",
+    "flatten",
+    "render_path",
+    "run",
+]
 
 # Strings and bytes longer than this travel in the buffer, not in the header.
 INLINE_LIMIT = 1024
@@ -181,13 +198,14 @@ class _Fail(Exception):
         self.report = report
 
 
-def flatten(tree: Any) -> tuple[list[Any], list[BufferLeaf], bool]:
-    """Flatten ``tree`` into preorder tokens and its buffer leaves.
+def flatten(tree: Any) -> tuple[list[Any], list[Any], list[BufferLeaf], bool]:
+    """Flatten ``tree`` into preorder tokens, its small values and its buffer leaves.
 
     Returns:
-        ``(tokens, leaves, loose)``: ``loose`` is True when the tokens hold a bool leaf
-        or a bool / int dict key, whose ``==`` cannot tell ``True`` from ``1``: such
-        token lists must not be compared to decide that two trees are alike.
+        ``(tokens, values, leaves, loose)``: ``loose`` is True when the tokens hold a
+        bool or int dict key, whose ``==`` cannot tell ``True`` from ``1``: such token
+        lists must not be compared to decide that two trees are alike. (Values compare
+        strictly: a bare value token is never an int.)
 
     Raises:
         UnsupportedLeafError: a leaf, key or container type cannot travel.
@@ -238,12 +256,13 @@ def _locate(tree: Any, target: Any, codec_trees: dict[int, tuple[str, Any]]) -> 
 
 def _walk(
     tree: Any, codec_trees: dict[int, tuple[str, Any]]
-) -> tuple[list[Any], list[BufferLeaf], bool]:
+) -> tuple[list[Any], list[Any], list[BufferLeaf], bool]:
     # The hot loop of the source: every name it uses is a local, and the common types are
     # tested first. A batch of 200 small tensors spends most of its packing time here.
     tokens: list[Any] = []
+    smalls: list[Any] = []  # the small values
     leaves: list[BufferLeaf] = []
-    append, add_leaf = tokens.append, leaves.append
+    append, add_leaf, value = tokens.append, leaves.append, smalls.append
     # A stack of objects; _EXIT followed by an id leaves a container (cycle detection).
     stack: list[Any] = [tree]
     pop, push, extend = stack.pop, stack.append, stack.extend
@@ -296,14 +315,16 @@ def _walk(
             active.discard(pop())
         elif t is str:
             if len(obj) <= INLINE_LIMIT:
-                append(obj)
+                append(None)
+                value(obj)
             else:
                 append(n_leaves)
                 n_leaves += 1
                 data = obj.encode("utf-8", "surrogatepass")
                 add_leaf(("str", "U8", (len(data),), data))
         elif t is int:
-            append(["i", obj] if _I64_MIN <= obj <= _I64_MAX else ["I", hex(obj)])
+            append(None)
+            value(["i", obj] if _I64_MIN <= obj <= _I64_MAX else ["I", hex(obj)])
         elif t is list or t is tuple:
             key = id(obj)
             if key in active:
@@ -314,12 +335,14 @@ def _walk(
             push(_EXIT)
             extend(reversed(obj))
         elif obj is None:
-            append(obj)
+            append(None)
+            value(None)
         elif t is float:
-            append(["f", _U64.unpack(_F64.pack(obj))[0]])
+            append(None)
+            value(["f", _U64.unpack(_F64.pack(obj))[0]])
         elif t is bool:
-            loose = True
-            append(obj)
+            append(None)
+            value(obj)
         elif t is np.ndarray:
             code = numpy_code(obj.dtype)
             if code is None:
@@ -329,15 +352,18 @@ def _walk(
             add_leaf(("ndarray", code, obj.shape, obj))
         elif t is bytes:
             if len(obj) <= INLINE_LIMIT:
-                append(["y", obj.hex()])
+                append(None)
+                value(["y", obj.hex()])
             else:
                 append(n_leaves)
                 n_leaves += 1
                 add_leaf(("bytes", "U8", (len(obj),), obj))
         elif t is complex:
-            append(["c", _U64.unpack(_F64.pack(obj.real))[0], _U64.unpack(_F64.pack(obj.imag))[0]])
+            append(None)
+            value(["c", _U64.unpack(_F64.pack(obj.real))[0], _U64.unpack(_F64.pack(obj.imag))[0]])
         elif isinstance(obj, np.generic) and t.__module__ == "numpy":
-            append(_encode_scalar(obj))
+            append(None)
+            value(_encode_scalar(obj))
         else:
             entry = _registry.by_type(t)
             if entry is None:
@@ -360,7 +386,7 @@ def _walk(
                 append(["r", entry.name, list(entry.fields)])
                 for name in reversed(entry.fields):
                     push(getattr(obj, name))
-    return tokens, leaves, loose
+    return tokens, smalls, leaves, loose
 
 
 def _contains_itself(path: Path) -> None:
@@ -433,8 +459,28 @@ def _fromhex(text: Any) -> bytes:
         raise HeaderError(f"invalid hex string {text!r:.80}") from None
 
 
+def decode_values(values: Any) -> list[Any]:
+    """The small values of a header, decoded and validated.
+
+    Raises:
+        HeaderError: ``values`` is not a list of value tokens.
+    """
+    if type(values) is not list:
+        raise HeaderError("the header's small values are not a list")
+    out = values[:]
+    for i, tok in enumerate(values):
+        t = type(tok)
+        if t is list:
+            out[i] = _decode_small(tok)
+        elif not (t is str or tok is None or t is bool):
+            raise HeaderError(f"invalid value token {tok!r:.80} at position {i}")
+    return out
+
+
 def _decode_small(tok: list[Any]) -> Any:
-    """Decode a small-leaf token (a list whose tag is not a container tag)."""
+    """Decode a small-value token that is a list."""
+    if not tok:
+        raise HeaderError("invalid value token []")
     tag = tok[0]
     n = len(tok)
     if tag == "i" and n == 2 and type(tok[1]) is int:
@@ -539,25 +585,28 @@ _CONTAINER_TAGS = frozenset("ltdorx")
 class Program:
     """A compiled tree: how to rebuild it from its buffer leaves' values.
 
-    ``run`` lays out one list of values: the buffer leaves, then the constants (small
-    leaves), then each container as it is built. Containers are built children first,
-    each from its children's values picked out of that list by one ``itemgetter`` call,
-    so rebuilding costs a few C calls per container, none per leaf.
+    A program depends on the tree's structure only: every batch of that structure runs
+    it, with its own small values.
+
+    ``run`` lays out one list of values: the buffer leaves, then the small values, then
+    each container as it is built. Containers are built children first, each from its
+    children's values picked out of that list by one ``itemgetter`` call, so rebuilding
+    costs a few C calls per container, none per leaf.
 
     Attributes:
-        consts: the small leaves' values (immutable: shared by every rebuilt tree).
         steps: per container, children first: ``(tag, extra, path, pick, n)``; ``pick``
             is an ``itemgetter`` of the ``n`` children's places when ``n > 1``, the one
             child's place when ``n == 1``.
         root: the root's place.
+        n_values: how many small values the tree holds.
     """
 
-    __slots__ = ("consts", "root", "steps")
+    __slots__ = ("n_values", "root", "steps")
 
-    def __init__(self, steps: list[tuple[Any, ...]], consts: list[Any], root: int):
+    def __init__(self, steps: list[tuple[Any, ...]], root: int, n_values: int):
         self.steps = steps
-        self.consts = consts
         self.root = root
+        self.n_values = n_values
 
 
 def _make(tag: str, items: list[Any], extra: Any, path: Path) -> Any:
@@ -604,9 +653,9 @@ def compile_tokens(
         raise HeaderError("the header's tree is missing or not a token list")
     used = bytearray(n_leaves)
     paths: list[Path] | None = [None] * n_leaves if want_paths else None
-    # A value is referenced as (0, leaf), (1, constant) or (2, container step) until the
-    # number of constants is known; then as its place in run()'s list of values.
-    consts: list[Any] = []
+    # A value is referenced as (0, leaf), (1, small value) or (2, container step) until
+    # the number of small values is known; then as its place in run()'s list of values.
+    n_values = 0
     steps: list[tuple[str, Any, Path, list[tuple[int, int]]]] = []
     stack: list[_Frame] = []
     root: tuple[int, int] = (0, 0)
@@ -624,20 +673,16 @@ def compile_tokens(
             if paths is not None:
                 paths[tok] = path
             ref = (0, tok)
-        elif t is str or tok is None or t is bool:
-            ref = (1, len(consts))
-            consts.append(tok)
-        elif t is list and tok and type(tok[0]) is str:
-            if tok[0] in _CONTAINER_TAGS:
-                frame = _open(tok, total - i - 1, path)
-                if frame.n:
-                    stack.append(frame)
-                    continue
-                ref = (2, len(steps))
-                steps.append((frame.tag, frame.extra, path, []))
-            else:
-                ref = (1, len(consts))
-                consts.append(_decode_small(tok))
+        elif tok is None:
+            ref = (1, n_values)
+            n_values += 1
+        elif t is list and tok and type(tok[0]) is str and tok[0] in _CONTAINER_TAGS:
+            frame = _open(tok, total - i - 1, path)
+            if frame.n:
+                stack.append(frame)
+                continue
+            ref = (2, len(steps))
+            steps.append((frame.tag, frame.extra, path, []))
         else:
             raise HeaderError(f"invalid token {tok!r:.80} at position {i}")
         # The value is complete: add it to its parent, closing every parent it completes.
@@ -656,7 +701,7 @@ def compile_tokens(
         raise HeaderError("the header's tree is truncated: a container is missing children")
     if n_leaves and not all(used):
         raise HeaderError("the header lists buffer leaves that the tree never references")
-    base = (0, n_leaves, n_leaves + len(consts))
+    base = (0, n_leaves, n_leaves + n_values)
     compiled = []
     for tag, extra, path, children in steps:
         places = [base[kind] + k for kind, k in children]
@@ -664,12 +709,13 @@ def compile_tokens(
             operator.itemgetter(*places) if len(places) > 1 else places[0] if places else None
         )
         compiled.append((tag, extra, path, pick, len(places)))
-    return Program(compiled, consts, base[root[0]] + root[1]), paths
+    return Program(compiled, base[root[0]] + root[1], n_values), paths
 
 
-def run(program: Program, leaf_values: Sequence[Any]) -> Any:
-    """Rebuild a tree from a compiled program and the buffer leaves' values."""
-    values = [*leaf_values, *program.consts]
+def run(program: Program, leaf_values: Sequence[Any], small_values: Sequence[Any]) -> Any:
+    """Rebuild a tree from a compiled program, the buffer leaves' values and the small
+    values (as :func:`decode_values` returns them; their count is the program's)."""
+    values = [*leaf_values, *small_values]
     add = values.append
     for tag, extra, path, pick, n in program.steps:
         items = pick(values) if n > 1 else (values[pick],) if n else ()

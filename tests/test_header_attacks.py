@@ -53,7 +53,7 @@ make_attacks = _load_generator()
 ATTACK_FILES = sorted(ATTACKS.glob("*.bin"))
 
 
-def frame(body: bytes, version: int = 1, flags: int = 0) -> bytes:
+def frame(body: bytes, version: int = 2, flags: int = 0) -> bytes:
     return PREFIX.pack(b"TCST", version, flags, len(body)) + body
 
 
@@ -144,7 +144,7 @@ def test_future_version_lists_the_available_versions() -> None:
     with pytest.raises(tc.HeaderError) as info:
         tc.read_header(data)
     msg = str(info.value)
-    assert "version 2" in msg and "Available versions" in msg and "[1]" in msg, msg
+    assert "version 3" in msg and "Available versions" in msg and "[2]" in msg, msg
 
 
 def test_bad_magic_says_it_is_not_a_tensorcast_header() -> None:
@@ -162,7 +162,7 @@ def test_deep_but_valid_flat_tree_is_accepted() -> None:
     """100,000 nested one-element lists as flat tokens are a valid tree: both decoders
     accept it without recursing."""
     depth = 100_000
-    data = frame(json.dumps([0, 64, [], [["l", 1]] * depth + [None]]).encode())
+    data = frame(json.dumps([0, 64, [], [["l", 1]] * depth + [None], [None]]).encode())
     assert tc.read_header(data).leaves == ()
     out = tc.unpack(data, torch.empty(0, dtype=torch.uint8))
     for _ in range(depth):
@@ -172,7 +172,7 @@ def test_deep_but_valid_flat_tree_is_accepted() -> None:
 
 
 def test_deep_flat_tree_referencing_a_missing_leaf_is_rejected() -> None:
-    data = frame(json.dumps([0, 64, [], [["l", 1]] * 100_000 + [0]]).encode())
+    data = frame(json.dumps([0, 64, [], [["l", 1]] * 100_000 + [0], []]).encode())
     assert judge(data) == "rejected"
 
 
@@ -195,7 +195,7 @@ def test_read_header_output_is_bounded_by_its_input() -> None:
     depth, n = 4000, 1000
     tokens = [["l", 1]] * depth + [["l", n], *range(n)]
     leaves = [["tensor", "U8", [0], 0, 0]] * n
-    data = frame(json.dumps([0, 64, leaves, tokens], separators=(",", ":")).encode())
+    data = frame(json.dumps([0, 64, leaves, tokens, []], separators=(",", ":")).encode())
     schema = tc.read_header(data)
     assert len(schema.leaves) == n
     total = sum(len(leaf.path) for leaf in schema.leaves)
@@ -294,10 +294,13 @@ json_values = st.recursive(
 
 
 @SETTINGS
-@given(json_values, json_values, json_values, json_values)
-def test_arbitrary_json_bodies(nbytes: Any, align: Any, leaves: Any, tokens: Any) -> None:
-    """Any JSON ``[nbytes, align, leaves, tokens]`` gives HeaderError or a valid header."""
-    judge(frame(json.dumps([nbytes, align, leaves, tokens]).encode()))
+@given(json_values, json_values, json_values, json_values, json_values)
+def test_arbitrary_json_bodies(
+    nbytes: Any, align: Any, leaves: Any, tokens: Any, values: Any
+) -> None:
+    """Any JSON ``[nbytes, align, leaves, tokens, values]`` gives HeaderError or a valid
+    header."""
+    judge(frame(json.dumps([nbytes, align, leaves, tokens, values]).encode()))
 
 
 leaf_rows = st.lists(
@@ -328,6 +331,13 @@ token_atoms = st.one_of(
     ).map(list),
     st.tuples(st.sampled_from(["f", "i", "y", "I"]), json_scalars).map(list),
 )
+value_atoms = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.text(max_size=3),
+    st.integers(-1, 4),
+    st.tuples(st.sampled_from(["f", "i", "y", "I", "c", "s", "S", "l"]), json_scalars).map(list),
+)
 
 
 @SETTINGS
@@ -336,11 +346,14 @@ token_atoms = st.one_of(
     st.sampled_from([1, 2, 8, 64, 3]),
     leaf_rows,
     st.lists(token_atoms, min_size=0, max_size=12),
+    st.lists(value_atoms, min_size=0, max_size=4),
 )
-def test_near_valid_bodies(nbytes: int, align: int, leaves: list[Any], tokens: list[Any]) -> None:
+def test_near_valid_bodies(
+    nbytes: int, align: int, leaves: list[Any], tokens: list[Any], values: list[Any]
+) -> None:
     """Bodies built from the grammar's own pieces (so they get past the first checks)
     give HeaderError or a valid header; when valid, unpack rebuilds a tree."""
-    judge(frame(json.dumps([nbytes, align, leaves, tokens]).encode()))
+    judge(frame(json.dumps([nbytes, align, leaves, tokens, values]).encode()))
 
 
 # --------------------------------------------------------------------------- golden bytes
@@ -357,10 +370,11 @@ def golden_tree() -> dict[Any, Any]:
 
 
 GOLDEN_HEADER = (
-    b"TCST\x01\x00\x00\x00'\x01\x00\x00"
+    b"TCST\x02\x00\x00\x00L\x01\x00\x00"
     b'[136,64,[["tensor","I16",[4],0,8],["tensor","BOOL",[3],64,3],["ndarray","F32",[2],128,8]],'
-    b'[["d",5,["ids","mask","np","meta","od"]],0,1,2,["l",6],["f",4609434218613702656],"hi",'
-    b'null,["y","0001"],["I","0x400000000000000000"],["t",1],true,["o",1,[7]],'
+    b'[["d",5,["ids","mask","np","meta","od"]],0,1,2,["l",6],null,null,null,null,null,["t",1],'
+    b'null,["o",1,[7]],null],'
+    b'[["f",4609434218613702656],"hi",null,["y","0001"],["I","0x400000000000000000"],true,'
     b'["c",4607182418800017408,4611686018427387904]]]'
 )
 # The leaves' bytes, little-endian; every byte between leaves is zero.
@@ -393,6 +407,38 @@ def test_golden_leaf_bytes() -> None:
 def test_golden_buffer_bytes() -> None:
     """The whole buffer, padding included, is pinned: padding is zeros."""
     assert bytes(tc.pack(golden_tree()).buffer.numpy()) == GOLDEN_BUFFER
+
+
+def test_headers_of_one_structure_share_their_bytes_up_to_the_values() -> None:
+    """Batches that differ in small values only: one structure prefix, new values."""
+    tree = golden_tree()
+    tree["meta"] = [2.5, "a longer string", None, b"", -1, (False,)]
+    header = tc.pack(tree).header
+    values_at = GOLDEN_HEADER.rindex(b',[["f",')
+    assert header[12 : values_at + 1] == GOLDEN_HEADER[12 : values_at + 1]
+    assert header[values_at + 1 :] != GOLDEN_HEADER[values_at + 1 :]
+
+
+def test_a_known_structure_with_bad_values_is_rejected() -> None:
+    """A body that repeats the bytes of a structure read before takes the short path,
+    which must judge its values exactly as a first read would."""
+    assert judge(GOLDEN_HEADER) == "ok"  # the structure is now known
+    values_at = GOLDEN_HEADER.rindex(b',[["f",') + 1
+    body = GOLDEN_HEADER[12:values_at]
+    for values in (
+        b"[]]",  # too few
+        b'[["f",0],"hi",null,["y","00"],["i",1],true,["c",0,0],null]]',  # too many
+        b'[["f",0],"hi",null,["y","0"],["i",1],true,["c",0,0]]]',  # odd hex
+        b'[["f",0],"hi",null,["y","00"],5,true,["c",0,0]]]',  # a bare int
+        b'{"a":1}]',  # not a list
+        b'[],[]]',  # two values lists
+        b"[]",  # no closing bracket
+        b"[]]]",
+        b"[\xff]]",
+    ):
+        assert judge(frame(body + values)) == "rejected", values
+    good = b'[["f",0],"",null,["y",""],["i",1],false,["c",0,0]]]'
+    assert judge(frame(body + good)) == "ok"
 
 
 def test_golden_bytes_decode_to_the_tree() -> None:

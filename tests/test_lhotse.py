@@ -433,8 +433,11 @@ def test_unregistered_lhotse_type_is_unsupported() -> None:
         tc.pack({"recs": RecordingSet([])})
 
 
-def _header(tokens: list[Any]) -> bytes:
-    return _schema.encode(0, 64, [], tokens)
+def _header(tree: list[Any]) -> bytes:
+    """A header of no buffer leaves; ``tree``'s small values written in their places."""
+    tokens = [tok if type(tok) is list and tok[0] in "ltdorx" else None for tok in tree]
+    values = [tok for tok in tree if not (type(tok) is list and tok[0] in "ltdorx")]
+    return _schema.encode(_schema.structure_prefix(0, 64, [], tokens), values)
 
 
 @pytest.mark.parametrize(

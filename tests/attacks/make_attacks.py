@@ -19,7 +19,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 MAGIC = b"TCST"
-VERSION = 1
+VERSION = 2
 PREFIX = struct.Struct("<4sHHI")  # magic, version, flags, body length
 MAX_HEADER_BYTES = 64 << 20
 DEEP = 100_000
@@ -45,9 +45,30 @@ def js(obj: object) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode("ascii")
 
 
-def header(nbytes: object, align: object, leaves: object, tokens: object) -> bytes:
-    """A framed header whose JSON body is ``[nbytes, align, leaves, tokens]``."""
-    return frame(js([nbytes, align, leaves, tokens]))
+CONTAINER_TAGS = ("l", "t", "d", "o", "r", "x")
+
+
+def header(
+    nbytes: object, align: object, leaves: object, tree: list[object], values: object = None
+) -> bytes:
+    """A framed header whose JSON body is ``[nbytes, align, leaves, tokens, values]``.
+
+    Without ``values``, ``tree`` is written as one would read the tree, small values in
+    their places: each token that is neither a buffer-leaf reference (a bare int) nor a
+    container becomes a value slot (``null``) and goes to the values, in order.
+    """
+    if values is not None:
+        return frame(js([nbytes, align, leaves, tree, values]))
+    tokens: list[object] = []
+    small: list[object] = []
+    for tok in tree:
+        container = type(tok) is list and tok and type(tok[0]) is str and tok[0] in CONTAINER_TAGS
+        if (type(tok) is int) or container:
+            tokens.append(tok)
+        else:
+            tokens.append(None)
+            small.append(tok)
+    return frame(js([nbytes, align, leaves, tokens, small]))
 
 
 def raw(body: str) -> bytes:
@@ -73,10 +94,11 @@ ATTACKS: dict[str, tuple[str, bytes]] = {
         b"\x80\x05\x95" + b"\x00" * 9 + b"cos\nsystem\n.",
     ),
     "leading_whitespace": ("a space before the magic", b" " + VALID),
-    "future_version": ("format version 2, from the future", frame(VALID[12:], version=2)),
+    "future_version": ("format version 3, from the future", frame(VALID[12:], version=3)),
+    "past_version": ("format version 1, whose body has no values", frame(VALID[12:], version=1)),
     "version_zero": ("format version 0", frame(VALID[12:], version=0)),
     "version_max": ("format version 65535", frame(VALID[12:], version=0xFFFF)),
-    "nonzero_flags": ("flags 0x0001, undefined in version 1", frame(VALID[12:], flags=1)),
+    "nonzero_flags": ("flags 0x0001, undefined in version 2", frame(VALID[12:], flags=1)),
     "length_too_long": (
         f"the body length says 1000, {len(VALID) - 12} bytes follow",
         frame(VALID[12:], length=1000),
@@ -94,27 +116,34 @@ ATTACKS: dict[str, tuple[str, bytes]] = {
     # ---- body: JSON and top-level shape
     "non_ascii_body": (
         "raw UTF-8 (`é`) in the body",
-        frame('[16,64,[["tensor","F32",[4],0,16]],[["d",1,["é"]],0]]'.encode()),
+        frame('[16,64,[["tensor","F32",[4],0,16]],[["d",1,["é"]],0],[]]'.encode()),
     ),
     "latin1_body": ("a 0xff byte in the body", frame(VALID[12:-2] + b"\xff]")),
     "nul_in_body": ("a NUL byte in the body", frame(VALID[12:-1] + b"\x00")),
     "not_json": ("a body that is not JSON", raw("[16,64,[[tensor]]")),
     "json_object": (
-        "a JSON object instead of the 4-list",
-        raw('{"nbytes":16,"align":64,"leaves":[],"tokens":[null]}'),
+        "a JSON object instead of the 5-list",
+        raw('{"nbytes":16,"align":64,"leaves":[],"tokens":[null],"values":[null]}'),
     ),
     "json_string": ("a JSON string body", raw('"hello"')),
     "three_fields": ("a 3-list body", raw("[0,64,[]]")),
-    "five_fields": ("a 5-list body", raw("[0,64,[],[null],0]")),
-    "nan_nbytes": ("NaN as the buffer size", raw("[NaN,64,[],[null]]")),
-    "infinity_nbytes": ("Infinity as the buffer size", raw("[Infinity,64,[],[null]]")),
-    "float_nbytes": ("16.0 as the buffer size", raw('[16.0,64,[["tensor","F32",[4],0,16]],[0]]')),
-    "bool_nbytes": ("true as the buffer size", raw('[true,64,[["tensor","U8",[1],0,1]],[0]]')),
+    "four_fields": (
+        "a version-1 body, without values",
+        raw('[16,64,[["tensor","F32",[4],0,16]],[["d",1,["x"]],0]]'),
+    ),
+    "six_fields": ("a 6-list body", raw("[0,64,[],[null],[null],0]")),
+    "nan_nbytes": ("NaN as the buffer size", raw("[NaN,64,[],[null],[null]]")),
+    "infinity_nbytes": ("Infinity as the buffer size", raw("[Infinity,64,[],[null],[null]]")),
+    "float_nbytes": (
+        "16.0 as the buffer size",
+        raw('[16.0,64,[["tensor","F32",[4],0,16]],[0],[]]'),
+    ),
+    "bool_nbytes": ("true as the buffer size", raw('[true,64,[["tensor","U8",[1],0,1]],[0],[]]')),
     "negative_nbytes": ("buffer size -1", header(-1, 64, [], [None])),
     "nbytes_u64_overflow": ("buffer size 2**64", header(2**64, 64, [], [None])),
     "nbytes_huge_digits": (
         "buffer size with 5000 decimal digits",
-        raw("[" + "9" * 5000 + ",64,[],[null]]"),
+        raw("[" + "9" * 5000 + ",64,[],[null],[null]]"),
     ),
     "nbytes_over_limit": (
         "buffer size 2**44 + 64 for one leaf of that size (over the 16 TiB cap)",
@@ -126,7 +155,7 @@ ATTACKS: dict[str, tuple[str, bytes]] = {
     "align_not_power_of_two": ("alignment 48", header(0, 48, [], [None])),
     "align_negative": ("alignment -64", header(0, -64, [], [None])),
     "align_huge": ("alignment 2**40", header(0, 2**40, [], [None])),
-    "leaves_not_list": ("a leaf table that is a dict", raw('[0,64,{"0":1},[null]]')),
+    "leaves_not_list": ("a leaf table that is a dict", raw('[0,64,{"0":1},[null],[null]]')),
     # ---- leaf table
     "leaf_not_list": ("a leaf that is a string", header(0, 64, ["tensor"], [0])),
     "leaf_four_fields": ("a leaf with 4 fields", header(16, 64, [["tensor", "F32", [4], 0]], [0])),
@@ -241,10 +270,10 @@ ATTACKS: dict[str, tuple[str, bytes]] = {
     ),
     "float_offset": ("offset 0.0", header(16, 64, [["tensor", "F32", [4], 0.0, 16]], [0])),
     # ---- tree tokens
-    "tokens_not_list": ("the tree is a dict", raw('[0,64,[],{"l":0}]')),
+    "tokens_not_list": ("the tree is a dict", raw('[0,64,[],{"l":0},[]]')),
     "tokens_empty": ("an empty tree", header(0, 64, [], [])),
     "token_float": ("a float token", header(0, 64, [], [1.5])),
-    "token_object": ("a JSON-object token", raw('[0,64,[],[{"l":1}]]')),
+    "token_object": ("a JSON-object token", raw('[0,64,[],[{"l":1}],[]]')),
     "token_empty_list": ("an empty list token", header(0, 64, [], [[]])),
     "token_unknown_tag": ("a token with tag `q`", header(0, 64, [], [["q", 1]])),
     "token_tag_not_str": ("a token whose tag is a number", header(0, 64, [], [[1, 2]])),
@@ -266,24 +295,24 @@ ATTACKS: dict[str, tuple[str, bytes]] = {
     ),
     "deep_json_tree": (
         f"the tree as JSON arrays nested {DEEP:,} deep",
-        raw("[0,64,[]," + "[" * DEEP + "]" * DEEP + "]"),
+        raw("[0,64,[]," + "[" * DEEP + "]" * DEEP + ",[]]"),
     ),
     "deep_json_token": (
         f"one token nested {DEEP:,} deep",
-        raw("[0,64,[],[" + "[" * DEEP + "]" * DEEP + "]]"),
+        raw("[0,64,[],[" + "[" * DEEP + "]" * DEEP + "],[]]"),
     ),
     # Just past Python's default recursion limit: the depth where a recursive walker breaks.
     "deep_json_shape": (
         "a leaf shape nested 1,200 deep",
-        raw('[0,64,[["tensor","U8",' + "[" * 1200 + "]" * 1200 + ",0,0]],[0]]"),
+        raw('[0,64,[["tensor","U8",' + "[" * 1200 + "]" * 1200 + ",0,0]],[0],[]]"),
     ),
     "deep_json_key": (
         "a dict key nested 1,200 deep",
-        raw('[0,64,[],[["d",1,[' + "[" * 1200 + "]" * 1200 + "]],null]]"),
+        raw('[0,64,[],[["d",1,[' + "[" * 1200 + "]" * 1200 + "]],null],[null]]"),
     ),
     "deep_json_token_under_limit": (
         "one token nested 900 deep (parses, then must be refused)",
-        raw("[0,64,[],[" + "[" * 900 + "]" * 900 + "]]"),
+        raw("[0,64,[],[" + "[" * 900 + "]" * 900 + "],[]]"),
     ),
     "huge_string_kind": (
         "a 100,000-character leaf kind",
@@ -303,7 +332,7 @@ ATTACKS: dict[str, tuple[str, bytes]] = {
     ),
     "huge_int_digits": (
         "an int token with 5000 decimal digits",
-        raw('[0,64,[],[["i",' + "7" * 5000 + "]]]"),
+        raw('[0,64,[],[null],[["i",' + "7" * 5000 + "]]]"),
     ),
     "duplicate_dict_keys": (
         "a dict with the key `a` twice",
@@ -324,7 +353,7 @@ ATTACKS: dict[str, tuple[str, bytes]] = {
     "dict_key_float": ("a dict key 1.5", header(0, 64, [], [["d", 1, [1.5]], None])),
     "dict_key_object": (
         "a dict key that is a JSON object",
-        raw('[0,64,[],[["d",1,[{"k":1}]],null]]'),
+        raw('[0,64,[],[["d",1,[{"k":1}]],null],[null]]'),
     ),
     "dict_key_bad_bigint": (
         'a dict key ["I", "xyz"]',
@@ -386,7 +415,20 @@ ATTACKS: dict[str, tuple[str, bytes]] = {
         f"`{POINT}`, a NamedTuple, named in a codec token",
         header(0, 64, [], [["x", POINT], None]),
     ),
-    # ---- small-leaf tokens
+    # ---- small values
+    "values_not_list": ("the small values are a dict", raw('[0,64,[],[null],{"0":1}]')),
+    "values_missing_one": (
+        "a list of two small values with one value",
+        header(0, 64, [], [["l", 2], None, None], [["i", 1]]),
+    ),
+    "values_one_too_many": (
+        "one value slot and two values",
+        header(0, 64, [], [None], [None, None]),
+    ),
+    "value_bare_int": ("a value that is a bare 5", header(0, 64, [], [None], [5])),
+    "value_bare_float": ("a value that is a bare 1.5", header(0, 64, [], [None], [1.5])),
+    "value_container": ("a value that is a list token", header(0, 64, [], [None], [["l", 0]])),
+    "value_object": ("a value that is a JSON object", raw('[0,64,[],[null],[{"i":1}]]')),
     "float_bits_negative": ("float bits -1", header(0, 64, [], [["f", -1]])),
     "float_bits_overflow": ("float bits 2**64", header(0, 64, [], [["f", 2**64]])),
     "float_bits_float": ("float bits 1.5", header(0, 64, [], [["f", 1.5]])),
@@ -432,7 +474,7 @@ def write(folder: Path = HERE) -> list[Path]:
         "",
         "Regenerate with `python tests/attacks/make_attacks.py` (deterministic; the test",
         "checks the files match the script). Framing: `<4sHHI` prefix (magic `TCST`, version,",
-        "flags, body length) then an ASCII JSON body `[nbytes, align, leaves, tokens]`.",
+        "flags, body length) then an ASCII JSON body `[nbytes, align, leaves, tokens, values]`.",
         "",
         "| file | attacks | bytes |",
         "| --- | --- | ---: |",

@@ -5,9 +5,12 @@ Each step is one *frame*, usually sent as one or two broadcasts on the group:
 1. the *first message*, of a fixed capacity that every rank knows in advance (it starts
    at 4 KiB and the source announces any growth in the previous frame)::
 
-       frame prefix (48 bytes) | setup description | header | pad to 64 | inline payload
+       frame prefix (48 bytes) | setup description | header | zeros | inline payload
 
    A batch whose header and buffer fit travels in this one message: one collective.
+   The inline payload ends the message (at ``_inline_at``), 64-byte aligned: where it
+   starts does not depend on the header's length, so batches of one structure put their
+   leaves at the same place whatever their small values.
 2. the *payload*, only when it did not fit inline: exactly ``payload_len`` bytes,
    received into a pooled buffer on the transfer device.
 
@@ -100,6 +103,11 @@ def _align_up(n: int, a: int = _PAYLOAD_ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+def _inline_at(capacity: int, inline_len: int) -> int:
+    """Where an inline payload of ``inline_len`` bytes starts in a first message."""
+    return capacity - _align_up(inline_len)
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()
 
@@ -124,12 +132,15 @@ class Frame:
 
 
 class _Ahead(NamedTuple):
-    """A tree built before its frame arrived, on the assumption that the header repeats."""
+    """A tree built before its frame arrived, on the assumption that the header repeats;
+    its leaves serve any header of the same structure."""
 
     header: bytes
     at: int  # where the payload starts in the first message
     tree: Any
     head: bytes  # the prefix, description and header the frame must start with
+    structure: _schema.Structure
+    leaves: list[Any]  # the buffer leaves' views in the first message, from ``at``
 
 
 @dataclass(slots=True)
@@ -234,8 +245,9 @@ class Channel:
         # The source's first message: its own, never handed out (its rebuilt tree views a
         # copy), so the views an inline payload is written through can be kept too.
         self._out_first: torch.Tensor | None = None
+        self._out_span = (0, 0)  # the first message's bytes in use: head end, payload start
         self._out_host: np.ndarray = np.empty(0, np.uint8)  # a numpy view of _out_first
-        self._inline_views: tuple[Any, ...] = ()  # (layout, first, views)
+        self._inline_views: tuple[Any, ...] = ()  # (layout, first, payload_at, views)
         # A receiver's last inline header, and how many times in a row it repeated.
         self._last: tuple[bytes, _schema.Decoded] | None = None
         self._repeats = 0
@@ -431,7 +443,6 @@ class Channel:
         header = frame.header
         desc = self.description
         head_end = _PREFIX.size + len(desc) + len(header)
-        payload_at = _align_up(head_end)
         payload_len = frame.payload_len
         capacity = self.capacity
         segments = self._direct_segments(frame) if frame.kind == FRAME_DATA else None
@@ -440,26 +451,37 @@ class Channel:
         if segments is not None:
             flags |= _DIRECT
             inline_len = sum(b - a for a, b, i in segments if i < 0)
+        payload_at = _inline_at(capacity, inline_len)
         if head_end > capacity:
             flags |= _SPILL
-        elif frame.kind == FRAME_DATA and self.inline_ok and payload_at + inline_len <= capacity:
+        elif frame.kind == FRAME_DATA and self.inline_ok and head_end <= payload_at:
             flags |= _INLINE
         # Grow the next first message so a frame like this one fits inline (bounded by
         # MAX_CAPACITY: larger payloads take a second message, larger headers spill).
-        want = payload_at + (inline_len if self.inline_ok else 0)
+        want = head_end + (_align_up(inline_len) if self.inline_ok else 0)
         if want > MAX_CAPACITY:
             want = head_end if head_end <= MAX_CAPACITY else 0
         next_capacity = max(capacity, _pow2_at_least(want)) if want else capacity
 
         first = self._out_first
         if first is None or first.numel() != capacity:
-            first = self._out_first = torch.empty(capacity, dtype=torch.uint8)
+            # Zeros: no stale memory of this process travels in the unused bytes.
+            first = self._out_first = torch.zeros(capacity, dtype=torch.uint8)
             self._out_host = first.numpy()
+            self._out_span = (0, capacity)
         host = self._out_host
         payload: torch.Tensor | None = None
         pieces: list[torch.Tensor] | None = None
-        if flags & _INLINE:
-            host[head_end:payload_at] = 0  # no stale bytes between header and payload
+        # Every byte between the head and the inline payload is zero: clear what the last
+        # frame wrote there (a longer head, a payload that started earlier).
+        head_len = _PREFIX.size + len(desc) if flags & _SPILL else head_end
+        tail = payload_at if flags & _INLINE else capacity
+        last_head, last_tail = self._out_span
+        if last_head > head_len:
+            host[head_len:last_head] = 0
+        if last_tail < tail:
+            host[last_tail:tail] = 0
+        self._out_span = (head_len, tail)
         if segments is not None:
             inline = first[payload_at : payload_at + inline_len] if flags & _INLINE else None
             payload, pieces = self._write_direct(frame, segments, inline)
@@ -473,12 +495,17 @@ class Channel:
                 # first time: no view is made before the collective.
                 layout = frame.plan.layout
                 cached = self._inline_views
-                # (The layout fixes the header, so where the payload starts.)
-                if cached and cached[0] is layout and cached[1] is first:
-                    frame.plan.write(payload, views=cached[2])
+                # (Capacity changes make a new first message, and move the payload.)
+                if (
+                    cached
+                    and cached[0] is layout
+                    and cached[1] is first
+                    and cached[2] == payload_at
+                ):
+                    frame.plan.write(payload, views=cached[3])
                 else:
                     views = frame.plan.write(payload)
-                    self._inline_views = (layout, first, views)
+                    self._inline_views = (layout, first, payload_at, views)
         elif frame.kind == FRAME_DATA:
             payload = self._payload_on_device(frame)
             pieces = [payload] if payload_len else []
@@ -719,14 +746,19 @@ class Channel:
             segments = _segments_of(decoded, direct_min)
             if inline:
                 inline_len = sum(b - a for a, b, i in segments if i < 0)
-        at = _align_up(head_end)
-        if inline and at + inline_len > capacity:
-            raise HeaderError(f"{self._where()}: inline payload overruns the first message")
+        at = _inline_at(capacity, inline_len)
+        if inline and at < head_end:
+            raise HeaderError(f"{self._where()}: inline payload overruns the header")
         tree: Any = None
         if inline and segments is None:
             payload = first[at : at + payload_len]
-            if guess is not None and guess.at == at and guess.header == header:
-                tree = guess.tree  # built while waiting, on these very bytes
+            if guess is not None and guess.at == at:
+                # Built while waiting, on these very bytes: the whole tree when the header
+                # repeats, its leaves when only the small values changed.
+                if guess.header == header:
+                    tree = guess.tree
+                elif guess.structure is decoded.structure:
+                    tree = _codec.rebuild(decoded, payload, guess.leaves)
             self._remember(header, decoded, device)
         else:
             self._last = None
@@ -768,7 +800,8 @@ class Channel:
     def _remember(self, header: bytes, decoded: _schema.Decoded, device: Any) -> None:
         """Note an inline frame's header, to build the next one's tree ahead (see _guess)."""
         last = self._last
-        self._repeats = self._repeats + 1 if last is not None and last[0] == header else 0
+        same = last is not None and last[1].structure is decoded.structure
+        self._repeats = self._repeats + 1 if same else 0
         guessable = device is None or device == _CPU
         if guessable:  # bytes and str leaves are copies: they cannot be made ahead
             guessable = all(row[0] == "ndarray" for _, row in _codec.view_spec(decoded).others)
@@ -778,19 +811,22 @@ class Channel:
         """Build the tree of the next frame before it arrives, assuming it repeats the
         last header (steady state): receivers wait for the source anyway, so the views and
         containers are made while it packs, with the first message's broadcast posted.
-        Used only if the header does repeat, and only once headers have been repeating, so
-        varying batches waste no work.
+        Used whole if the header repeats; its leaves if the structure does (new small
+        values). Built only once structures have been repeating, so batches of varying
+        shapes waste no work.
         """
         last = self._last
         if last is None or self._repeats < 1 or (device is not None and device != _CPU):
             return None
         header, decoded = last
-        at = _align_up(_PREFIX.size + len(self.description) + len(header))
-        if at + decoded.nbytes > first.numel():
+        at = _inline_at(first.numel(), decoded.nbytes)
+        if at < _PREFIX.size + len(self.description) + len(header):
             return None
         prefix = self._prefix(FRAME_DATA, _INLINE, len(header), decoded.nbytes, self.capacity)
-        tree = _codec.rebuild(decoded, first[at : at + decoded.nbytes], pool=self.frames)
-        return _Ahead(header, at, tree, prefix + self.description + header)
+        leaves = _codec.views(decoded, first[at : at + decoded.nbytes], self.frames)
+        tree = _codec.rebuild(decoded, first, leaves)
+        head = prefix + self.description + header
+        return _Ahead(header, at, tree, head, decoded.structure, leaves)
 
 
 _channels: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, Channel]] = (

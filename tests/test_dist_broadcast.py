@@ -29,7 +29,7 @@ from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import init_device_mesh
 
 import tensorcast as tc
-from tensorcast import _mesh, _transport
+from tensorcast import _codec, _mesh, _transport
 
 TIMEOUT = 120.0
 
@@ -597,8 +597,9 @@ def test_every_dp_slot_gets_its_own_source_batches(pool8: Any) -> None:
 
 def _steady_batch(step: int) -> Any:
     """Batches whose header repeats for a while, then changes in ways a stale tree built
-    ahead would get wrong: a small value, a shape, a dtype, a bytes leaf, an ndarray."""
-    phase = step // 4
+    ahead would get wrong: a small value, a shape, a dtype, a bytes leaf, an ndarray; and
+    last, one structure whose small values change every step."""
+    phase = min(step // 4, 4)
     batch: dict[str, Any] = {
         "x": torch.full((3, 4), float(step)),
         "arr": np.full(5, step, dtype=np.int32),
@@ -610,34 +611,57 @@ def _steady_batch(step: int) -> Any:
         batch["x"] = torch.full((3, 4), step, dtype=torch.int64)
     elif phase == 3:
         batch["blob"] = bytes([step]) * 2000  # a copy by nature: nothing is built ahead
+    elif phase == 4:
+        batch["step"] = step
+        batch["note"] = "n" * (step * 37 % 200)  # a header of a new length every step
     return batch
 
 
-def _rank_steady(rank: int, world: int) -> int:
-    real = _transport.Channel._guess
+STEADY_STEPS = 32
+
+
+def _rank_steady(rank: int, world: int) -> tuple[int, int]:
+    real_guess, real_views = _transport.Channel._guess, _codec.views
     built: list[bool] = []
+    guessing = [False]
+    late = [0]  # views made after a frame of the last phase arrived
 
     def counting(channel: Any, *args: Any) -> Any:
-        guess = real(channel, *args)
+        guessing[0] = True
+        try:
+            guess = real_guess(channel, *args)
+        finally:
+            guessing[0] = False
         built.append(guess is not None)
         return guess
 
+    def views(*args: Any, **kwargs: Any) -> Any:
+        if not guessing[0] and step >= 16:
+            late[0] += 1
+        return real_views(*args, **kwargs)
+
     _transport.Channel._guess = counting  # type: ignore[method-assign]
+    _codec.views = views
     try:
-        for step in range(20):
+        for step in range(STEADY_STEPS):
             out = tc.broadcast(_steady_batch(step) if rank == 0 else None, 0)
             check_same(out, _steady_batch(step), f"step {step}")
     finally:
-        _transport.Channel._guess = real  # type: ignore[method-assign]
-    return sum(built)
+        _transport.Channel._guess = real_guess  # type: ignore[method-assign]
+        _codec.views = real_views
+    return sum(built), late[0]
 
 
 def test_trees_built_ahead_match_what_arrives(pool2: Any) -> None:
-    """Receivers build the next tree before it arrives once headers repeat; whenever the
-    header changes (even only a small value in it), what they return is what arrived."""
-    source, receiver = pool2.run(_rank_steady, timeout=TIMEOUT)
+    """Receivers build the next tree before it arrives once structures repeat; whenever
+    the header changes (a shape, a dtype, a small value), what they return is what
+    arrived. When only small values change, the leaves built ahead are used."""
+    (source, _), (receiver, late) = pool2.run(_rank_steady, timeout=TIMEOUT)
     assert source == 0
-    assert 6 <= receiver < 20, "trees were built ahead in the repeating phases only"
+    assert 12 <= receiver < STEADY_STEPS, "trees were built ahead in the repeating phases only"
+    # The last phase's 16 steps: the first two build nothing ahead (the structure is new);
+    # every later one uses the leaves built ahead, though its header's length changes.
+    assert late == 2, f"{late} of 16 steps made their views after the frame arrived"
 
 
 def test_nothing_is_pickled_on_any_rank(pool4: Any) -> None:

@@ -407,9 +407,9 @@ class _CorruptingChannel(_transport.Channel):
         elif what == "frame header":
             (tensor,) = tensors
             fields = _transport._PREFIX.unpack_from(tensor.numpy(), 0)
-            flags, desc_len, header_len, payload_len = fields[2], fields[3], fields[7], fields[8]
+            flags, payload_len = fields[2], fields[8]
             if flags & _transport._INLINE and not flags & _transport._DIRECT and payload_len:
-                at = _transport._align_up(_transport._PREFIX.size + desc_len + header_len)
+                at = _transport._inline_at(tensor.numel(), payload_len)
                 tensor[at + payload_len // 2] ^= 0x5A
 
 

@@ -203,6 +203,7 @@ def _decode_cached(header: bytes) -> Decoded:
 # only its values parsed. Replaced whole, never changed in place (prefetch threads read it).
 _recent: tuple[Structure, ...] = ()
 _RECENT = 4
+_RECENT_MAX_BYTES = 1 << 20
 
 
 def _decode(header: bytes | bytearray | memoryview) -> Decoded:
@@ -256,14 +257,15 @@ def _decode(header: bytes | bytearray | memoryview) -> Decoded:
     if type(values) is not list:
         raise _fail("the small values are not a list")
     structure = Structure(nbytes, align, leaves, tokens)
-    try:
-        prefix: bytes | None = structure_prefix(nbytes, align, leaves, tokens)
-    except (ValueError, RecursionError):  # not something this library writes
-        prefix = None
-    if prefix is not None and raw.startswith(prefix):
-        # Written as this library writes it: later bodies can match its bytes.
-        structure.prefix = prefix
-        _remember(structure)
+    if len(raw) <= _RECENT_MAX_BYTES:  # larger structures are not kept for the next header
+        try:
+            prefix: bytes | None = structure_prefix(nbytes, align, leaves, tokens)
+        except (ValueError, RecursionError):  # not something this library writes
+            prefix = None
+        if prefix is not None and raw.startswith(prefix):
+            # Written as this library writes it: later bodies can match its bytes.
+            structure.prefix = prefix
+            _remember(structure)
     return Decoded(structure, values)
 
 

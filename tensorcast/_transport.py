@@ -5,7 +5,7 @@ Each step is one *frame*, usually sent as one or two broadcasts on the group:
 1. the *first message*, of a fixed capacity that every rank knows in advance (it starts
    at 4 KiB and the source announces any growth in the previous frame)::
 
-       frame prefix (48 bytes) | setup description | header | zeros | inline payload
+       frame prefix (52 bytes) | setup description | header | zeros | inline payload
 
    A batch whose header and buffer fit travels in this one message: one collective.
    The inline payload ends the message (at ``_inline_at``), 64-byte aligned: where it

@@ -247,6 +247,8 @@ class Channel:
         self._out_first: torch.Tensor | None = None
         self._out_span = (0, 0)  # the first message's bytes in use: head end, payload start
         self._out_host: np.ndarray = np.empty(0, np.uint8)  # a numpy view of _out_first
+        self._out_bytes = self._out_host.data  # and its bytes, for plain copies
+        self._out_slice: tuple[Any, ...] = ()  # (first, start, length, slice)
         self._inline_views: tuple[Any, ...] = ()  # (layout, first, payload_at, views)
         # A receiver's last inline header, and how many times in a row it repeated.
         self._last: tuple[bytes, _schema.Decoded] | None = None
@@ -468,6 +470,7 @@ class Channel:
             # Zeros: no stale memory of this process travels in the unused bytes.
             first = self._out_first = torch.zeros(capacity, dtype=torch.uint8)
             self._out_host = first.numpy()
+            self._out_bytes = self._out_host.data
             self._out_span = (0, capacity)
         host = self._out_host
         payload: torch.Tensor | None = None
@@ -486,7 +489,7 @@ class Channel:
             inline = first[payload_at : payload_at + inline_len] if flags & _INLINE else None
             payload, pieces = self._write_direct(frame, segments, inline)
         elif flags & _INLINE:
-            payload = first[payload_at : payload_at + payload_len]
+            payload = self._inline_slice(first, payload_at, payload_len)
             frame.in_first = True
             if frame.packed is not None:
                 payload.copy_(frame.packed)
@@ -523,8 +526,17 @@ class Channel:
             DIRECT_MIN if segments is not None else 0,
         )
         head = prefix + desc if flags & _SPILL else prefix + desc + header
-        host[: len(head)] = np.frombuffer(head, np.uint8)  # one copy for the whole head
+        self._out_bytes[: len(head)] = head  # one copy for the whole head
         return _Prepared(frame, first, payload, flags, next_capacity, pieces)
+
+    def _inline_slice(self, first: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        """``first[start : start + length]``, the same tensor while the frames repeat."""
+        cached = self._out_slice
+        if cached and cached[0] is first and cached[1] == start and cached[2] == length:
+            return cached[3]
+        payload = first[start : start + length]
+        self._out_slice = (first, start, length, payload)
+        return payload
 
     def _prefix(
         self,

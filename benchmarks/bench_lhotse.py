@@ -36,6 +36,7 @@ import io
 import json
 import os
 import platform
+import random
 import shlex
 import statistics
 import sys
@@ -241,11 +242,15 @@ def _compare(cfg: dict[str, Any], mesh: Any, kept: list[Any], sizes: list[int],
         "object_list": lambda b: baselines.object_list(b, src, group),
     }
     times: dict[str, list[list[float]]] = {name: [] for name in [*methods, "floor"]}
-    for _ in range(cfg["rounds"]):
+    for r in range(cfg["rounds"]):
         for i, nbytes in enumerate(sizes):
             batch = kept[i] if is_src else None
             floor = baselines.Floor(nbytes)
-            for name, fn in [*methods.items(), ("floor", floor)]:
+            order: list[tuple[str, Any]] = [*methods.items(), ("floor", floor)]
+            # Every rank draws the same order; a fixed one would always time a method
+            # right after the same other method.
+            random.Random(r * len(sizes) + i).shuffle(order)
+            for name, fn in order:
                 dist.barrier(group=group)
                 t0 = time.perf_counter()
                 out = fn(batch) if name != "floor" else fn(batch, src, group)

@@ -472,6 +472,8 @@ def run_workload(name: str, cfg: dict[str, Any], group: dist.ProcessGroup,
 def _rank_main(rank: int, world_size: int, cfg: dict[str, Any], store_dir: str,
                out_path: str) -> None:
     torch.set_num_threads(1)
+    if cfg["pin"]:  # before the process group starts its threads, which inherit it
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     # per_tensor sends a torch pytree spec through broadcast_object_list; unpickling it warns.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)",
                             category=FutureWarning)
@@ -677,6 +679,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="calls per method in the memory phase (default 5)")
     p.add_argument("--overlap-steps", type=int, default=None,
                    help="steps timed in the overlap experiment (default 30)")
+    p.add_argument("--pin", action="store_true",
+                   help="pin rank r to core r %% cores, as a launcher's CPU binding would "
+                        "(default: the scheduler places the ranks)")
     p.add_argument("--fixed-batch", action="store_true",
                    help="send one unchanging batch (default: new small values every iteration)")
     p.add_argument("--json", metavar="PATH", help="write every figure, with raw times, here")
@@ -736,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
         "mem_calls": args.mem_calls,
         "overlap_steps": args.overlap_steps,
         "fixed_batch": args.fixed_batch,
+        "pin": args.pin,
         "overlap_workload": overlap,
         "profile": args.profile,
         "pg_timeout": min(120.0, args.timeout),
@@ -762,8 +768,10 @@ def main(argv: list[str] | None = None) -> int:
     report["wall_s"] = time.monotonic() - t0
     print(f"$ {report['command']}")
     print(f"torch {report['torch']}, tensorcast {report['tensorcast']}, gloo on loopback, "
-          f"{report['cpu_count']} cores; load average {report['loadavg_start'][0]:.2f} at start, "
-          f"{report['loadavg_end'][0]:.2f} at end; {report['wall_s']:.0f} s")
+          f"{report['cpu_count']} cores{', ranks pinned' if args.pin else ''}; load average "
+          f"{report['loadavg_start'][0]:.2f} at start, {report['loadavg_end'][0]:.2f} at end; "
+          f"{report['wall_s']:.0f} s; "
+          f"{'one fixed batch' if args.fixed_batch else 'new small values every iteration'}")
     if args.profile:
         print(format_profile(report))
     else:

@@ -44,6 +44,7 @@ __all__ = [
     "decode",
     "encode",
     "structure_prefix",
+    "with_values",
 ]
 
 MAGIC = b"TCST"
@@ -229,16 +230,10 @@ def _decode(header: bytes | bytearray | memoryview) -> Decoded:
             f"(truncated or padded header)"
         )
     raw = bytes(header[PREFIX_BYTES:])
-    for known in _recent:
-        start = known.prefix
-        assert start is not None
-        if raw.startswith(start) and raw.endswith(b"]"):
-            # The same bytes as a body validated before, up to the values: the values are
-            # one JSON value between that prefix and the closing bracket, or not valid.
-            values = _parse(raw[len(start) : -1])
-            if type(values) is not list:
-                raise _fail("the small values are not a list")
-            return Decoded(known, values)
+    for known in _recent:  # a structure validated before: parse the values alone
+        decoded = _values_of(known, raw)
+        if decoded is not None:
+            return decoded
     body = _parse(raw)
     if type(body) is not list or len(body) != 5:
         raise _fail("the body must be a list [nbytes, align, leaves, tokens, values]")
@@ -266,6 +261,33 @@ def _decode(header: bytes | bytearray | memoryview) -> Decoded:
             # Written as this library writes it: later bodies can match its bytes.
             structure.prefix = prefix
             _remember(structure)
+    return Decoded(structure, values)
+
+
+def with_values(structure: Structure, header: bytes) -> Decoded | None:
+    """``header`` read as a header of ``structure``: None when its bytes are not those of
+    ``structure`` up to the values (read it with :func:`decode`), else its values parsed.
+
+    Raises:
+        HeaderError: the structure's bytes are there but the values are not valid JSON.
+    """
+    if len(header) < PREFIX_BYTES or header[:PREFIX_BYTES] != _PREFIX.pack(
+        MAGIC, FORMAT_VERSION, 0, len(header) - PREFIX_BYTES
+    ):
+        return None
+    return _values_of(structure, header[PREFIX_BYTES:])
+
+
+def _values_of(structure: Structure, body: bytes) -> Decoded | None:
+    """The body's values, when it holds ``structure``'s very bytes up to them."""
+    start = structure.prefix
+    if start is None or not (body.startswith(start) and body.endswith(b"]")):
+        return None
+    # The values are one JSON value between that prefix and the closing bracket, or the
+    # body is not valid.
+    values = _parse(body[len(start) : -1])
+    if type(values) is not list:
+        raise _fail("the small values are not a list")
     return Decoded(structure, values)
 
 

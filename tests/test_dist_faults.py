@@ -482,7 +482,39 @@ def _desync_and_integrity(rank: int, world: int) -> dict[str, Any]:
                 got = _transport.raise_for(*ch.recv(), 0)
                 assert tree_digest(got) != tree_digest(want)
     dist.barrier()
+
+    # 5. A source whose header keeps a known structure but lies in its small values: the
+    # receiver, reading the values alone, still validates them.
+    cls = _LyingValuesChannel if rank == 0 else _transport.Channel
+    ch = cls(group, 0, timeout=TIMEOUT)
+    for step in range(4):
+        want = {"x": torch.full((4,), float(step)), "n": 1000 + step}
+        if rank == 0:
+            ch.send_batch(want)
+        elif step < 3:
+            assert_same(_transport.raise_for(*ch.recv(), 0), want)
+        else:
+            with pytest.raises(tc.HeaderError, match="invalid value token") as info:
+                ch.recv()
+            out["lying_values"] = str(info.value)
+            with pytest.raises(tc.PeerError, match="failed earlier"):
+                ch.recv()
+    dist.barrier()
     return out
+
+
+class _LyingValuesChannel(_transport.Channel):
+    """A source whose fourth frame's header says a bare 1234567890 where the structure
+    has its one small value: valid JSON of the right length, not a valid value."""
+
+    def _prepare(self, frame: _transport.Frame) -> Any:
+        prepared = super()._prepare(frame)
+        if self.step == 3:
+            host = prepared.first.numpy()
+            data = host.tobytes()
+            at = data.index(b'[["i",1003]]')
+            host[at : at + 12] = np.frombuffer(b"[1234567890]", np.uint8)
+        return prepared
 
 
 # -- rank functions: deaths ----------------------------------------------------------
@@ -655,6 +687,7 @@ def test_desync_setup_mismatch_and_integrity(pool2: RankPool) -> None:
     _, recv = pool2.run(_desync_and_integrity, timeout=CALL_TIMEOUT)
     assert "source:" in recv["fingerprint"] and "this rank:" in recv["fingerprint"]
     assert len(recv["crc"]) == 3
+    assert "1234567890" in recv["lying_values"]
 
 
 def test_source_death_fails_every_receiver(pool2: RankPool) -> None:

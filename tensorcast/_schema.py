@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import functools
 import json
+import json.scanner
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +61,11 @@ MAX_ALIGN = 1 << 16
 KINDS = ("tensor", "ndarray", "bytes", "str")
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, check_circular=False).encode
-_loads = json.JSONDecoder().decode
+# One JSON value from the start of a string: what json.loads does without its
+# whitespace skipping (this library writes none) and its Python-level wrappers.
+_scan: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(
+    json.JSONDecoder()  # type: ignore[arg-type]  # typeshed types it as its own class
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,9 +304,17 @@ def _remember(structure: Structure) -> None:
 
 def _parse(raw: bytes) -> Any:
     try:
-        return _loads(raw.decode("ascii"))
+        text = raw.decode("ascii")
+        value, end = _scan(text, 0)
+    except StopIteration as e:  # no JSON value starts at that character
+        raise _fail(
+            f"the body is not valid JSON (nothing to read at character {e.value})"
+        ) from None
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
         raise _fail(f"the body is not valid JSON ({type(e).__name__}: {str(e)[:120]})") from None
+    if end != len(text):
+        raise _fail(f"the body is not valid JSON (extra data at character {end})")
+    return value
 
 
 def _check_leaf(i: int, leaf: Any, align: int, prev_end: int, nbytes: int) -> int:

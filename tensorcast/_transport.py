@@ -838,8 +838,7 @@ class Channel:
         decoded = _schema.with_values(guess.structure, header)
         if decoded is None:
             return None
-        nbytes = decoded.nbytes
-        tree = _codec.rebuild(decoded, first[guess.at : guess.at + nbytes], guess.leaves)
+        tree = _codec.rebuild(decoded, first, guess.leaves)  # the leaves are in place
         self.step += 1
         self._remember(header, decoded, device)
         return tree

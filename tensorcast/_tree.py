@@ -170,7 +170,8 @@ def _bad_key(key: Any, path: Path) -> None:
 
 def _encode_scalar(obj: np.generic) -> list[Any]:
     if isinstance(obj, np.str_):
-        return ["S", "U", str(obj)]
+        # str() of a numpy str drops trailing NULs; the str it is keeps them.
+        return ["S", "U", str.__str__(obj)]
     if isinstance(obj, np.bytes_):
         return ["S", "S", bytes(obj).hex()]
     code = numpy_code(obj.dtype)

@@ -89,6 +89,11 @@ def assert_same(got: Any, want: Any, where: str = "batch") -> None:
         elif isinstance(b, np.ndarray):
             assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{a.shape}"
             assert a.tobytes() == b.tobytes(), f"{where}: array bytes differ"
+        elif isinstance(b, (np.str_, np.bytes_)):
+            # Compared as the str / bytes they are: their repr and item() drop trailing
+            # NULs, and tobytes() of an empty one is itemsize bytes of any memory.
+            base = str if isinstance(b, np.str_) else bytes
+            assert a.dtype == b.dtype and base(a[:]) == base(b[:]), f"{where}: {a!r} != {b!r}"
         elif isinstance(b, np.generic):
             assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"{where}: {a!r} != {b!r}"
         elif type(b) is float:
@@ -200,6 +205,15 @@ tc.register_type(FrozenDerived, name="tests.codec.FrozenDerived")
 
 
 # --------------------------------------------------------------------------- what travels
+
+
+def test_numpy_strings_keep_their_trailing_nuls() -> None:
+    """``str()`` of a numpy str drops trailing NULs; what travels is the str itself."""
+    tree = [np.str_("a\x00"), np.str_("\x00"), np.bytes_(b"a\x00"), np.bytes_(b"\x00")]
+    out = tc.unpack(tc.pack(tree))
+    assert [str.__str__(v) for v in out[:2]] == ["a\x00", "\x00"]
+    assert [bytes(v[:]) for v in out[2:]] == [b"a\x00", b"\x00"]
+    assert_same(out, tree)
 
 
 def test_a_batch_with_every_kind_of_leaf_round_trips() -> None:

@@ -246,7 +246,8 @@ class Channel:
         # The source's first message: its own, never handed out (its rebuilt tree views a
         # copy), so the views an inline payload is written through can be kept too.
         self._out_first: torch.Tensor | None = None
-        self._out_span = (0, 0)  # the first message's bytes in use: head end, payload start
+        # The first message's bytes in use: the head's end, the inline payload's start and end.
+        self._out_span = (0, 0, 0)
         self._out_host: np.ndarray = np.empty(0, np.uint8)  # a numpy view of _out_first
         self._out_bytes = self._out_host.data  # and its bytes, for plain copies
         self._out_slice: tuple[Any, ...] = ()  # (first, start, length, slice)
@@ -472,20 +473,22 @@ class Channel:
             first = self._out_first = torch.zeros(capacity, dtype=torch.uint8)
             self._out_host = first.numpy()
             self._out_bytes = self._out_host.data
-            self._out_span = (0, capacity)
+            self._out_span = (0, capacity, capacity)
         host = self._out_host
         payload: torch.Tensor | None = None
         pieces: list[torch.Tensor] | None = None
-        # Every byte between the head and the inline payload is zero: clear what the last
-        # frame wrote there (a longer head, a payload that started earlier).
+        # Every byte but the head and the inline payload is zero: clear what the last frame
+        # wrote elsewhere (a longer head, a payload that started earlier or ended later).
         head_len = _PREFIX.size + len(desc) if flags & _SPILL else head_end
-        tail = payload_at if flags & _INLINE else capacity
-        last_head, last_tail = self._out_span
+        tail, end = (payload_at, payload_at + inline_len) if flags & _INLINE else (capacity,) * 2
+        last_head, last_tail, last_end = self._out_span
         if last_head > head_len:
             host[head_len:last_head] = 0
-        if last_tail < tail:
-            host[last_tail:tail] = 0
-        self._out_span = (head_len, tail)
+        if last_tail < tail:  # the last payload's bytes before this one's
+            host[last_tail : min(last_end, tail)] = 0
+        if last_end > end:  # and after it
+            host[max(last_tail, end) : last_end] = 0
+        self._out_span = (head_len, tail, end)
         if segments is not None:
             inline = first[payload_at : payload_at + inline_len] if flags & _INLINE else None
             payload, pieces = self._write_direct(frame, segments, inline)

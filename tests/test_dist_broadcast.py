@@ -620,8 +620,23 @@ def _steady_batch(step: int) -> Any:
 STEADY_STEPS = 32
 
 
+def _zero_outside_head_and_payload(channel: Any, prepared: Any) -> None:
+    """The source's first message holds its head and its inline payload; every other byte
+    is zero, whatever the frames before it wrote."""
+    frame, data = prepared.frame, prepared.first.numpy()
+    head = 52 + len(channel.description)
+    if not prepared.flags & _transport._SPILL:
+        head += len(frame.header)
+    at = end = len(data)
+    if prepared.flags & _transport._INLINE:
+        at = _transport._inline_at(len(data), frame.payload_len)
+        end = at + frame.payload_len
+    assert not data[head:at].any() and not data[end:].any(), "stale bytes in the first message"
+
+
 def _rank_steady(rank: int, world: int) -> tuple[int, int]:
     real_guess, real_views = _transport.Channel._guess, _codec.views
+    real_prepare = _transport.Channel._prepare
     built: list[bool] = []
     guessing = [False]
     late = [0]  # views made after a frame of the last phase arrived
@@ -640,7 +655,13 @@ def _rank_steady(rank: int, world: int) -> tuple[int, int]:
             late[0] += 1
         return real_views(*args, **kwargs)
 
+    def prepare(channel: Any, frame: Any) -> Any:
+        prepared = real_prepare(channel, frame)
+        _zero_outside_head_and_payload(channel, prepared)
+        return prepared
+
     _transport.Channel._guess = counting  # type: ignore[method-assign]
+    _transport.Channel._prepare = prepare  # type: ignore[method-assign]
     _codec.views = views
     try:
         for step in range(STEADY_STEPS):
@@ -648,6 +669,7 @@ def _rank_steady(rank: int, world: int) -> tuple[int, int]:
             check_same(out, _steady_batch(step), f"step {step}")
     finally:
         _transport.Channel._guess = real_guess  # type: ignore[method-assign]
+        _transport.Channel._prepare = real_prepare  # type: ignore[method-assign]
         _codec.views = real_views
     return sum(built), late[0]
 

@@ -618,9 +618,11 @@ def read_header(header: bytes) -> Schema:
         HeaderError: the header is not valid for this version of tensorcast.
     """
     decoded = _schema.decode(header)
-    compiled(decoded)  # validates the tree and its values
-    _, paths = _tree.compile_tokens(decoded.tokens, len(decoded.leaves), want_paths=True)
+    program, paths = _tree.compile_tokens(decoded.tokens, len(decoded.leaves), want_paths=True)
     assert paths is not None
+    if decoded.structure.program is None:
+        decoded.structure.program = program  # compiled once per structure, as rebuild does
+    compiled(decoded)  # validates the small values against the tree
     leaves = tuple(
         LeafSpec(_tree.render_path(path), kind, code, tuple(shape), off, n)
         for (kind, code, shape, off, n), path in zip(decoded.leaves, paths)

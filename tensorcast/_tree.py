@@ -297,7 +297,7 @@ def _walk(
             # or added meanwhile (another thread) is seen below, never mispaired.
             try:
                 keys = list(obj)
-                values = list(map(obj.__getitem__, keys))
+                children = list(map(obj.__getitem__, keys))
             except (RuntimeError, KeyError):
                 raise _Fail(obj, _changed) from None
             if len(obj) != len(keys):
@@ -311,7 +311,7 @@ def _walk(
             active.add(key)
             push(key)
             push(_EXIT)
-            extend(reversed(values))
+            extend(reversed(children))
         elif t is exit_t:
             active.discard(pop())
         elif t is str:

@@ -624,7 +624,7 @@ def _zero_outside_head_and_payload(channel: Any, prepared: Any) -> None:
     """The source's first message holds its head and its inline payload; every other byte
     is zero, whatever the frames before it wrote."""
     frame, data = prepared.frame, prepared.first.numpy()
-    head = 52 + len(channel.description)
+    head = _transport._PREFIX.size + len(channel.description)
     if not prepared.flags & _transport._SPILL:
         head += len(frame.header)
     at = end = len(data)

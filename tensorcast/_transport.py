@@ -673,18 +673,21 @@ class Channel:
     def _recv(self, device: torch.device | None) -> tuple[str, Any]:
         capacity = self.capacity
         first = self.frames.take(capacity, _CPU)
-        ahead: list[_Ahead | None] = []
+        # Made while the first message is on the wire, with the tree built ahead: the
+        # message's bytes (as a memoryview) and the guess. Right after the wait every call
+        # costs several times what it costs in a hot loop, so what can go before it does.
+        waited: list[Any] = []
+
+        def meanwhile() -> None:
+            waited.append(first.numpy().data)
+            waited.append(self._guess(first, device))
+
         # Posted before the tree is built ahead: the source must never wait for this rank.
-        self._broadcast_many(
-            [first],
-            self.header_group,
-            "frame header",
-            lambda: ahead.append(self._guess(first, device)),
-        )
-        guess = ahead[0] if ahead else None
-        host = first.numpy()
+        self._broadcast_many([first], self.header_group, "frame header", meanwhile)
+        host: memoryview = waited[0]
+        guess: _Ahead | None = waited[1]
         if guess is not None:
-            if host[: len(guess.head)].tobytes() == guess.head:
+            if host[: len(guess.head)] == guess.head:
                 # Byte for byte the frame that was expected (a header validated before,
                 # this very pass and step): the tree built while waiting is the batch.
                 self.step += 1
@@ -706,7 +709,7 @@ class Channel:
             next_capacity,
             crc,
             direct_min,
-        ) = _PREFIX.unpack_from(host.data, 0)
+        ) = _PREFIX.unpack_from(host, 0)
         if magic != _MAGIC or kind not in _KINDS or desc_len > _MAX_DESC:
             raise HeaderError(
                 f"{self._where()}: received a frame that is not a tensorcast frame "
@@ -818,7 +821,7 @@ class Channel:
         return "data", tree
 
     def _with_new_values(
-        self, guess: _Ahead, host: np.ndarray, first: torch.Tensor, device: Any
+        self, guess: _Ahead, host: memoryview, first: torch.Tensor, device: Any
     ) -> Any | None:
         """The tree of a frame that is the expected one but for its small values, from the
         leaves built ahead; None for any other frame (the full path reads it).
@@ -830,8 +833,8 @@ class Channel:
         head = guess.head
         desc_end = _PREFIX.size + len(self.description)
         if (
-            host[:_HEADER_LEN_AT].tobytes() != head[:_HEADER_LEN_AT]
-            or host[_HEADER_LEN_AT + 4 : desc_end].tobytes() != head[_HEADER_LEN_AT + 4 : desc_end]
+            host[:_HEADER_LEN_AT] != head[:_HEADER_LEN_AT]
+            or host[_HEADER_LEN_AT + 4 : desc_end] != head[_HEADER_LEN_AT + 4 : desc_end]
         ):
             return None
         head_end = desc_end + int.from_bytes(host[_HEADER_LEN_AT : _HEADER_LEN_AT + 4], "little")
@@ -852,6 +855,9 @@ class Channel:
         same = last is not None and last[1].structure is decoded.structure
         self._repeats = self._repeats + 1 if same else 0
         guessable = device is None or device == _CPU
+        if same and guessable:  # a structure already found guessable
+            self._last = (header, decoded)
+            return
         if guessable:  # bytes and str leaves are copies: they cannot be made ahead
             guessable = all(row[0] == "ndarray" for _, row in _codec.view_spec(decoded).others)
         self._last = (header, decoded) if guessable else None

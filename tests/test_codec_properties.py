@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from test_codec import assert_same, is_view_into, tensors_of
 
 import tensorcast as tc
-from tensorcast import _codec
+from tensorcast import _codec, _schema, _tree
 from tensorcast._dtypes import NUMPY_CODES, TORCH_CODES
 from tensorcast._tree import INLINE_LIMIT
 
@@ -301,3 +301,13 @@ def test_a_known_structure_changes_nothing_but_speed(tree: Any, data: st.DataObj
     packed = tc.pack(nxt)
     assert_same(tc.unpack(packed), nxt)
     assert _codec.plan(nxt, previous=_codec.plan(tree).layout).header == packed.header
+
+
+@SETTINGS
+@given(trees)
+def test_the_per_step_values_encoder_writes_what_json_writes(tree: Any) -> None:
+    """Law: for any tree's small values, the encoder made once for every step writes the
+    very text of the reference ``JSONEncoder``: the header's bytes do not depend on which
+    of the two a Python has."""
+    values = _tree.flatten(tree)[1]
+    assert _schema._encode_values(values) == _schema._dumps(values)

@@ -395,6 +395,24 @@ def test_golden_header_bytes() -> None:
     )
 
 
+@pytest.mark.parametrize("how", ["no C encoder", "another C signature"])
+def test_golden_header_without_the_c_encoder(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Python whose json module has no C encoder, or one that takes other arguments,
+    encodes the values with the plain encoder: the same bytes."""
+
+    def other_signature(*args: Any) -> Any:
+        raise TypeError("takes 10 arguments")
+
+    with monkeypatch.context() as m:
+        m.setattr(
+            json.encoder, "c_make_encoder", None if how == "no C encoder" else other_signature
+        )
+        encode = _schema._values_encoder()
+    assert encode is _schema._dumps
+    monkeypatch.setattr(_schema, "_encode_values", encode)
+    assert tc.pack(golden_tree()).header == GOLDEN_HEADER
+
+
 def test_golden_leaf_bytes() -> None:
     packed = tc.pack(golden_tree())
     data = bytes(packed.buffer.numpy())
@@ -431,7 +449,7 @@ def test_a_known_structure_with_bad_values_is_rejected() -> None:
         b'[["f",0],"hi",null,["y","0"],["i",1],true,["c",0,0]]]',  # odd hex
         b'[["f",0],"hi",null,["y","00"],5,true,["c",0,0]]]',  # a bare int
         b'{"a":1}]',  # not a list
-        b'[],[]]',  # two values lists
+        b"[],[]]",  # two values lists
         b"[]",  # no closing bracket
         b"[]]]",
         b"[\xff]]",

@@ -14,8 +14,11 @@ from tensorcast._codec import Packed, resolve_device, unpack
 __all__ = ["broadcast", "broadcast_batch"]
 
 
+_AVAILABLE = dist.is_available()  # fixed by how torch was built
+
+
 def _require_initialized(what: str) -> None:
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (_AVAILABLE and dist.is_initialized()):
         raise RuntimeError(
             f"{what} needs torch.distributed: call torch.distributed.init_process_group() "
             f"first (tensorcast.broadcast_batch and BroadcastingDataLoader are no-ops without it)"

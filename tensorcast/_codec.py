@@ -122,7 +122,7 @@ class PackPlan:
         layout = self.layout
         spec = layout.write_spec()
         leaves = self.leaves
-        on_cpu = buffer.device.type == "cpu"
+        on_cpu = buffer.is_cpu
         host: np.ndarray | None = None
         # Alignment gaps are zeroed: the bytes are deterministic, and no stale memory of
         # this process travels to the peers. Small or many-leaf buffers get one memset;

@@ -920,16 +920,21 @@ _last_channel: Callable[[], Channel | None] = _nothing
 # their collectives never interleave with new ones.
 _producers: weakref.WeakKeyDictionary[dist.ProcessGroup, set[Any]] = weakref.WeakKeyDictionary()
 _producers_lock = threading.Lock()
+# Every registered producer's id, whatever became of its group: drain() checks this plain
+# set without the lock (len() of a WeakKeyDictionary is a Python-level call on each step).
+_producer_ids: set[int] = set()
 
 
 def register_producer(group: dist.ProcessGroup, producer: Any) -> None:
     """Track a producer with a ``close()`` that finishes the collectives it owes."""
     with _producers_lock:
         _producers.setdefault(group, set()).add(producer)
+        _producer_ids.add(id(producer))
 
 
 def unregister_producer(group: dist.ProcessGroup, producer: Any) -> None:
     with _producers_lock:
+        _producer_ids.discard(id(producer))
         live = _producers.get(group)
         if live is not None:
             live.discard(producer)
@@ -939,7 +944,7 @@ def unregister_producer(group: dist.ProcessGroup, producer: Any) -> None:
 
 def drain(group: dist.ProcessGroup) -> None:
     """Close every producer still live on ``group``; each finishes what it owes first."""
-    if not _producers:  # the usual case, without taking the lock
+    if not _producer_ids:  # the usual case, without taking the lock
         return
     with _producers_lock:
         live = list(_producers.get(group, ()))

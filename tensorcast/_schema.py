@@ -45,7 +45,9 @@ __all__ = [
     "Structure",
     "decode",
     "encode",
+    "read_values",
     "structure_prefix",
+    "values_at",
     "with_values",
 ]
 
@@ -324,11 +326,44 @@ def with_values(structure: Structure, header: bytes) -> Decoded | None:
     Raises:
         HeaderError: the structure's bytes are there but the values are not valid JSON.
     """
-    if len(header) < PREFIX_BYTES or header[:PREFIX_BYTES] != _PREFIX.pack(
-        MAGIC, FORMAT_VERSION, 0, len(header) - PREFIX_BYTES
+    at = values_at(structure, header)
+    return None if at is None else read_values(structure, header, at)
+
+
+def values_at(structure: Structure, header: bytes) -> int | None:
+    """Where ``header``'s values start, when it is framed as this library frames a header
+    and its body holds ``structure``'s very bytes up to the values; None otherwise.
+
+    Such a header is ``structure``'s leaves and tokens for sure, whatever its values: the
+    caller may act on the sizes they give before it reads the values.
+    """
+    start = structure.prefix
+    at = PREFIX_BYTES + len(start) if start is not None else 0
+    if (
+        start is None
+        or len(header) <= at
+        or header[:PREFIX_BYTES]
+        != _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header) - PREFIX_BYTES)
+        or not header.startswith(start, PREFIX_BYTES)
+        or not header.endswith(b"]")
     ):
         return None
-    return _values_of(structure, header[PREFIX_BYTES:])
+    return at
+
+
+def read_values(structure: Structure, data: bytes, at: int) -> Decoded:
+    """The header (or body) of ``structure`` whose values start at ``at`` and end one byte
+    before its end (see :func:`values_at`).
+
+    Raises:
+        HeaderError: the values are not a valid JSON list.
+    """
+    # The values are one JSON value between the structure's bytes and the closing
+    # bracket, or the body is not valid.
+    values = _parse(data[at:-1])
+    if type(values) is not list:
+        raise _fail("the small values are not a list")
+    return Decoded(structure, values)
 
 
 def _values_of(structure: Structure, body: bytes) -> Decoded | None:
@@ -336,12 +371,7 @@ def _values_of(structure: Structure, body: bytes) -> Decoded | None:
     start = structure.prefix
     if start is None or not (body.startswith(start) and body.endswith(b"]")):
         return None
-    # The values are one JSON value between that prefix and the closing bracket, or the
-    # body is not valid.
-    values = _parse(body[len(start) : -1])
-    if type(values) is not list:
-        raise _fail("the small values are not a list")
-    return Decoded(structure, values)
+    return read_values(structure, body, len(start))
 
 
 def _remember(structure: Structure) -> None:

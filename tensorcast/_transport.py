@@ -137,11 +137,18 @@ class _Ahead(NamedTuple):
     its leaves serve any header of the same structure."""
 
     header: bytes
-    at: int  # where the payload starts in the first message
+    at: int  # where the inline payload starts in the first message
     tree: Any
     head: bytes  # the prefix, description and header the frame must start with
     structure: _schema.Structure
-    leaves: list[Any]  # the buffer leaves' views in the first message, from ``at``
+    leaves: list[Any]  # the buffer leaves' views in ``buffer``
+    flags: int
+    direct_min: int
+    buffer: torch.Tensor  # the first message, or the payload's own buffer
+    # for a payload that follows the first message: the pieces to receive into ``buffer``
+    # and the inline bytes to copy there (see Channel._landing); None when all is inline
+    pieces: list[torch.Tensor] | None
+    copies: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(slots=True)
@@ -252,8 +259,9 @@ class Channel:
         self._out_bytes = self._out_host.data  # and its bytes, for plain copies
         self._out_slice: tuple[Any, ...] = ()  # (first, start, length, slice)
         self._inline_views: tuple[Any, ...] = ()  # (layout, first, payload_at, views)
-        # A receiver's last inline header, and how many times in a row it repeated.
-        self._last: tuple[bytes, _schema.Decoded] | None = None
+        # A receiver's last data header, how it travelled (flags, direct_min), and how many
+        # times in a row its structure repeated.
+        self._last: tuple[bytes, _schema.Decoded, int, int] | None = None
         self._repeats = 0
         self.pass_index = 0
         self.step = 0
@@ -288,27 +296,32 @@ class Channel:
         """Broadcast ``tensors`` in order: all are posted, then all are waited for.
 
         ``meanwhile`` runs while the broadcasts are in flight (gloo and NCCL run them
-        outside the GIL): the source builds its own copy of the batch then.
+        outside the GIL): the source builds its own copy of the batch then, a receiver
+        the tree of a payload it recognised. What it raises is raised as it is, once the
+        broadcasts are done, so the group stays in step; a failed broadcast is a
+        ``PeerError``.
         """
         if self.broken is not None:
             raise PeerError(
                 f"{self._where()}: this channel failed earlier ({self.broken}); "
                 f"the process group cannot be trusted any more, restart the job"
             )
+        failed: BaseException | None = None  # raised by ``meanwhile``, not by the collective
         try:
             # The group's own broadcast with cached options: dist.broadcast re-derives them
             # on every call, which shows up on small batches.
             opts = self._options(group)
             works = [group.broadcast([t], opts) for t in tensors]
-            try:
-                if meanwhile is not None:
+            if meanwhile is not None:
+                try:
                     meanwhile()
-            finally:
-                for work in works:
-                    if self.timeout is None:
-                        work.wait()
-                    else:
-                        work.wait(self.timeout)
+                except BaseException as e:  # raised once the collectives are done
+                    failed = e
+            for work in works:
+                if self.timeout is None:
+                    work.wait()
+                else:
+                    work.wait(self.timeout)
         except RuntimeError as e:
             self.broken = e
             who = (
@@ -321,6 +334,8 @@ class Channel:
                 f"{who} (it died, or did not join within the timeout "
                 f"{self.timeout or 'of the process group'}). Cause: {e}"
             ) from e
+        if failed is not None:
+            raise failed
 
     def _options(self, group: dist.ProcessGroup) -> Any:
         # Keyed by id(): only this channel's group and header group come here, and both
@@ -690,10 +705,12 @@ class Channel:
             if host[: len(guess.head)] == guess.head:
                 # Byte for byte the frame that was expected (a header validated before,
                 # this very pass and step): the tree built while waiting is the batch.
+                if guess.pieces is not None:
+                    self._receive(guess.pieces, guess.copies)
                 self.step += 1
                 self._repeats += 1
                 return "data", guess.tree
-            renewed = self._with_new_values(guess, host, first, device)
+            renewed = self._with_new_values(guess, host, device)
             if renewed is not None:
                 return "data", renewed
         (
@@ -775,39 +792,24 @@ class Channel:
         tree: Any = None
         if inline and segments is None:
             payload = first[at : at + payload_len]
-            if guess is not None and guess.at == at:
+            if guess is not None and guess.pieces is None and guess.at == at:
                 # Built while waiting, on these very bytes: the whole tree when the header
                 # repeats, its leaves when only the small values changed.
                 if guess.header == header:
                     tree = guess.tree
                 elif guess.structure is decoded.structure:
                     tree = _codec.rebuild(decoded, payload, guess.leaves)
-            self._remember(header, decoded, device)
         else:
-            self._last = None
-            if device is not None and device.type == "cuda" and self.transfer_device.type == "cpu":
-                # gloo into pinned memory, so the copy to the GPU below is asynchronous.
-                payload = torch.empty(payload_len, dtype=torch.uint8, pin_memory=True)
-            else:
-                try:
-                    payload = self.pool.take(payload_len, self.transfer_device)
-                except RuntimeError as e:  # out of memory: the collective sequence is lost
-                    self.broken = e
-                    raise TensorcastError(
-                        f"{self._where()}: cannot allocate the {payload_len}-byte batch buffer "
-                        f"on {self.transfer_device}: {e}"
-                    ) from e
-            pieces = [payload] if payload_len else []
-            if segments is not None:
-                pieces = []
-                for a, b, i in segments:
-                    if i < 0 and inline:
-                        payload[a:b].copy_(first[at : at + b - a])
-                        at += b - a
-                    else:
-                        pieces.append(payload[a:b])
-            if pieces:
-                self._broadcast_many(pieces, self.group, "batch buffer")
+            try:
+                payload, pieces, copies = self._landing(decoded, flags, segments, first, at, device)
+            except RuntimeError as e:  # out of memory: the collective sequence is lost
+                self.broken = e
+                raise TensorcastError(
+                    f"{self._where()}: cannot allocate the {payload_len}-byte batch buffer "
+                    f"on {self.transfer_device}: {e}"
+                ) from e
+            self._receive(pieces, copies)
+        self._remember(header, decoded, device, flags, direct_min)
         if flags & _CRC and _crc(payload) != crc:
             raise PeerError(
                 f"{self._where()}: the received buffer's CRC32 is {_crc(payload):#010x} but the "
@@ -820,15 +822,71 @@ class Channel:
             tree = _codec.rebuild(decoded, payload, pool=pool)
         return "data", tree
 
-    def _with_new_values(
-        self, guess: _Ahead, host: memoryview, first: torch.Tensor, device: Any
-    ) -> Any | None:
+    def _landing(
+        self,
+        decoded: _schema.Decoded,
+        flags: int,
+        segments: list[tuple[int, int, int]] | None,
+        first: torch.Tensor,
+        at: int,
+        device: Any,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Where a frame's payload lands when it does not all travel inline: the buffer,
+        the pieces received into it after the first message (in order), and the
+        ``(destination, source)`` copies of the bytes between direct leaves that came
+        inline, from ``first[at:]``.
+
+        Raises:
+            RuntimeError: the buffer cannot be allocated.
+        """
+        payload_len = decoded.nbytes
+        if device is not None and device.type == "cuda" and self.transfer_device.type == "cpu":
+            # gloo into pinned memory, so the copy to the GPU below is asynchronous.
+            payload = torch.empty(payload_len, dtype=torch.uint8, pin_memory=True)
+        else:
+            payload = self.pool.take(payload_len, self.transfer_device)
+        if segments is None:
+            return payload, [payload] if payload_len else [], []
+        pieces: list[torch.Tensor] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for a, b, i in segments:
+            if i < 0 and flags & _INLINE:
+                copies.append((payload[a:b], first[at : at + b - a]))
+                at += b - a
+            else:
+                pieces.append(payload[a:b])
+        return payload, pieces, copies
+
+    def _receive(
+        self,
+        pieces: list[torch.Tensor],
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+        meanwhile: Callable[[], None] | None = None,
+    ) -> None:
+        """Receive the pieces that follow the first message; while they are on the wire,
+        copy the inline bytes into place and run ``meanwhile``."""
+
+        def during() -> None:
+            for dst, src in copies:
+                dst.copy_(src)
+            if meanwhile is not None:
+                meanwhile()
+
+        if pieces:
+            self._broadcast_many(pieces, self.group, "batch buffer", during)
+        else:
+            during()
+
+    def _with_new_values(self, guess: _Ahead, host: memoryview, device: Any) -> Any | None:
         """The tree of a frame that is the expected one but for its small values, from the
         leaves built ahead; None for any other frame (the full path reads it).
 
         Its prefix and description must be the expected bytes but for the header's
-        length, and its header the expected structure's bytes up to the values: only the
-        values are parsed and validated.
+        length, and its header the expected structure's bytes up to the values. That
+        fixes every size, so a payload that follows the first message is received into
+        the buffer taken ahead, and the values are parsed and validated and the tree
+        built while it is on the wire (the source cannot send it before this rank posts
+        its receive).
         """
         head = guess.head
         desc_end = _PREFIX.size + len(self.description)
@@ -841,47 +899,100 @@ class Channel:
         if head_end > guess.at:  # the header would run into the payload
             return None
         header = host[desc_end:head_end].tobytes()
-        decoded = _schema.with_values(guess.structure, header)
-        if decoded is None:
+        structure = guess.structure
+        at = _schema.values_at(structure, header)
+        if at is None:
             return None
-        tree = _codec.rebuild(decoded, first, guess.leaves)  # the leaves are in place
+        built: list[tuple[_schema.Decoded, Any]] = []
+
+        def build() -> None:  # the leaves are in place, or will be: their views are
+            decoded = _schema.read_values(structure, header, at)
+            built.append((decoded, _codec.rebuild(decoded, guess.buffer, guess.leaves)))
+
+        if guess.pieces is None:
+            build()
+        else:
+            self._receive(guess.pieces, guess.copies, build)
+        decoded, tree = built[0]
         self.step += 1
-        self._remember(header, decoded, device)
+        self._remember(header, decoded, device, guess.flags, guess.direct_min)
         return tree
 
-    def _remember(self, header: bytes, decoded: _schema.Decoded, device: Any) -> None:
-        """Note an inline frame's header, to build the next one's tree ahead (see _guess)."""
+    def _remember(
+        self, header: bytes, decoded: _schema.Decoded, device: Any, flags: int, direct_min: int
+    ) -> None:
+        """Note a data frame's header and how it travelled, to build the next one's tree
+        ahead (see _guess)."""
         last = self._last
-        same = last is not None and last[1].structure is decoded.structure
+        same = (
+            last is not None
+            and last[1].structure is decoded.structure
+            and last[2:] == (flags, direct_min)
+        )
         self._repeats = self._repeats + 1 if same else 0
-        guessable = device is None or device == _CPU
+        guessable = (
+            (device is None or device == _CPU)
+            and self.transfer_device.type == "cpu"
+            and not flags & ~(_INLINE | _DIRECT)  # no spilled header, no CRC to check
+        )
         if same and guessable:  # a structure already found guessable
-            self._last = (header, decoded)
+            self._last = (header, decoded, flags, direct_min)
             return
         if guessable:  # bytes and str leaves are copies: they cannot be made ahead
             guessable = all(row[0] == "ndarray" for _, row in _codec.view_spec(decoded).others)
-        self._last = (header, decoded) if guessable else None
+        self._last = (header, decoded, flags, direct_min) if guessable else None
 
     def _guess(self, first: torch.Tensor, device: Any) -> _Ahead | None:
         """Build the tree of the next frame before it arrives, assuming it repeats the
         last header (steady state): receivers wait for the source anyway, so the views and
         containers are made while it packs, with the first message's broadcast posted.
         Used whole if the header repeats; its leaves if the structure does (new small
-        values). Built only once structures have been repeating, so batches of varying
-        shapes waste no work.
+        values). A frame whose payload follows the first message gets its buffer and
+        pieces too, so they are received as soon as the frame is recognised. Built only
+        once structures have been repeating, so batches of varying shapes waste no work.
         """
         last = self._last
         if last is None or self._repeats < 1 or (device is not None and device != _CPU):
             return None
-        header, decoded = last
-        at = _inline_at(first.numel(), decoded.nbytes)
+        header, decoded, flags, direct_min = last
+        segments = _segments_of(decoded, direct_min) if flags & _DIRECT else None
+        inline_len = 0
+        if flags & _INLINE:
+            inline_len = (
+                decoded.nbytes if segments is None else sum(b - a for a, b, i in segments if i < 0)
+            )
+        at = _inline_at(first.numel(), inline_len)
         if at < _PREFIX.size + len(self.description) + len(header):
             return None
-        prefix = self._prefix(FRAME_DATA, _INLINE, len(header), decoded.nbytes, self.capacity)
-        leaves = _codec.views(decoded, first[at : at + decoded.nbytes], self.frames)
-        tree = _codec.rebuild(decoded, first, leaves)
+        prefix = self._prefix(
+            FRAME_DATA, flags, len(header), decoded.nbytes, self.capacity, 0, direct_min
+        )
+        pieces: list[torch.Tensor] | None = None
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if flags & _INLINE and segments is None:
+            buffer = first
+            leaves = _codec.views(decoded, first[at : at + decoded.nbytes], self.frames)
+        else:
+            try:
+                buffer, pieces, copies = self._landing(decoded, flags, segments, first, at, None)
+            except RuntimeError:  # no memory to spare now: the full path will say so
+                return None
+            leaves = _codec.views(decoded, buffer, self.pool)
+        tree = _codec.rebuild(decoded, buffer, leaves)
         head = prefix + self.description + header
-        return _Ahead(header, at, tree, head, decoded.structure, leaves)
+        return _Ahead(
+            header,
+            at,
+            tree,
+            head,
+            decoded.structure,
+            leaves,
+            flags,
+            direct_min,
+            buffer,
+            pieces,
+            copies,
+        )
 
 
 _channels: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, Channel]] = (

@@ -29,7 +29,7 @@ from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import init_device_mesh
 
 import tensorcast as tc
-from tensorcast import _codec, _mesh, _transport
+from tensorcast import _codec, _mesh, _schema, _transport
 
 TIMEOUT = 120.0
 
@@ -684,6 +684,69 @@ def test_trees_built_ahead_match_what_arrives(pool2: Any) -> None:
     # The last phase's 16 steps: the first two build nothing ahead (the structure is new);
     # every later one uses the leaves built ahead, though its header's length changes.
     assert late == 2, f"{late} of 16 steps made their views after the frame arrived"
+
+
+def _payload_batch(step: int) -> Any:
+    """Batches whose payload follows the first message, with new small values every step:
+    a leaf that travels from its own memory (>= 2 MiB) and bytes between such leaves that
+    go inline; then one payload of 300 KB in one piece; then a shape that changes every
+    step."""
+    phase = min(step // 6, 2)
+    if phase == 0:
+        return {
+            "audio": torch.full((2, 300_000), float(step)),  # 2.4 MB: its own broadcast
+            "lens": torch.tensor([step, 300_000]),
+            "step": step,
+            "id": "utt-" + "x" * (step * 7 % 30),  # a header of a new length every step
+        }
+    length = 75_000 if phase == 1 else 75_000 + 16 * step
+    return {"x": torch.full((length,), float(step)), "step": step}
+
+
+PAYLOAD_STEPS = 16
+
+
+def _rank_steady_payload(rank: int, world: int) -> list[list[str]]:
+    """What each step did, in order: broadcasts posted and values read."""
+    real_many, real_read = _transport.Channel._broadcast_many, _schema.read_values
+    log: list[str] = []
+
+    def many(channel: Any, tensors: Any, group: Any, what: str, *args: Any) -> Any:
+        log.append(what)
+        return real_many(channel, tensors, group, what, *args)
+
+    def read(*args: Any) -> Any:
+        log.append("values")
+        return real_read(*args)
+
+    _transport.Channel._broadcast_many = many  # type: ignore[method-assign]
+    _schema.read_values = read
+    steps = []
+    try:
+        for step in range(PAYLOAD_STEPS):
+            log.clear()
+            out = tc.broadcast(_payload_batch(step) if rank == 0 else None, 0)
+            check_same(out, _payload_batch(step), f"step {step}")
+            steps.append(list(log))
+    finally:
+        _transport.Channel._broadcast_many = real_many  # type: ignore[method-assign]
+        _schema.read_values = real_read
+    return steps
+
+
+def test_payloads_are_received_before_their_values_are_read(pool2: Any) -> None:
+    """Once a structure repeats, a receiver recognises a frame of it by its bytes and
+    posts the receive of the payload that follows before it parses the new small values:
+    the source cannot send the payload before then. Any other frame is read in full."""
+    _, receiver = pool2.run(_rank_steady_payload, timeout=TIMEOUT)
+    early = ["frame header", "batch buffer", "values"]
+    for step, log in enumerate(receiver):
+        phase_step = step % 6 if step < 12 else 0  # shapes change every step in phase 2
+        if phase_step >= 2:
+            assert log == early, f"step {step}: {log}"
+        else:  # read in full: the header is decoded before the payload is received
+            assert log.index("batch buffer") > 0 and log[0] == "frame header", log
+            assert "values" not in log[log.index("batch buffer") :], f"step {step}: {log}"
 
 
 def test_nothing_is_pickled_on_any_rank(pool4: Any) -> None:

@@ -484,22 +484,25 @@ def _desync_and_integrity(rank: int, world: int) -> dict[str, Any]:
     dist.barrier()
 
     # 5. A source whose header keeps a known structure but lies in its small values: the
-    # receiver, reading the values alone, still validates them.
-    cls = _LyingValuesChannel if rank == 0 else _transport.Channel
-    ch = cls(group, 0, timeout=TIMEOUT)
-    for step in range(4):
-        want = {"x": torch.full((4,), float(step)), "n": 1000 + step}
-        if rank == 0:
-            ch.send_batch(want)
-        elif step < 3:
-            assert_same(_transport.raise_for(*ch.recv(), 0), want)
-        else:
-            with pytest.raises(tc.HeaderError, match="invalid value token") as info:
-                ch.recv()
-            out["lying_values"] = str(info.value)
-            with pytest.raises(tc.PeerError, match="failed earlier"):
-                ch.recv()
-    dist.barrier()
+    # receiver, reading the values alone, still validates them. With a payload that follows
+    # the first message (300 KB), the receiver has posted its receive before it reads the
+    # values: it still receives the payload, so the group stays in step, then raises.
+    for key, size in (("lying_values", 4), ("lying_values_payload", 75_000)):
+        cls = _LyingValuesChannel if rank == 0 else _transport.Channel
+        ch = cls(group, 0, timeout=TIMEOUT)
+        for step in range(4):
+            want = {"x": torch.full((size,), float(step)), "n": 1000 + step}
+            if rank == 0:
+                ch.send_batch(want)
+            elif step < 3:
+                assert_same(_transport.raise_for(*ch.recv(), 0), want)
+            else:
+                with pytest.raises(tc.HeaderError, match="invalid value token") as info:
+                    ch.recv()
+                out[key] = str(info.value)
+                with pytest.raises(tc.PeerError, match="failed earlier"):
+                    ch.recv()
+        dist.barrier()
     return out
 
 

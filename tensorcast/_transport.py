@@ -800,6 +800,9 @@ class Channel:
                 elif guess.structure is decoded.structure:
                     tree = _codec.rebuild(decoded, payload, guess.leaves)
         else:
+            # A payload buffer taken for a guess that missed goes back to the pool first.
+            guess = None
+            waited.clear()
             try:
                 payload, pieces, copies = self._landing(decoded, flags, segments, first, at, device)
             except RuntimeError as e:  # out of memory: the collective sequence is lost

@@ -706,10 +706,15 @@ def _payload_batch(step: int) -> Any:
 PAYLOAD_STEPS = 16
 
 
-def _rank_steady_payload(rank: int, world: int) -> list[list[str]]:
-    """What each step did, in order: broadcasts posted and values read."""
+def _rank_steady_payload(rank: int, world: int) -> tuple[list[list[str]], list[int]]:
+    """What each step did, in order (broadcasts posted, values read), and the steps whose
+    full read took a payload buffer while one taken ahead for them was still held."""
     real_many, real_read = _transport.Channel._broadcast_many, _schema.read_values
+    real_guess, real_landing = _transport.Channel._guess, _transport.Channel._landing
     log: list[str] = []
+    ahead: list[Any] = []  # a weak reference to the payload buffer taken ahead, if any
+    guessing = [False]
+    held: list[int] = []
 
     def many(channel: Any, tensors: Any, group: Any, what: str, *args: Any) -> Any:
         log.append(what)
@@ -719,7 +724,23 @@ def _rank_steady_payload(rank: int, world: int) -> list[list[str]]:
         log.append("values")
         return real_read(*args)
 
+    def guess(channel: Any, *args: Any) -> Any:
+        guessing[0] = True
+        try:
+            made = real_guess(channel, *args)
+        finally:
+            guessing[0] = False
+        ahead[:] = [weakref.ref(made.buffer)] if made is not None and made.pieces else []
+        return made
+
+    def landing(channel: Any, *args: Any) -> Any:
+        if not guessing[0] and ahead and ahead[0]() is not None:
+            held.append(step)
+        return real_landing(channel, *args)
+
     _transport.Channel._broadcast_many = many  # type: ignore[method-assign]
+    _transport.Channel._guess = guess  # type: ignore[method-assign]
+    _transport.Channel._landing = landing  # type: ignore[method-assign]
     _schema.read_values = read
     steps = []
     try:
@@ -727,18 +748,24 @@ def _rank_steady_payload(rank: int, world: int) -> list[list[str]]:
             log.clear()
             out = tc.broadcast(_payload_batch(step) if rank == 0 else None, 0)
             check_same(out, _payload_batch(step), f"step {step}")
+            del out  # as a training loop drops the batch before it fetches the next
             steps.append(list(log))
     finally:
         _transport.Channel._broadcast_many = real_many  # type: ignore[method-assign]
+        _transport.Channel._guess = real_guess  # type: ignore[method-assign]
+        _transport.Channel._landing = real_landing  # type: ignore[method-assign]
         _schema.read_values = real_read
-    return steps
+    return steps, held
 
 
 def test_payloads_are_received_before_their_values_are_read(pool2: Any) -> None:
     """Once a structure repeats, a receiver recognises a frame of it by its bytes and
     posts the receive of the payload that follows before it parses the new small values:
     the source cannot send the payload before then. Any other frame is read in full."""
-    _, receiver = pool2.run(_rank_steady_payload, timeout=TIMEOUT)
+    _, (receiver, held) = pool2.run(_rank_steady_payload, timeout=TIMEOUT)
+    # A buffer taken ahead for a frame that turned out otherwise (a new phase) is let go
+    # before the frame's own is taken: the pool can hand the same one out again.
+    assert held == [], f"steps {held} held two payload buffers at once"
     early = ["frame header", "batch buffer", "values"]
     for step, log in enumerate(receiver):
         phase_step = step % 6 if step < 12 else 0  # shapes change every step in phase 2

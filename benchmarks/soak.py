@@ -1,13 +1,15 @@
 """Soak: many steps of randomly shaped mixed batches through BroadcastingDataLoader.
 
 Spawns ``world`` gloo ranks on this machine for each requested world size; rank 0 is the
-source of a loader over the whole group. Batch ``i`` is a pure function of ``(seed, i)``,
+source of a loader over the whole group. Batch ``i`` is a pure function of ``(seed, i)``
+(with ``--repeat N``, each random tree is sent for N steps with a new step number),
 so every rank regenerates it independently and compares what the loader yielded bit for
 bit (the source compares its own rebuilt batch too). Reports steps, batches compared,
 mismatches (must be 0), receiver RSS after warm-up and at the end (must stay flat), and
 the median and p99 time of one loader step.
 
     python benchmarks/soak.py --steps 10000 --world-sizes 2,4
+    python benchmarks/soak.py --steps 10000 --repeat 4   # structures that repeat
     python benchmarks/soak.py --steps 500 --json -        # JSON on stdout
 
 This is a soak, not a benchmark: timings are reported, never asserted. Exits non-zero on
@@ -98,9 +100,12 @@ def _node(rng: np.random.Generator, depth: int) -> Any:
     return children if kind == 1 else tuple(children)
 
 
-def make_batch(seed: int, step: int) -> Any:
-    """Batch ``step`` of the soak: a pure function of ``(seed, step)``; now and then None."""
-    rng = np.random.default_rng([seed, step])
+def make_batch(seed: int, step: int, repeat: int = 1) -> Any:
+    """Batch ``step`` of the soak: a pure function of ``(seed, step, repeat)``; now and then
+    None. Runs of ``repeat`` steps share one random tree and differ in their step number,
+    as a real loader's batches of one structure do: receivers then take their fast paths
+    (the tree built ahead, the payload posted before the values are read)."""
+    rng = np.random.default_rng([seed, step // repeat])
     if rng.random() < 0.02:
         return None
     keys = int(rng.integers(1, 7))
@@ -112,16 +117,17 @@ def make_batch(seed: int, step: int) -> Any:
 class RandomBatches:
     """The source loader: ``steps`` random batches."""
 
-    def __init__(self, steps: int, seed: int):
+    def __init__(self, steps: int, seed: int, repeat: int):
         self.steps = steps
         self.seed = seed
+        self.repeat = repeat
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self) -> Any:
         for step in range(self.steps):
-            yield make_batch(self.seed, step)
+            yield make_batch(self.seed, step, self.repeat)
 
 
 # -- comparing -----------------------------------------------------------------------
@@ -173,7 +179,7 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any], outdir: str) -> None:
     store = dist.FileStore(os.path.join(outdir, "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=cfg["pg_timeout"]))
-    source = RandomBatches(cfg["steps"], cfg["seed"]) if rank == 0 else None
+    source = RandomBatches(cfg["steps"], cfg["seed"], cfg["repeat"]) if rank == 0 else None
     loader = tc.BroadcastingDataLoader(source, group=dist.group.WORLD, src=0,
                                        prefetch=cfg["prefetch"], timeout=cfg["pg_timeout"])
     times: list[float] = []
@@ -188,7 +194,7 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any], outdir: str) -> None:
         except StopIteration:
             break
         times.append(time.perf_counter() - t0)
-        if not same(batch, make_batch(cfg["seed"], step)):
+        if not same(batch, make_batch(cfg["seed"], step, cfg["repeat"])):
             mismatches.append(step)
         del batch
         step += 1
@@ -273,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-sizes", default="2,4", help="comma-separated, e.g. 2,4")
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="steps each random tree is sent for, with a new step number "
+                             "(default 1: a new tree every step; 4 takes the receivers' fast "
+                             "paths for repeated structures)")
     parser.add_argument("--warmup", type=int, default=500,
                         help="steps before the first RSS reading and the timings")
     parser.add_argument("--rss-slack-mib", type=float, default=64.0,
@@ -285,9 +295,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the results as JSON to PATH ('-' or no value: stdout)")
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.world_sizes.split(",") if w.strip()]
-    if args.steps < 1 or any(w < 2 for w in worlds):
-        parser.error("--steps must be >= 1 and every world size >= 2")
-    cfg = {"steps": args.steps, "seed": args.seed, "prefetch": args.prefetch,
+    if args.steps < 1 or args.repeat < 1 or any(w < 2 for w in worlds):
+        parser.error("--steps and --repeat must be >= 1 and every world size >= 2")
+    cfg = {"steps": args.steps, "seed": args.seed, "repeat": args.repeat,
+           "prefetch": args.prefetch,
            "warmup": min(args.warmup, args.steps // 2), "pg_timeout": args.pg_timeout,
            "rss_slack_mib": args.rss_slack_mib}
     deadline = time.monotonic() + args.timeout
@@ -302,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(text + "\n")
     if args.json != "-":
         print(f"soak: {args.steps} steps, prefetch={args.prefetch}, seed={args.seed}, "
+              f"repeat={args.repeat}, "
               f"warm-up {cfg['warmup']} steps")
         print(f"{'world':>5} {'steps':>6} {'compared':>9} {'mismatch':>8} "
               f"{'recv RSS start->end MiB':>24} {'step ms p50':>11} {'p99':>8} {'wall s':>7}")

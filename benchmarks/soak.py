@@ -9,7 +9,7 @@ mismatches (must be 0), receiver RSS after warm-up and at the end (must stay fla
 the median and p99 time of one loader step.
 
     python benchmarks/soak.py --steps 10000 --world-sizes 2,4
-    python benchmarks/soak.py --steps 10000 --repeat 4   # structures that repeat
+    python benchmarks/soak.py --steps 10000 --repeat 4 --rss-slack-mib 128  # repeated trees
     python benchmarks/soak.py --steps 500 --json -        # JSON on stdout
 
 This is a soak, not a benchmark: timings are reported, never asserted. Exits non-zero on

@@ -634,24 +634,44 @@ def _zero_outside_head_and_payload(channel: Any, prepared: Any) -> None:
     assert not data[head:at].any() and not data[end:].any(), "stale bytes in the first message"
 
 
+class _Guesses:
+    """``Channel._guess`` watched while in a ``with``: whether a guess is being made right
+    now, whether each one built anything, and the payload buffer the last one took."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.built: list[bool] = []
+        self.payload: Callable[[], Any] = lambda: None  # a weak reference, or nothing
+        self._real = _transport.Channel._guess
+
+    def __enter__(self) -> _Guesses:
+        real = self._real
+
+        def guess(channel: Any, *args: Any) -> Any:
+            self.active = True
+            try:
+                made = real(channel, *args)
+            finally:
+                self.active = False
+            self.built.append(made is not None)
+            self.payload = (
+                weakref.ref(made.buffer) if made is not None and made.pieces else lambda: None
+            )
+            return made
+
+        _transport.Channel._guess = guess  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _transport.Channel._guess = self._real  # type: ignore[method-assign]
+
+
 def _rank_steady(rank: int, world: int) -> tuple[int, int]:
-    real_guess, real_views = _transport.Channel._guess, _codec.views
-    real_prepare = _transport.Channel._prepare
-    built: list[bool] = []
-    guessing = [False]
+    real_views, real_prepare = _codec.views, _transport.Channel._prepare
     late = [0]  # views made after a frame of the last phase arrived
 
-    def counting(channel: Any, *args: Any) -> Any:
-        guessing[0] = True
-        try:
-            guess = real_guess(channel, *args)
-        finally:
-            guessing[0] = False
-        built.append(guess is not None)
-        return guess
-
     def views(*args: Any, **kwargs: Any) -> Any:
-        if not guessing[0] and step >= 16:
+        if not guesses.active and step >= 16:
             late[0] += 1
         return real_views(*args, **kwargs)
 
@@ -660,18 +680,17 @@ def _rank_steady(rank: int, world: int) -> tuple[int, int]:
         _zero_outside_head_and_payload(channel, prepared)
         return prepared
 
-    _transport.Channel._guess = counting  # type: ignore[method-assign]
     _transport.Channel._prepare = prepare  # type: ignore[method-assign]
     _codec.views = views
     try:
-        for step in range(STEADY_STEPS):
-            out = tc.broadcast(_steady_batch(step) if rank == 0 else None, 0)
-            check_same(out, _steady_batch(step), f"step {step}")
+        with _Guesses() as guesses:
+            for step in range(STEADY_STEPS):
+                out = tc.broadcast(_steady_batch(step) if rank == 0 else None, 0)
+                check_same(out, _steady_batch(step), f"step {step}")
     finally:
-        _transport.Channel._guess = real_guess  # type: ignore[method-assign]
         _transport.Channel._prepare = real_prepare  # type: ignore[method-assign]
         _codec.views = real_views
-    return sum(built), late[0]
+    return sum(guesses.built), late[0]
 
 
 def test_trees_built_ahead_match_what_arrives(pool2: Any) -> None:
@@ -710,10 +729,8 @@ def _rank_steady_payload(rank: int, world: int) -> tuple[list[list[str]], list[i
     """What each step did, in order (broadcasts posted, values read), and the steps whose
     full read took a payload buffer while one taken ahead for them was still held."""
     real_many, real_read = _transport.Channel._broadcast_many, _schema.read_values
-    real_guess, real_landing = _transport.Channel._guess, _transport.Channel._landing
+    real_landing = _transport.Channel._landing
     log: list[str] = []
-    ahead: list[Any] = []  # a weak reference to the payload buffer taken ahead, if any
-    guessing = [False]
     held: list[int] = []
 
     def many(channel: Any, tensors: Any, group: Any, what: str, *args: Any) -> Any:
@@ -724,35 +741,25 @@ def _rank_steady_payload(rank: int, world: int) -> tuple[list[list[str]], list[i
         log.append("values")
         return real_read(*args)
 
-    def guess(channel: Any, *args: Any) -> Any:
-        guessing[0] = True
-        try:
-            made = real_guess(channel, *args)
-        finally:
-            guessing[0] = False
-        ahead[:] = [weakref.ref(made.buffer)] if made is not None and made.pieces else []
-        return made
-
     def landing(channel: Any, *args: Any) -> Any:
-        if not guessing[0] and ahead and ahead[0]() is not None:
+        if not guesses.active and guesses.payload() is not None:
             held.append(step)
         return real_landing(channel, *args)
 
     _transport.Channel._broadcast_many = many  # type: ignore[method-assign]
-    _transport.Channel._guess = guess  # type: ignore[method-assign]
     _transport.Channel._landing = landing  # type: ignore[method-assign]
     _schema.read_values = read
     steps = []
     try:
-        for step in range(PAYLOAD_STEPS):
-            log.clear()
-            out = tc.broadcast(_payload_batch(step) if rank == 0 else None, 0)
-            check_same(out, _payload_batch(step), f"step {step}")
-            del out  # as a training loop drops the batch before it fetches the next
-            steps.append(list(log))
+        with _Guesses() as guesses:
+            for step in range(PAYLOAD_STEPS):
+                log.clear()
+                out = tc.broadcast(_payload_batch(step) if rank == 0 else None, 0)
+                check_same(out, _payload_batch(step), f"step {step}")
+                del out  # as a training loop drops the batch before it fetches the next
+                steps.append(list(log))
     finally:
         _transport.Channel._broadcast_many = real_many  # type: ignore[method-assign]
-        _transport.Channel._guess = real_guess  # type: ignore[method-assign]
         _transport.Channel._landing = real_landing  # type: ignore[method-assign]
         _schema.read_values = real_read
     return steps, held

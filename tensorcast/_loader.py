@@ -59,6 +59,13 @@ class _Item:
         self.tree = tree
         self.state = state
 
+    def hand_out(self) -> Any:
+        """The tree, which this item then lets go of: the loader must not keep a batch
+        alive after the caller drops it, or its pooled buffer could not be reused (and
+        it would be freed inside the next ``next()``)."""
+        tree, self.tree = self.tree, None
+        return tree
+
 
 class _Prefetcher:
     """Runs ``produce`` in a thread, exactly ``depth`` items ahead of ``take``.
@@ -274,7 +281,7 @@ class BroadcastingDataLoader:
                     raise item.error
                 if item.state is not None:
                     self._state = item.state
-                yield item.tree
+                yield item.hand_out()
         finally:
             if prefetcher is not None:
                 prefetcher.close()  # after END or a failure its thread has already left

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -466,6 +467,26 @@ def _rank_packed_collate(rank: int, world: int) -> None:
             assert same(a, b), f"rank {rank}, prefetch={prefetch}: {a} != {b}"
 
 
+def _rank_lets_go(rank: int, world: int) -> list[str]:
+    """A batch the caller dropped is freed right then: the loader keeps no reference to a
+    batch it has handed out (else its pooled buffer could not be reused, and it would be
+    freed inside the next ``next()``, on the clock of the next step)."""
+    held = []
+    for prefetch in (0, 1):
+        source = [batch(i) for i in range(N)] if rank == 0 else None
+        loader = tc.BroadcastingDataLoader(source, group=dist.group.WORLD, src=0, prefetch=prefetch)
+        it = iter(loader)  # not enumerate(): it keeps its last item for reuse
+        for i in range(N):
+            got = next(it)
+            check([got], [batch(i)], f"rank {rank}, prefetch={prefetch}")
+            leaf = weakref.ref(got["x"])
+            del got
+            if leaf() is not None:
+                held.append(f"prefetch={prefetch} batch {i}")
+        assert list(it) == []
+    return held
+
+
 def _rank_dp_slots(rank: int, world: int) -> list[list[tuple[int, int]]]:
     """Every DP slot of a (dp, cp, tp) mesh iterates its own data."""
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
@@ -533,6 +554,11 @@ def test_no_op_modes_iterate_the_source_directly(pool2: Any) -> None:
 
 def test_packed_collate_with_worker_processes_as_the_source(pool2: Any) -> None:
     pool2.run(_rank_packed_collate, timeout=TIMEOUT)
+
+
+def test_a_dropped_batch_is_freed_at_once(pool2: Any) -> None:
+    for rank, held in enumerate(pool2.run(_rank_lets_go, timeout=TIMEOUT)):
+        assert held == [], f"rank {rank} kept {held} alive after the caller dropped them"
 
 
 def test_every_dp_slot_iterates_its_own_data(pool8: Any) -> None:

@@ -48,7 +48,6 @@ __all__ = [
     "read_values",
     "structure_prefix",
     "values_at",
-    "with_values",
 ]
 
 MAGIC = b"TCST"
@@ -110,6 +109,7 @@ def _values_encoder() -> Callable[[list[Any]], str]:
 
 
 _encode_values = _values_encoder()
+
 # One JSON value from the start of a string: what json.loads does without its
 # whitespace skipping (this library writes none) and its Python-level wrappers.
 _scan: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(
@@ -317,17 +317,6 @@ def _decode(header: bytes | bytearray | memoryview) -> Decoded:
             structure.prefix = prefix
             _remember(structure)
     return Decoded(structure, values)
-
-
-def with_values(structure: Structure, header: bytes) -> Decoded | None:
-    """``header`` read as a header of ``structure``: None when its bytes are not those of
-    ``structure`` up to the values (read it with :func:`decode`), else its values parsed.
-
-    Raises:
-        HeaderError: the structure's bytes are there but the values are not valid JSON.
-    """
-    at = values_at(structure, header)
-    return None if at is None else read_values(structure, header, at)
 
 
 def values_at(structure: Structure, header: bytes) -> int | None:

@@ -104,6 +104,12 @@ def _align_up(n: int, a: int = _PAYLOAD_ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+def _inline_len(payload_len: int, segments: list[tuple[int, int, int]] | None) -> int:
+    """The payload bytes that go in the first message when they fit: all of them, or
+    those between the leaves that travel from their own memory (see :func:`_segments`)."""
+    return payload_len if segments is None else sum(b - a for a, b, i in segments if i < 0)
+
+
 def _inline_at(capacity: int, inline_len: int) -> int:
     """Where an inline payload of ``inline_len`` bytes starts in a first message."""
     return capacity - _align_up(inline_len)
@@ -465,11 +471,8 @@ class Channel:
         payload_len = frame.payload_len
         capacity = self.capacity
         segments = self._direct_segments(frame) if frame.kind == FRAME_DATA else None
-        flags = 0
-        inline_len = payload_len  # the bytes that would go in the first message
-        if segments is not None:
-            flags |= _DIRECT
-            inline_len = sum(b - a for a, b, i in segments if i < 0)
+        flags = _DIRECT if segments is not None else 0
+        inline_len = _inline_len(payload_len, segments)  # the bytes that would go inline
         payload_at = _inline_at(capacity, inline_len)
         if head_end > capacity:
             flags |= _SPILL
@@ -779,14 +782,11 @@ class Channel:
         # (the whole payload, or direct leaves and the bytes between them) that follow it.
         inline = flags & _INLINE
         segments: list[tuple[int, int, int]] | None = None
-        inline_len = payload_len if inline else 0
         if flags & _DIRECT:
             if direct_min < _DIRECT_FLOOR:
                 raise HeaderError(f"{self._where()}: invalid direct leaf size {direct_min}")
             segments = _segments_of(decoded, direct_min)
-            if inline:
-                inline_len = sum(b - a for a, b, i in segments if i < 0)
-        at = _inline_at(capacity, inline_len)
+        at = _inline_at(capacity, _inline_len(payload_len, segments) if inline else 0)
         if inline and at < head_end:
             raise HeaderError(f"{self._where()}: inline payload overruns the header")
         tree: Any = None
@@ -959,11 +959,7 @@ class Channel:
             return None
         header, decoded, flags, direct_min = last
         segments = _segments_of(decoded, direct_min) if flags & _DIRECT else None
-        inline_len = 0
-        if flags & _INLINE:
-            inline_len = (
-                decoded.nbytes if segments is None else sum(b - a for a, b, i in segments if i < 0)
-            )
+        inline_len = _inline_len(decoded.nbytes, segments) if flags & _INLINE else 0
         at = _inline_at(first.numel(), inline_len)
         if at < _PREFIX.size + len(self.description) + len(header):
             return None

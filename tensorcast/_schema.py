@@ -286,9 +286,9 @@ def _decode(header: bytes | bytearray | memoryview) -> Decoded:
         )
     raw = bytes(header[PREFIX_BYTES:])
     for known in _recent:  # a structure validated before: parse the values alone
-        decoded = _values_of(known, raw)
-        if decoded is not None:
-            return decoded
+        at = _values_start(known, raw, 0)
+        if at is not None:
+            return read_values(known, raw, at)
     body = _parse(raw)
     if type(body) is not list or len(body) != 5:
         raise _fail("the body must be a list [nbytes, align, leaves, tokens, values]")
@@ -326,16 +326,21 @@ def values_at(structure: Structure, header: bytes) -> int | None:
     Such a header is ``structure``'s leaves and tokens for sure, whatever its values: the
     caller may act on the sizes they give before it reads the values.
     """
-    start = structure.prefix
-    at = PREFIX_BYTES + len(start) if start is not None else 0
-    if (
-        start is None
-        or len(header) <= at
-        or header[:PREFIX_BYTES]
-        != _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header) - PREFIX_BYTES)
-        or not header.startswith(start, PREFIX_BYTES)
-        or not header.endswith(b"]")
+    if len(header) < PREFIX_BYTES or header[:PREFIX_BYTES] != _PREFIX.pack(
+        MAGIC, FORMAT_VERSION, 0, len(header) - PREFIX_BYTES
     ):
+        return None
+    return _values_start(structure, header, PREFIX_BYTES)
+
+
+def _values_start(structure: Structure, data: bytes, body_at: int) -> int | None:
+    """Where the values start in ``data``, whose body starts at ``body_at``, when that
+    body holds ``structure``'s very bytes up to them (and a closing bracket after)."""
+    start = structure.prefix
+    if start is None:
+        return None
+    at = body_at + len(start)
+    if len(data) <= at or not data.startswith(start, body_at) or not data.endswith(b"]"):
         return None
     return at
 
@@ -353,14 +358,6 @@ def read_values(structure: Structure, data: bytes, at: int) -> Decoded:
     if type(values) is not list:
         raise _fail("the small values are not a list")
     return Decoded(structure, values)
-
-
-def _values_of(structure: Structure, body: bytes) -> Decoded | None:
-    """The body's values, when it holds ``structure``'s very bytes up to them."""
-    start = structure.prefix
-    if start is None or not (body.startswith(start) and body.endswith(b"]")):
-        return None
-    return read_values(structure, body, len(start))
 
 
 def _remember(structure: Structure) -> None:

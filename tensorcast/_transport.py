@@ -21,14 +21,25 @@ payload into the same pieces). The bytes between such leaves go inline in the fi
 message when they fit, else as broadcasts of their own. A batch of one large tensor and
 some small values is thus two collectives with no packing copy on the source.
 
+Once the payload's layout repeats (its length, and how it is cut into pieces), the source
+*promises* that the next frame's pieces follow its first message at once, with the same
+layout, and receivers post their receive with the first message's: the payload lands
+without waiting for the first message to be read (gloo sends a message only once its
+receive is posted). A frame that keeps the promise says so (``_POSTED``); one that cannot
+(a new layout, an END or ERROR frame) sends zeros in those pieces, which receivers drop
+before they read the frame as usual. So a stream whose layout never repeats (lhotse
+batches of varying length) is never promised anything, and one that changes now and then
+pays one extra transfer per change. Promises are made on a CPU transfer device (gloo)
+only, and a loader's new pass starts with none.
+
 A header too large for the current capacity spills into a header-only second message
 (the capacity then grows so later steps do not spill). END and ERROR frames are
-first-message only. Receivers validate the prefix and the header before allocating
+first-message only (but for the zeros of a promise). Receivers validate the prefix and the header before allocating
 anything from their sizes.
 
 The prefix carries a pass number, a step number and a fingerprint of the sender's setup
-(format version, source, group ranks, axes): a receiver that disagrees raises
-``DesyncError`` instead of mis-assigning batches.
+(header format and frame versions, source, group ranks, axes): a receiver that disagrees
+raises ``DesyncError`` instead of mis-assigning batches.
 
 With NCCL the first message travels on a gloo group over the same ranks (no host-device
 sync on receivers) and the payload on NCCL, on the current CUDA device.
@@ -62,12 +73,18 @@ __all__ = ["Channel", "Frame", "channel_for_group"]
 FRAME_DATA, FRAME_END, FRAME_ERROR = 1, 2, 3
 _KINDS = {FRAME_DATA: "data", FRAME_END: "end", FRAME_ERROR: "error"}
 _INLINE, _CRC, _SPILL, _DIRECT = 1, 2, 4, 8
+# _NEXT: the next frame's payload pieces follow its first message at once, in this
+# frame's layout; _POSTED: this frame's payload is in those pieces (see the docstring).
+_NEXT, _POSTED = 16, 32
 
 # magic, kind, flags, desc_len, pass, step, fingerprint, header_len, payload_len,
 # next_capacity, crc32, direct_min
 _PREFIX = struct.Struct("<4sBBHIQQIQIII")
 _HEADER_LEN_AT = 28  # where the header's length is in the prefix
 _MAGIC = b"TCFR"
+#: How frames follow one another (part of every rank's setup fingerprint): 2 added the
+#: payloads promised a frame ahead.
+FRAMES_VERSION = 2
 INITIAL_CAPACITY = 4096
 MAX_CAPACITY = 256 << 10  # larger payloads always take a second message
 _PAYLOAD_ALIGN = 64
@@ -98,6 +115,28 @@ def _segments(table: list[Any], nbytes: int, direct_min: int) -> list[tuple[int,
     if at < nbytes:
         out.append((at, nbytes, -1))
     return out
+
+
+# (payload_len, flags & (_INLINE | _DIRECT), direct_min, segments or None)
+_PayloadLayout = tuple[int, int, int, list[tuple[int, int, int]] | None]
+
+
+def _payload_layout(
+    payload_len: int, flags: int, direct_min: int, segments: list[tuple[int, int, int]] | None
+) -> _PayloadLayout | None:
+    """What a promise names: how a payload that follows the first message is laid out and
+    cut into pieces. None when nothing follows the first message."""
+    if not payload_len or (flags & _INLINE and segments is None):
+        return None
+    return (payload_len, flags & (_INLINE | _DIRECT), direct_min, segments)
+
+
+def _piece_sizes(layout: _PayloadLayout) -> list[int]:
+    """The sizes of the pieces that follow the first message, in order."""
+    payload_len, flags, _, segments = layout
+    if segments is None:
+        return [payload_len]
+    return [b - a for a, b, i in segments if i >= 0 or not flags & _INLINE]
 
 
 def _align_up(n: int, a: int = _PAYLOAD_ALIGN) -> int:
@@ -152,7 +191,8 @@ class _Ahead(NamedTuple):
     direct_min: int
     buffer: torch.Tensor  # the first message, or the payload's own buffer
     # for a payload that follows the first message: the pieces to receive into ``buffer``
-    # and the inline bytes to copy there (see Channel._landing); None when all is inline
+    # and the inline bytes to copy there (see Channel._landing); None when all is inline,
+    # [] when the pieces were posted with the first message (promised)
     pieces: list[torch.Tensor] | None
     copies: list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -168,6 +208,9 @@ class _Prepared:
     next_capacity: int
     # what follows the first message on the group, in order (None: nothing)
     pieces: list[torch.Tensor] | None = None
+    layout: _PayloadLayout | None = None  # how they are laid out
+    # zeros in the pieces promised by the last frame, when this one cannot use them
+    void: list[torch.Tensor] | None = None
 
 
 def _crc(buffer: torch.Tensor, start: int = 0) -> int:
@@ -248,8 +291,8 @@ class Channel:
         self.timeout = timeout
         self.verify = verify
         self.description = (
-            f"tensorcast format v{_schema.FORMAT_VERSION}; src={src}; group ranks="
-            f"{list(self.ranks)}; axes={list(axes)}"
+            f"tensorcast format v{_schema.FORMAT_VERSION}, frames v{FRAMES_VERSION}; "
+            f"src={src}; group ranks={list(self.ranks)}; axes={list(axes)}"
         ).encode()[:_MAX_DESC]
         self.fingerprint = int.from_bytes(
             hashlib.blake2b(self.description, digest_size=8).digest(), "little"
@@ -269,6 +312,10 @@ class Channel:
         # times in a row its structure repeated.
         self._last: tuple[bytes, _schema.Decoded, int, int] | None = None
         self._repeats = 0
+        # The payload layout the last frame promised for the next one (see the module
+        # docstring), on every rank; and on the source, the last data frame's layout.
+        self._promise: _PayloadLayout | None = None
+        self._sent: _PayloadLayout | None = None
         self.pass_index = 0
         self.step = 0
         self.capacity = INITIAL_CAPACITY
@@ -283,6 +330,7 @@ class Channel:
         self.pass_index = pass_index
         self.step = 0
         self.capacity = INITIAL_CAPACITY
+        self._promise = self._sent = None
 
     def _where(self) -> str:
         return f"rank {self.rank} (pass {self.pass_index}, step {self.step})"
@@ -290,16 +338,15 @@ class Channel:
     # -- collectives ---------------------------------------------------------------
 
     def _broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup, what: str) -> None:
-        self._broadcast_many([tensor], group, what)
+        self._broadcasts([([tensor], group, what)])
 
-    def _broadcast_many(
+    def _broadcasts(
         self,
-        tensors: list[torch.Tensor],
-        group: dist.ProcessGroup,
-        what: str,
+        stages: list[tuple[list[torch.Tensor], dist.ProcessGroup, str]],
         meanwhile: Callable[[], None] | None = None,
     ) -> None:
-        """Broadcast ``tensors`` in order: all are posted, then all are waited for.
+        """Broadcast each stage's tensors on its group, in order: all are posted, then all
+        are waited for. A stage's ``what`` names it in errors.
 
         ``meanwhile`` runs while the broadcasts are in flight (gloo and NCCL run them
         outside the GIL): the source builds its own copy of the batch then, a receiver
@@ -313,17 +360,21 @@ class Channel:
                 f"the process group cannot be trusted any more, restart the job"
             )
         failed: BaseException | None = None  # raised by ``meanwhile``, not by the collective
+        what = stages[0][2]
         try:
             # The group's own broadcast with cached options: dist.broadcast re-derives them
             # on every call, which shows up on small batches.
-            opts = self._options(group)
-            works = [group.broadcast([t], opts) for t in tensors]
+            works: list[tuple[Any, str]] = []
+            for tensors, group, what in stages:
+                opts = self._options(group)
+                works.extend((group.broadcast([t], opts), what) for t in tensors)
             if meanwhile is not None:
                 try:
                     meanwhile()
                 except BaseException as e:  # raised once the collectives are done
                     failed = e
-            for work in works:
+            for work, name in works:
+                what = name  # the stage an error names
                 if self.timeout is None:
                     work.wait()
                 else:
@@ -538,18 +589,29 @@ class Channel:
         if self.verify and payload is not None:
             flags |= _CRC
             crc = _crc(payload) if segments is None else _crc_of_direct(payload, frame)
+        direct_min = DIRECT_MIN if segments is not None else 0
+        cut = _payload_layout(payload_len, flags, direct_min, segments) if pieces else None
+        void: list[torch.Tensor] | None = None
+        if self._promise is not None:
+            if cut == self._promise:
+                flags |= _POSTED
+            else:
+                void = self._void(self._promise)
+        if cut is not None and cut == self._sent and self.inline_ok:
+            flags |= _NEXT  # a layout that repeats is promised for the next frame
         prefix = self._prefix(
-            frame.kind,
-            flags,
-            len(header),
-            payload_len,
-            next_capacity,
-            crc,
-            DIRECT_MIN if segments is not None else 0,
+            frame.kind, flags, len(header), payload_len, next_capacity, crc, direct_min
         )
         head = prefix + desc if flags & _SPILL else prefix + desc + header
         self._out_bytes[: len(head)] = head  # one copy for the whole head
-        return _Prepared(frame, first, payload, flags, next_capacity, pieces)
+        return _Prepared(frame, first, payload, flags, next_capacity, pieces, cut, void)
+
+    @staticmethod
+    def _void(layout: _PayloadLayout) -> list[torch.Tensor]:
+        """Zeros in the pieces of a promise this frame cannot keep: receivers posted them."""
+        sizes = _piece_sizes(layout)
+        zeros = torch.zeros(max(sizes), dtype=torch.uint8)
+        return [zeros[:n] for n in sizes]
 
     def _inline_slice(self, first: torch.Tensor, start: int, length: int) -> torch.Tensor:
         """``first[start : start + length]``, the same tensor while the frames repeat."""
@@ -590,27 +652,32 @@ class Channel:
     def _post(
         self, prepared: _Prepared, meanwhile: Callable[[], None] | None = None
     ) -> torch.Tensor | None:
-        """The collectives of one frame: the first message, then what did not fit in it.
+        """The collectives of one frame: the first message (with the pieces the last frame
+        promised, kept or zeros), then what did not fit in it.
 
         ``meanwhile`` runs while the frame's last collective is in flight.
         """
         frame, payload, flags = prepared.frame, prepared.payload, prepared.flags
-        stages: list[tuple[list[torch.Tensor], dist.ProcessGroup, str]] = [
+        first: list[tuple[list[torch.Tensor], dist.ProcessGroup, str]] = [
             ([prepared.first], self.header_group, "frame header")
         ]
+        promised = prepared.pieces if flags & _POSTED else prepared.void
+        if promised is not None:
+            first.append((promised, self.group, "batch buffer"))
+        waves = [first]
         if flags & _SPILL:
             spill = torch.frombuffer(bytearray(frame.header), dtype=torch.uint8)
-            stages.append(([spill], self.header_group, "spilled header"))
-        if prepared.pieces:
-            stages.append((prepared.pieces, self.group, "batch buffer"))
+            waves.append([([spill], self.header_group, "spilled header")])
+        if prepared.pieces and not flags & _POSTED:
+            waves.append([(prepared.pieces, self.group, "batch buffer")])
         try:
-            for k, (tensors, group, what) in enumerate(stages):
-                self._broadcast_many(
-                    tensors, group, what, meanwhile if k == len(stages) - 1 else None
-                )
+            for k, wave in enumerate(waves):
+                self._broadcasts(wave, meanwhile if k == len(waves) - 1 else None)
         finally:  # a failed collective breaks the channel; anything else keeps it in step
             self.step += 1
             self.capacity = prepared.next_capacity
+            self._promise = prepared.layout if flags & _NEXT else None
+            self._sent = prepared.layout
         return payload
 
     def send(self, frame: Frame) -> torch.Tensor | None:
@@ -691,6 +758,14 @@ class Channel:
     def _recv(self, device: torch.device | None) -> tuple[str, Any]:
         capacity = self.capacity
         first = self.frames.take(capacity, _CPU)
+        stages = [([first], self.header_group, "frame header")]
+        # The pieces the last frame promised: posted with the first message, they land
+        # without waiting for it to be read. They hold this frame's payload, or zeros.
+        landing: tuple[torch.Tensor, list[torch.Tensor], list[Any]] | None = None
+        promise = self._promise
+        if promise is not None:
+            landing = self._promised_landing(promise, first, device)
+            stages.append((landing[1], self.group, "batch buffer"))
         # Made while the first message is on the wire, with the tree built ahead: the
         # message's bytes (as a memoryview) and the guess. Right after the wait every call
         # costs several times what it costs in a hot loop, so what can go before it does.
@@ -698,10 +773,10 @@ class Channel:
 
         def meanwhile() -> None:
             waited.append(first.numpy().data)
-            waited.append(self._guess(first, device))
+            waited.append(self._guess(first, device, landing))
 
         # Posted before the tree is built ahead: the source must never wait for this rank.
-        self._broadcast_many([first], self.header_group, "frame header", meanwhile)
+        self._broadcasts(stages, meanwhile)
         host: memoryview = waited[0]
         guess: _Ahead | None = waited[1]
         if guess is not None:
@@ -755,6 +830,17 @@ class Channel:
             )
         if not capacity <= next_capacity <= MAX_CAPACITY or next_capacity & (next_capacity - 1):
             raise HeaderError(f"{self._where()}: invalid next capacity {next_capacity}")
+        if flags & _POSTED and landing is None:
+            raise HeaderError(
+                f"{self._where()}: the frame says its payload came with the first message, "
+                f"but the frame before it promised no payload"
+            )
+        if landing is not None and not flags & _POSTED:
+            # A promise the source could not keep: those pieces held zeros. Let go of their
+            # buffer before this frame's own is taken.
+            landing = guess = None
+            waited.clear()
+            stages.clear()
         if header_len > _schema.MAX_HEADER_BYTES:
             raise HeaderError(f"{self._where()}: header length {header_len} is over the limit")
         head_end = desc_end + header_len
@@ -768,6 +854,10 @@ class Channel:
             header = host[desc_end:head_end].tobytes()
         self.step += 1
         self.capacity = next_capacity
+        if kind != FRAME_DATA:
+            if flags & (_NEXT | _POSTED):
+                raise HeaderError(f"{self._where()}: an END or ERROR frame with a payload")
+            self._promise = None
         if kind == FRAME_END:
             return "end", None
         if kind == FRAME_ERROR:
@@ -789,6 +879,15 @@ class Channel:
         at = _inline_at(capacity, _inline_len(payload_len, segments) if inline else 0)
         if inline and at < head_end:
             raise HeaderError(f"{self._where()}: inline payload overruns the header")
+        layout = _payload_layout(payload_len, flags, direct_min, segments)
+        if flags & _POSTED and layout != promise:
+            raise HeaderError(
+                f"{self._where()}: the frame's payload layout is not the one the frame "
+                f"before it promised, yet the frame says its payload came in those pieces"
+            )
+        if flags & _NEXT and (layout is None or not self.inline_ok):
+            raise HeaderError(f"{self._where()}: the frame promises a payload it cannot have")
+        self._promise = layout if flags & _NEXT else None
         tree: Any = None
         if inline and segments is None:
             payload = first[at : at + payload_len]
@@ -799,18 +898,19 @@ class Channel:
                     tree = guess.tree
                 elif guess.structure is decoded.structure:
                     tree = _codec.rebuild(decoded, payload, guess.leaves)
+        elif landing is not None:  # received with the first message
+            payload, _, copies = landing
+            self._receive([], copies)
         else:
             # A payload buffer taken for a guess that missed goes back to the pool first.
             guess = None
             waited.clear()
             try:
-                payload, pieces, copies = self._landing(decoded, flags, segments, first, at, device)
+                payload, pieces, copies = self._landing(
+                    payload_len, flags, segments, first, at, device
+                )
             except RuntimeError as e:  # out of memory: the collective sequence is lost
-                self.broken = e
-                raise TensorcastError(
-                    f"{self._where()}: cannot allocate the {payload_len}-byte batch buffer "
-                    f"on {self.transfer_device}: {e}"
-                ) from e
+                raise self._no_memory(payload_len, e) from e
             self._receive(pieces, copies)
         self._remember(header, decoded, device, flags, direct_min)
         if flags & _CRC and _crc(payload) != crc:
@@ -825,9 +925,29 @@ class Channel:
             tree = _codec.rebuild(decoded, payload, pool=pool)
         return "data", tree
 
+    def _promised_landing(
+        self, promise: _PayloadLayout, first: torch.Tensor, device: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Where the pieces a promise names land (see :meth:`_landing`)."""
+        payload_len, flags, _, segments = promise
+        inline_len = _inline_len(payload_len, segments) if flags & _INLINE else 0
+        try:
+            return self._landing(
+                payload_len, flags, segments, first, _inline_at(first.numel(), inline_len), device
+            )
+        except RuntimeError as e:  # out of memory: the collective sequence is lost
+            raise self._no_memory(payload_len, e) from e
+
+    def _no_memory(self, payload_len: int, e: RuntimeError) -> TensorcastError:
+        self.broken = e
+        return TensorcastError(
+            f"{self._where()}: cannot allocate the {payload_len}-byte batch buffer "
+            f"on {self.transfer_device}: {e}"
+        )
+
     def _landing(
         self,
-        decoded: _schema.Decoded,
+        payload_len: int,
         flags: int,
         segments: list[tuple[int, int, int]] | None,
         first: torch.Tensor,
@@ -842,7 +962,6 @@ class Channel:
         Raises:
             RuntimeError: the buffer cannot be allocated.
         """
-        payload_len = decoded.nbytes
         if device is not None and device.type == "cuda" and self.transfer_device.type == "cpu":
             # gloo into pinned memory, so the copy to the GPU below is asynchronous.
             payload = torch.empty(payload_len, dtype=torch.uint8, pin_memory=True)
@@ -876,7 +995,7 @@ class Channel:
                 meanwhile()
 
         if pieces:
-            self._broadcast_many(pieces, self.group, "batch buffer", during)
+            self._broadcasts([(pieces, self.group, "batch buffer")], during)
         else:
             during()
 
@@ -936,7 +1055,7 @@ class Channel:
         guessable = (
             (device is None or device == _CPU)
             and self.transfer_device.type == "cpu"
-            and not flags & ~(_INLINE | _DIRECT)  # no spilled header, no CRC to check
+            and not flags & ~(_INLINE | _DIRECT | _NEXT | _POSTED)  # no spill, no CRC
         )
         if same and guessable:  # a structure already found guessable
             self._last = (header, decoded, flags, direct_min)
@@ -945,19 +1064,27 @@ class Channel:
             guessable = all(row[0] == "ndarray" for _, row in _codec.view_spec(decoded).others)
         self._last = (header, decoded, flags, direct_min) if guessable else None
 
-    def _guess(self, first: torch.Tensor, device: Any) -> _Ahead | None:
+    def _guess(
+        self,
+        first: torch.Tensor,
+        device: Any,
+        landing: tuple[torch.Tensor, list[torch.Tensor], list[Any]] | None,
+    ) -> _Ahead | None:
         """Build the tree of the next frame before it arrives, assuming it repeats the
         last header (steady state): receivers wait for the source anyway, so the views and
         containers are made while it packs, with the first message's broadcast posted.
         Used whole if the header repeats; its leaves if the structure does (new small
         values). A frame whose payload follows the first message gets its buffer and
-        pieces too, so they are received as soon as the frame is recognised. Built only
+        pieces too, so they are received as soon as the frame is recognised, unless they
+        were promised: ``landing`` is then where they are being received. Built only
         once structures have been repeating, so batches of varying shapes waste no work.
         """
         last = self._last
         if last is None or self._repeats < 1 or (device is not None and device != _CPU):
             return None
         header, decoded, flags, direct_min = last
+        if bool(flags & _POSTED) != (landing is not None):
+            return None  # not a frame like the last one
         segments = _segments_of(decoded, direct_min) if flags & _DIRECT else None
         inline_len = _inline_len(decoded.nbytes, segments) if flags & _INLINE else 0
         at = _inline_at(first.numel(), inline_len)
@@ -972,10 +1099,15 @@ class Channel:
             buffer = first
             leaves = _codec.views(decoded, first[at : at + decoded.nbytes], self.frames)
         else:
-            try:
-                buffer, pieces, copies = self._landing(decoded, flags, segments, first, at, None)
-            except RuntimeError:  # no memory to spare now: the full path will say so
-                return None
+            if landing is not None:  # its pieces are on the wire already
+                buffer, pieces, copies = landing[0], [], landing[2]
+            else:
+                try:
+                    buffer, pieces, copies = self._landing(
+                        decoded.nbytes, flags, segments, first, at, None
+                    )
+                except RuntimeError:  # no memory to spare now: the full path will say so
+                    return None
             leaves = _codec.views(decoded, buffer, self.pool)
         tree = _codec.rebuild(decoded, buffer, leaves)
         head = prefix + self.description + header

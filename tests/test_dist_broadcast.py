@@ -284,25 +284,25 @@ CASES: dict[str, Callable[[], Any]] = {
 
 class CountBroadcasts:
     """Counts the broadcasts tensorcast posts; every collective goes through
-    ``Channel._broadcast_many``."""
+    ``Channel._broadcasts``."""
 
     def __init__(self) -> None:
         self.calls = 0
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[CountBroadcasts]:
-        real = _transport.Channel._broadcast_many
+        real = _transport.Channel._broadcasts
         self.calls = 0
 
-        def counting(channel: Any, tensors: list[Any], *args: Any, **kwargs: Any) -> Any:
-            self.calls += len(tensors)
-            return real(channel, tensors, *args, **kwargs)
+        def counting(channel: Any, stages: list[Any], *args: Any, **kwargs: Any) -> Any:
+            self.calls += sum(len(tensors) for tensors, _, _ in stages)
+            return real(channel, stages, *args, **kwargs)
 
-        _transport.Channel._broadcast_many = counting  # type: ignore[method-assign]
+        _transport.Channel._broadcasts = counting  # type: ignore[method-assign]
         try:
             yield self
         finally:
-            _transport.Channel._broadcast_many = real  # type: ignore[method-assign]
+            _transport.Channel._broadcasts = real  # type: ignore[method-assign]
 
 
 def group_count() -> int:
@@ -636,12 +636,11 @@ def _zero_outside_head_and_payload(channel: Any, prepared: Any) -> None:
 
 class _Guesses:
     """``Channel._guess`` watched while in a ``with``: whether a guess is being made right
-    now, whether each one built anything, and the payload buffer the last one took."""
+    now, and whether each one built anything."""
 
     def __init__(self) -> None:
         self.active = False
         self.built: list[bool] = []
-        self.payload: Callable[[], Any] = lambda: None  # a weak reference, or nothing
         self._real = _transport.Channel._guess
 
     def __enter__(self) -> _Guesses:
@@ -654,9 +653,6 @@ class _Guesses:
             finally:
                 self.active = False
             self.built.append(made is not None)
-            self.payload = (
-                weakref.ref(made.buffer) if made is not None and made.pieces else lambda: None
-            )
             return made
 
         _transport.Channel._guess = guess  # type: ignore[method-assign]
@@ -726,61 +722,70 @@ PAYLOAD_STEPS = 16
 
 
 def _rank_steady_payload(rank: int, world: int) -> tuple[list[list[str]], list[int]]:
-    """What each step did, in order (broadcasts posted, values read), and the steps whose
-    full read took a payload buffer while one taken ahead for them was still held."""
-    real_many, real_read = _transport.Channel._broadcast_many, _schema.read_values
+    """What each step did, in order (the stages of each batch of broadcasts, posted
+    together; values read), and the steps that took a payload buffer while one taken
+    earlier in the step was still held."""
+    real_many, real_read = _transport.Channel._broadcasts, _schema.read_values
     real_landing = _transport.Channel._landing
     log: list[str] = []
+    taken: list[Callable[[], Any]] = []  # this step's payload buffers, weakly
     held: list[int] = []
 
-    def many(channel: Any, tensors: Any, group: Any, what: str, *args: Any) -> Any:
-        log.append(what)
-        return real_many(channel, tensors, group, what, *args)
+    def many(channel: Any, stages: Any, *args: Any) -> Any:
+        log.append("+".join(what for _, _, what in stages))
+        return real_many(channel, stages, *args)
 
     def read(*args: Any) -> Any:
         log.append("values")
         return real_read(*args)
 
     def landing(channel: Any, *args: Any) -> Any:
-        if not guesses.active and guesses.payload() is not None:
+        if any(ref() is not None for ref in taken):
             held.append(step)
-        return real_landing(channel, *args)
+        made = real_landing(channel, *args)
+        taken.append(weakref.ref(made[0]))
+        return made
 
-    _transport.Channel._broadcast_many = many  # type: ignore[method-assign]
+    _transport.Channel._broadcasts = many  # type: ignore[method-assign]
     _transport.Channel._landing = landing  # type: ignore[method-assign]
     _schema.read_values = read
     steps = []
     try:
-        with _Guesses() as guesses:
-            for step in range(PAYLOAD_STEPS):
-                log.clear()
-                out = tc.broadcast(_payload_batch(step) if rank == 0 else None, 0)
-                check_same(out, _payload_batch(step), f"step {step}")
-                del out  # as a training loop drops the batch before it fetches the next
-                steps.append(list(log))
+        for step in range(PAYLOAD_STEPS):
+            log.clear()
+            taken.clear()
+            out = tc.broadcast(_payload_batch(step) if rank == 0 else None, 0)
+            check_same(out, _payload_batch(step), f"step {step}")
+            del out  # as a training loop drops the batch before it fetches the next
+            steps.append(list(log))
     finally:
-        _transport.Channel._broadcast_many = real_many  # type: ignore[method-assign]
+        _transport.Channel._broadcasts = real_many  # type: ignore[method-assign]
         _transport.Channel._landing = real_landing  # type: ignore[method-assign]
         _schema.read_values = real_read
     return steps, held
 
 
-def test_payloads_are_received_before_their_values_are_read(pool2: Any) -> None:
-    """Once a structure repeats, a receiver recognises a frame of it by its bytes and
-    posts the receive of the payload that follows before it parses the new small values:
-    the source cannot send the payload before then. Any other frame is read in full."""
-    _, (receiver, held) = pool2.run(_rank_steady_payload, timeout=TIMEOUT)
-    # A buffer taken ahead for a frame that turned out otherwise (a new phase) is let go
-    # before the frame's own is taken: the pool can hand the same one out again.
+def test_payloads_are_posted_with_the_first_message_once_their_layout_repeats(
+    pool2: Any,
+) -> None:
+    """A payload that follows the first message is received after the frame is read, until
+    its layout repeats; the source then promises the next frame's pieces, and receivers
+    post their receive together with the first message's. A frame that cannot keep the
+    promise (a new layout) sends zeros in those pieces, then its own payload; a layout
+    that changes every step is never promised."""
+    (source, _), (receiver, held) = pool2.run(_rank_steady_payload, timeout=TIMEOUT)
+    full = ["frame header", "batch buffer"]  # read, then received
+    posted = ["frame header+batch buffer"]  # received with the first message
+    missed = ["frame header+batch buffer", "batch buffer"]  # zeros, then its own
+    want = [full, full] + [posted] * 4  # a leaf of its own, the bytes between it inline
+    want += [missed, full] + [posted] * 4  # one piece of 300 KB
+    want += [missed] + [full] * 3  # a new shape every step
+    for name, steps in (("source", source), ("receiver", receiver)):
+        stages = [[stage for stage in log if stage != "values"] for log in steps]
+        assert stages == want, f"{name}: {stages}"
+    # The buffer of a promise that was not kept is let go of before the frame's own is
+    # taken: the pool can hand the same one out again.
     assert held == [], f"steps {held} held two payload buffers at once"
-    early = ["frame header", "batch buffer", "values"]
-    for step, log in enumerate(receiver):
-        phase_step = step % 6 if step < 12 else 0  # shapes change every step in phase 2
-        if phase_step >= 2:
-            assert log == early, f"step {step}: {log}"
-        else:  # read in full: the header is decoded before the payload is received
-            assert log.index("batch buffer") > 0 and log[0] == "frame header", log
-            assert "values" not in log[log.index("batch buffer") :], f"step {step}: {log}"
 
 
 def test_nothing_is_pickled_on_any_rank(pool4: Any) -> None:

@@ -395,12 +395,14 @@ class _CorruptingChannel(_transport.Channel):
     check sees exactly what a flaky interconnect would produce.
     """
 
-    def _broadcast_many(
-        self, tensors: list[torch.Tensor], group: Any, what: str, *args: Any
-    ) -> None:
-        super()._broadcast_many(tensors, group, what, *args)
+    def _broadcasts(self, stages: list[Any], *args: Any) -> None:
+        super()._broadcasts(stages, *args)
         if self.is_source:
             return
+        for tensors, _, what in stages:
+            self._flip(tensors, what)
+
+    def _flip(self, tensors: list[torch.Tensor], what: str) -> None:
         if what == "batch buffer":
             for tensor in tensors:
                 tensor[tensor.numel() // 2] ^= 0x5A
@@ -463,7 +465,7 @@ def _desync_and_integrity(rank: int, world: int) -> dict[str, Any]:
         {"nothing": None, "empty": torch.empty(0, 3)},
     ]
     ch = _transport.Channel(group, 0, timeout=TIMEOUT, verify=True)
-    for want in batches:
+    for want in [b for b in batches for _ in range(3)]:  # repeats: promised payloads too
         got = ch.send_batch(want) if rank == 0 else _transport.raise_for(*ch.recv(), 0)
         assert_same(got, want)
 
@@ -503,7 +505,53 @@ def _desync_and_integrity(rank: int, world: int) -> dict[str, Any]:
                 with pytest.raises(tc.PeerError, match="failed earlier"):
                     ch.recv()
         dist.barrier()
+
+    # 6. Frames that break the rules of promised payloads (see the transport's docstring).
+    # The source has nothing left to send when its receiver raises: the frame travels
+    # inline, and the pieces promised for it were posted with its first message.
+    def small(step: int) -> dict[str, Any]:
+        return good_batch(6, step)
+
+    def payload(step: int) -> dict[str, Any]:  # 300 KB: it follows the first message
+        return {"x": torch.full((75_000,), float(step))}
+
+    # (what the receiver raises, the flags it finds in frame 2, frames 0 and 1, frame 2)
+    for key, flags, make, last in (
+        ("promise_inline", _transport._NEXT, small, "data"),
+        ("posted_unpromised", _transport._POSTED, small, "data"),
+        ("promise_at_end", _transport._NEXT, small, "end"),
+        ("posted_other_layout", _transport._POSTED, payload, "data"),
+    ):
+        cls = _transport.Channel if rank == 0 else _FlagTamperingChannel
+        ch = cls(group, 0, timeout=TIMEOUT)
+        for step in range(3):
+            want = make(step) if step < 2 else good_batch(6, step)
+            if rank != 0 and step < 2:
+                assert_same(_transport.raise_for(*ch.recv(), 0), want)
+            elif rank != 0:
+                ch.tamper = flags  # type: ignore[attr-defined]
+                with pytest.raises(tc.HeaderError) as info:
+                    ch.recv()
+                out[key] = str(info.value)
+            elif last == "end" and step == 2:
+                ch.send(ch.end_frame())
+            else:
+                ch.send_batch(want)
+        dist.barrier()
     return out
+
+
+class _FlagTamperingChannel(_transport.Channel):
+    """A receiver that sets ``tamper`` flags in the next first message it receives."""
+
+    tamper = 0
+
+    def _broadcasts(self, stages: list[Any], *args: Any) -> None:
+        super()._broadcasts(stages, *args)
+        tensors, _, what = stages[0]
+        if what == "frame header" and self.tamper:
+            tensors[0][5] |= self.tamper  # the prefix's flags byte
+            self.tamper = 0
 
 
 class _LyingValuesChannel(_transport.Channel):
@@ -691,6 +739,10 @@ def test_desync_setup_mismatch_and_integrity(pool2: RankPool) -> None:
     assert "source:" in recv["fingerprint"] and "this rank:" in recv["fingerprint"]
     assert len(recv["crc"]) == 3
     assert "1234567890" in recv["lying_values"]
+    assert "promises a payload it cannot have" in recv["promise_inline"]
+    assert "promised no payload" in recv["posted_unpromised"]
+    assert "END or ERROR frame with a payload" in recv["promise_at_end"]
+    assert "not the one the frame before it promised" in recv["posted_other_layout"]
 
 
 def test_source_death_fails_every_receiver(pool2: RankPool) -> None:

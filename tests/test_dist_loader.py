@@ -26,15 +26,21 @@ TIMEOUT = 120.0
 # every rank with PeerError in bounded time instead of hanging the whole pool call.
 HANG = 30.0
 N = 6  # batches per pass
+# Floats of audio in every batch() while _with_audio runs: 0 means none, and the batch
+# travels inline in the first message; with audio, a payload follows it.
+_AUDIO = [0]
 
 
 def batch(i: int, tag: int = 0) -> dict[str, Any]:
     """Batch ``i`` of the data set ``tag``; every field depends on both."""
-    return {
+    out = {
         "x": torch.arange(4, dtype=torch.float32) + 100 * tag + i,
         "ids": [i, tag, -(2**70)],
         "name": f"batch-{tag}-{i}",
     }
+    if _AUDIO[0]:
+        out["audio"] = torch.full((_AUDIO[0],), float(100 * tag + i))
+    return out
 
 
 def same(got: Any, want: Any) -> bool:
@@ -504,6 +510,16 @@ def _rank_dp_slots(rank: int, world: int) -> list[list[tuple[int, int]]]:
     return passes
 
 
+def _with_audio(rank: int, world: int, floats: int, fn: Any, *args: Any) -> Any:
+    """``fn`` with ``floats`` of audio in every batch: a payload that follows the first
+    message, whose layout repeats, so the source promises each next frame's."""
+    _AUDIO[0] = floats
+    try:
+        return fn(rank, world, *args)
+    finally:
+        _AUDIO[0] = 0
+
+
 # -- tests ----------------------------------------------------------------------------------
 
 
@@ -541,6 +557,19 @@ def test_resume_repeats_no_batch_and_skips_none(pool4: Any) -> None:
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_break_leaves_nothing_pending(pool4: Any, prefetch: int) -> None:
     last = pool4.run(_rank_break, prefetch, timeout=TIMEOUT)
+    assert last == [["batch-0-0"]] * 4
+
+
+@pytest.mark.parametrize("floats", [75_000, 600_000], ids=["one-piece", "own-leaf"])
+def test_promised_payloads_end_fail_break_and_resume_cleanly(pool4: Any, floats: int) -> None:
+    """Batches with a payload of a repeating layout: once the source promises the next
+    frame's payload, every way a frame can turn out otherwise (the end of a pass, a failing
+    or unencodable batch, a break, a resumed or new pass) still keeps the ranks in step."""
+    pool4.run(_with_audio, floats, _rank_lockstep, timeout=TIMEOUT)
+    results = pool4.run(_with_audio, floats, _rank_source_failures, timeout=TIMEOUT)
+    assert all(len(messages["iterator"]) == 3 for messages in results[1:])
+    pool4.run(_with_audio, floats, _rank_resume, timeout=TIMEOUT)
+    last = pool4.run(_with_audio, floats, _rank_break, 1, timeout=TIMEOUT)
     assert last == [["batch-0-0"]] * 4
 
 

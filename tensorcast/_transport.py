@@ -344,6 +344,7 @@ class Channel:
         self,
         stages: list[tuple[list[torch.Tensor], dist.ProcessGroup, str]],
         meanwhile: Callable[[], None] | None = None,
+        arrived: Callable[[], None] | None = None,
     ) -> None:
         """Broadcast each stage's tensors on its group, in order: all are posted, then all
         are waited for. A stage's ``what`` names it in errors.
@@ -353,46 +354,70 @@ class Channel:
         the tree of a payload it recognised. What it raises is raised as it is, once the
         broadcasts are done, so the group stays in step; a failed broadcast is a
         ``PeerError``.
+
+        ``arrived`` runs once the first stage has arrived, before the others are waited
+        for; what it raises is raised at once, and the others are left in flight. A
+        receiver checks there that the first message is the one it expects: one out of
+        step must say so, not wait for pieces its source will never send.
         """
+        self._raise_if_broken()
+        first = len(stages[0][0]) if arrived is not None else None
+        works: list[tuple[Any, str]] = []
+        what = stages[0][2]
+        try:
+            # The group's own broadcast with cached options: dist.broadcast re-derives them
+            # on every call, which shows up on small batches.
+            for tensors, group, what in stages:
+                opts = self._options(group)
+                for t in tensors:
+                    works.append((group.broadcast([t], opts), what))
+        except RuntimeError as e:
+            raise self._peer_error(what, e) from e
+        failed: BaseException | None = None  # raised by ``meanwhile``, not by the collective
+        if meanwhile is not None:
+            try:
+                meanwhile()
+            except BaseException as e:  # raised once the collectives are done
+                failed = e
+        if arrived is None:
+            self._wait(works)
+        else:
+            self._wait(works[:first])
+            arrived()
+            self._wait(works[first:])
+        if failed is not None:
+            raise failed
+
+    def _wait(self, works: list[tuple[Any, str]]) -> None:
+        for work, what in works:
+            try:
+                if self.timeout is None:
+                    work.wait()
+                else:
+                    work.wait(self.timeout)
+            except RuntimeError as e:
+                raise self._peer_error(what, e) from e
+
+    def _peer_error(self, what: str, e: RuntimeError) -> PeerError:
+        """A broadcast failed: the channel is broken, and the error says who to suspect."""
+        self.broken = e
+        who = (
+            "a receiver rank stopped answering"
+            if self.is_source
+            else f"the source rank {self.src} stopped answering (or another rank of the group did)"
+        )
+        return PeerError(
+            f"{self._where()}: broadcast of the {what} over ranks {list(self.ranks)} failed: "
+            f"{who} (it died, or did not join within the timeout "
+            f"{self.timeout or 'of the process group'}). Cause: {e}"
+        )
+
+    def _raise_if_broken(self) -> None:
         if self.broken is not None:
             raise PeerError(
                 f"{self._where()}: this channel failed earlier ({self.broken}); "
                 f"the process group cannot be trusted any more, restart the job"
             )
-        failed: BaseException | None = None  # raised by ``meanwhile``, not by the collective
-        what = stages[0][2]
-        try:
-            # The group's own broadcast with cached options: dist.broadcast re-derives them
-            # on every call, which shows up on small batches.
-            works: list[tuple[Any, str]] = []
-            for tensors, group, what in stages:
-                opts = self._options(group)
-                works.extend((group.broadcast([t], opts), what) for t in tensors)
-            if meanwhile is not None:
-                try:
-                    meanwhile()
-                except BaseException as e:  # raised once the collectives are done
-                    failed = e
-            for work, name in works:
-                what = name  # the stage an error names
-                if self.timeout is None:
-                    work.wait()
-                else:
-                    work.wait(self.timeout)
-        except RuntimeError as e:
-            self.broken = e
-            who = (
-                "a receiver rank stopped answering"
-                if self.is_source
-                else f"the source rank {self.src} stopped answering (or another rank of the group did)"
-            )
-            raise PeerError(
-                f"{self._where()}: broadcast of the {what} over ranks {list(self.ranks)} failed: "
-                f"{who} (it died, or did not join within the timeout "
-                f"{self.timeout or 'of the process group'}). Cause: {e}"
-            ) from e
-        if failed is not None:
-            raise failed
 
     def _options(self, group: dist.ProcessGroup) -> Any:
         # Keyed by id(): only this channel's group and header group come here, and both
@@ -756,6 +781,7 @@ class Channel:
             raise
 
     def _recv(self, device: torch.device | None) -> tuple[str, Any]:
+        self._raise_if_broken()
         capacity = self.capacity
         first = self.frames.take(capacity, _CPU)
         stages = [([first], self.header_group, "frame header")]
@@ -775,8 +801,11 @@ class Channel:
             waited.append(first.numpy().data)
             waited.append(self._guess(first, device, landing))
 
+        def arrived() -> None:  # out of step: say so, do not wait for the pieces
+            self._read_prefix(waited[0], capacity)
+
         # Posted before the tree is built ahead: the source must never wait for this rank.
-        self._broadcasts(stages, meanwhile)
+        self._broadcasts(stages, meanwhile, arrived if landing is not None else None)
         host: memoryview = waited[0]
         guess: _Ahead | None = waited[1]
         if guess is not None:
@@ -791,43 +820,10 @@ class Channel:
             renewed = self._with_new_values(guess, host, device)
             if renewed is not None:
                 return "data", renewed
-        (
-            magic,
-            kind,
-            flags,
-            desc_len,
-            pass_index,
-            step,
-            fingerprint,
-            header_len,
-            payload_len,
-            next_capacity,
-            crc,
-            direct_min,
-        ) = _PREFIX.unpack_from(host, 0)
-        if magic != _MAGIC or kind not in _KINDS or desc_len > _MAX_DESC:
-            raise HeaderError(
-                f"{self._where()}: received a frame that is not a tensorcast frame "
-                f"(magic {bytes(magic)!r}, kind {kind})"
-            )
+        fields = self._read_prefix(host, capacity)
+        kind, flags, desc_len = fields[1:4]
+        header_len, payload_len, next_capacity, crc, direct_min = fields[7:]
         desc_end = _PREFIX.size + desc_len
-        if desc_end > capacity:
-            raise HeaderError(f"{self._where()}: frame description overruns the first message")
-        if fingerprint != self.fingerprint:
-            theirs = bytes(host[_PREFIX.size : desc_end]).decode("utf-8", "replace")
-            raise DesyncError(
-                f"{self._where()}: the source's setup differs from this rank's.\n"
-                f"  source:    {theirs}\n  this rank: {self.description.decode()}\n"
-                f"Every rank of the group must use the same mesh, axes, source and "
-                f"tensorcast version."
-            )
-        if (pass_index, step) != (self.pass_index, self.step):
-            raise DesyncError(
-                f"rank {self.rank} expected pass {self.pass_index} step {self.step} from source "
-                f"rank {self.src}, but the source sent pass {pass_index} step {step}: a loader "
-                f"was restarted, or skipped a batch, on one rank. Every rank must iterate the "
-                f"same loader in lockstep."
-            )
         if not capacity <= next_capacity <= MAX_CAPACITY or next_capacity & (next_capacity - 1):
             raise HeaderError(f"{self._where()}: invalid next capacity {next_capacity}")
         if flags & _POSTED and landing is None:
@@ -924,6 +920,41 @@ class Channel:
             pool = self.frames if inline and segments is None else self.pool
             tree = _codec.rebuild(decoded, payload, pool=pool)
         return "data", tree
+
+    def _read_prefix(self, host: memoryview, capacity: int) -> tuple[Any, ...]:
+        """A first message's prefix fields, checked to be a frame of this setup, pass and
+        step (the rest is checked by the caller, field by field).
+
+        Raises:
+            HeaderError: not a tensorcast frame.
+            DesyncError: a frame of another setup, pass or step.
+        """
+        fields = _PREFIX.unpack_from(host, 0)
+        magic, kind, _flags, desc_len, pass_index, step, fingerprint = fields[:7]
+        if magic != _MAGIC or kind not in _KINDS or desc_len > _MAX_DESC:
+            raise HeaderError(
+                f"{self._where()}: received a frame that is not a tensorcast frame "
+                f"(magic {bytes(magic)!r}, kind {kind})"
+            )
+        desc_end = _PREFIX.size + desc_len
+        if desc_end > capacity:
+            raise HeaderError(f"{self._where()}: frame description overruns the first message")
+        if fingerprint != self.fingerprint:
+            theirs = bytes(host[_PREFIX.size : desc_end]).decode("utf-8", "replace")
+            raise DesyncError(
+                f"{self._where()}: the source's setup differs from this rank's.\n"
+                f"  source:    {theirs}\n  this rank: {self.description.decode()}\n"
+                f"Every rank of the group must use the same mesh, axes, source and "
+                f"tensorcast version."
+            )
+        if (pass_index, step) != (self.pass_index, self.step):
+            raise DesyncError(
+                f"rank {self.rank} expected pass {self.pass_index} step {self.step} from source "
+                f"rank {self.src}, but the source sent pass {pass_index} step {step}: a loader "
+                f"was restarted, or skipped a batch, on one rank. Every rank must iterate the "
+                f"same loader in lockstep."
+            )
+        return fields
 
     def _promised_landing(
         self, promise: _PayloadLayout, first: torch.Tensor, device: Any

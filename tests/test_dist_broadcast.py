@@ -14,6 +14,7 @@ import gc
 import hashlib
 import pickle
 import struct
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -728,8 +729,18 @@ def _rank_steady_payload(rank: int, world: int) -> tuple[list[list[str]], list[i
     real_many, real_read = _transport.Channel._broadcasts, _schema.read_values
     real_landing = _transport.Channel._landing
     log: list[str] = []
-    taken: list[Callable[[], Any]] = []  # this step's payload buffers, weakly
+    taken: list[int] = []  # this step's payload buffers, by storage
     held: list[int] = []
+
+    def busy(channel: Any, storage: int) -> bool:
+        """Whether anything but the pool still uses a pooled buffer (gloo's worker drops
+        its reference to a broadcast's tensor just after the wait returns: allow it that)."""
+        entry = channel.pool._by_storage.get(storage)
+        for _ in range(100):
+            if entry is None or entry.use_count() == entry.idle:
+                return False
+            time.sleep(0.001)
+        return True
 
     def many(channel: Any, stages: Any, *args: Any) -> Any:
         log.append("+".join(what for _, _, what in stages))
@@ -740,10 +751,10 @@ def _rank_steady_payload(rank: int, world: int) -> tuple[list[list[str]], list[i
         return real_read(*args)
 
     def landing(channel: Any, *args: Any) -> Any:
-        if any(ref() is not None for ref in taken):
+        if any(busy(channel, storage) for storage in taken):
             held.append(step)
         made = real_landing(channel, *args)
-        taken.append(weakref.ref(made[0]))
+        taken.append(made[0].untyped_storage()._cdata)
         return made
 
     _transport.Channel._broadcasts = many  # type: ignore[method-assign]

@@ -34,6 +34,7 @@ from tensorcast import _codec, _schema, _transport
 TIMEOUT = 5.0  # the channel's timeout in the fault scenarios, seconds
 MARGIN = 30.0  # slack for a loaded 2-core machine
 CALL_TIMEOUT = 180.0  # pool.run's hard limit: a hang fails the test, never blocks it
+LATE = 2.0  # how long a source waits before it sends what an out-of-step receiver awaits
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -455,6 +456,33 @@ def _desync_and_integrity(rank: int, world: int) -> dict[str, Any]:
         assert "expected pass 2 step 0" in msg and "sent pass 1 step 3" in msg, msg
         out["restart"] = msg
     dist.barrier()  # nobody is left inside a collective
+
+    # 2b. The same with a promised payload outstanding (see the transport's docstring): the
+    # source starts a new pass, the receiver, which has posted the promised pieces with
+    # the first message, says so at once instead of waiting for pieces never sent.
+    ch = _transport.Channel(group, 0, timeout=TIMEOUT)
+    for step in range(3):
+        want = {"x": torch.full((75_000,), float(step))}  # 300 KB: it follows the first message
+        got = ch.send_batch(want) if rank == 0 else _transport.raise_for(*ch.recv(), 0)
+        assert_same(got, want)
+    if rank == 0:
+        promise = ch._promise
+        assert promise is not None
+        ch.start_pass(1)
+        ch.send_batch(good_batch(2, 0))
+        time.sleep(LATE)  # then the pieces the receiver posted, so the group stays in step
+        for piece in ch._void(promise):
+            dist.broadcast(piece, 0, group=group)
+    else:
+        start = time.monotonic()
+        with pytest.raises(tc.DesyncError) as info:
+            ch.recv()
+        assert time.monotonic() - start < LATE / 2, "it waited for the promised pieces"
+        msg = str(info.value)
+        assert "expected pass 0 step 3" in msg and "sent pass 1 step 0" in msg, msg
+        with pytest.raises(tc.PeerError, match="failed earlier"):
+            ch.recv()  # at once, without taking a buffer for the promise
+    dist.barrier()
 
     # 3. verify=True: a CRC32 travels and is checked, inline, in a second message, and
     # over a payload whose large leaves travel from their own memory.

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 import tensorcast as tc
+from tensorcast import _transport
 
 TIMEOUT = 120.0
 # Loaders whose ranks could fall out of step get a collective timeout, so a desync fails
@@ -510,14 +511,27 @@ def _rank_dp_slots(rank: int, world: int) -> list[list[tuple[int, int]]]:
     return passes
 
 
-def _with_audio(rank: int, world: int, floats: int, fn: Any, *args: Any) -> Any:
+def _with_audio(rank: int, world: int, floats: int, fn: Any, *args: Any) -> tuple[Any, int, int]:
     """``fn`` with ``floats`` of audio in every batch: a payload that follows the first
-    message, whose layout repeats, so the source promises each next frame's."""
+    message, whose layout repeats, so the source promises each next frame's. Returns what
+    ``fn`` returned, and how many frames this rank sent that kept a promise and that
+    broke one (sending zeros)."""
+    real = _transport.Channel._post
+    kept = broken = 0
+
+    def post(channel: Any, prepared: Any, *more: Any) -> Any:
+        nonlocal kept, broken
+        kept += bool(prepared.flags & _transport._POSTED)
+        broken += prepared.void is not None
+        return real(channel, prepared, *more)
+
     _AUDIO[0] = floats
+    _transport.Channel._post = post  # type: ignore[method-assign]
     try:
-        return fn(rank, world, *args)
+        return fn(rank, world, *args), kept, broken
     finally:
         _AUDIO[0] = 0
+        _transport.Channel._post = real  # type: ignore[method-assign]
 
 
 # -- tests ----------------------------------------------------------------------------------
@@ -565,12 +579,20 @@ def test_promised_payloads_end_fail_break_and_resume_cleanly(pool4: Any, floats:
     """Batches with a payload of a repeating layout: once the source promises the next
     frame's payload, every way a frame can turn out otherwise (the end of a pass, a failing
     or unencodable batch, a break, a resumed or new pass) still keeps the ranks in step."""
-    pool4.run(_with_audio, floats, _rank_lockstep, timeout=TIMEOUT)
-    results = pool4.run(_with_audio, floats, _rank_source_failures, timeout=TIMEOUT)
-    assert all(len(messages["iterator"]) == 3 for messages in results[1:])
-    pool4.run(_with_audio, floats, _rank_resume, timeout=TIMEOUT)
-    last = pool4.run(_with_audio, floats, _rank_break, 1, timeout=TIMEOUT)
-    assert last == [["batch-0-0"]] * 4
+    for fn, args in (
+        (_rank_lockstep, ()),
+        (_rank_source_failures, ()),
+        (_rank_resume, ()),
+        (_rank_break, (1,)),
+    ):
+        results = pool4.run(_with_audio, floats, fn, *args, timeout=TIMEOUT)
+        # rank 0 is the source of every loader but one (its group form, from rank 2)
+        _, kept, broken = results[0]
+        assert kept > 0 and broken > 0, f"{fn.__name__}: {kept} promises kept, {broken} broken"
+        if fn is _rank_source_failures:
+            assert all(len(messages["iterator"]) == 3 for messages, _, _ in results[1:])
+        if fn is _rank_break:
+            assert [last for last, _, _ in results] == [["batch-0-0"]] * 4
 
 
 def test_group_carries_other_traffic_right_after_a_break(pool4: Any) -> None:

@@ -802,7 +802,8 @@ class Channel:
             waited.append(self._guess(first, device, landing))
 
         def arrived() -> None:  # out of step: say so, do not wait for the pieces
-            self._read_prefix(waited[0], capacity)
+            if waited:  # (else meanwhile failed: that is raised once all has arrived)
+                self._read_prefix(waited[0], capacity)
 
         # Posted before the tree is built ahead: the source must never wait for this rank.
         self._broadcasts(stages, meanwhile, arrived if landing is not None else None)

@@ -1,0 +1,119 @@
+"""What a payload loses when its receive is posted only after the first message is read.
+
+gloo sends a message once the receiver has posted its receive. A frame whose payload
+follows its first message therefore waits for receivers to read that message, unless
+they post both receives at once, which tensorcast does once the source has promised the
+payload's layout a frame ahead (see ``tensorcast/_transport.py``). This measures that
+effect on raw gloo broadcasts, without tensorcast, in one run with interleaved
+iterations (order rotated, a barrier before each, the slowest rank, medians):
+
+- ``one``: one broadcast of the payload's bytes (the floor);
+- ``read_first``: a 4 KiB first message, then the payload; receivers post the payload's
+  receive once the first message has arrived;
+- ``posted_together``: the same two broadcasts, both posted at once on every rank.
+
+    python benchmarks/bench_rendezvous.py
+    python benchmarks/bench_rendezvous.py --mib 58.6 --iters 60 --world-size 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+FIRST_BYTES = 4096
+METHODS = ("one", "read_first", "posted_together")
+
+
+def _rank(rank: int, world: int, store_dir: str, nbytes: int, iters: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(store_dir, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    first = torch.zeros(FIRST_BYTES, dtype=torch.uint8)
+    payload = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def one() -> None:
+        dist.broadcast(payload, 0)
+
+    def read_first() -> None:
+        head = dist.broadcast(first, 0, async_op=True)
+        if rank == 0:
+            body = dist.broadcast(payload, 0, async_op=True)
+            head.wait()
+            body.wait()
+        else:
+            head.wait()  # a receiver reads the first message, then posts the payload's
+            dist.broadcast(payload, 0)
+
+    def posted_together() -> None:
+        head = dist.broadcast(first, 0, async_op=True)
+        body = dist.broadcast(payload, 0, async_op=True)
+        head.wait()
+        body.wait()
+
+    calls = {"one": one, "read_first": read_first, "posted_together": posted_together}
+    times: dict[str, list[float]] = {name: [] for name in METHODS}
+    warmup = 3
+    for it in range(warmup + iters):
+        k = it % len(METHODS)
+        order = METHODS[k:] + METHODS[:k]
+        elapsed = torch.zeros(len(METHODS), dtype=torch.float64)
+        for name in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            calls[name]()
+            elapsed[METHODS.index(name)] = time.perf_counter() - t0
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if it >= warmup:
+            for i, name in enumerate(METHODS):
+                times[name].append(float(elapsed[i]))
+    if rank == 0:
+        out.put({name: statistics.median(t) for name, t in times.items()})
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mib", type=float, default=9.77, help="payload size (default 9.77 MiB)")
+    p.add_argument("--iters", type=int, default=200, help="timed iterations (default 200)")
+    p.add_argument("--world-size", type=int, default=2)
+    args = p.parse_args(argv)
+    os.environ.update(_ENV)
+    import torch.multiprocessing as mp
+
+    nbytes = int(args.mib * (1 << 20))
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as store_dir:
+        procs = [ctx.Process(target=_rank, args=(r, args.world_size, store_dir, nbytes,
+                                                 args.iters, out))
+                 for r in range(args.world_size)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(600)
+        if any(proc.exitcode != 0 for proc in procs):
+            print("a rank failed", file=sys.stderr)
+            return 1
+        medians = out.get()
+    print(f"world size {args.world_size}, payload {nbytes:,} bytes after a {FIRST_BYTES}-byte "
+          f"first message, {args.iters} iterations (medians of the slowest rank)")
+    floor = medians["one"]
+    for name in METHODS:
+        print(f"{name:16s} {medians[name] * 1e3:9.3f} ms  {medians[name] / floor:5.2f}x one")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -312,6 +312,10 @@ class Channel:
         # times in a row its structure repeated.
         self._last: tuple[bytes, _schema.Decoded, int, int] | None = None
         self._repeats = 0
+        # What a receive left behind (the last header, the first message's views): freed
+        # at the start of the next receive, while waiting, not on the way out of this one.
+        # Nothing here views a batch handed out.
+        self._dropped: list[Any] = []
         # The payload layout the last frame promised for the next one (see the module
         # docstring), on every rank; and on the source, the last data frame's layout.
         self._promise: _PayloadLayout | None = None
@@ -782,6 +786,7 @@ class Channel:
 
     def _recv(self, device: torch.device | None) -> tuple[str, Any]:
         self._raise_if_broken()
+        self._dropped.clear()  # before a first message is taken: it may be the last one
         capacity = self.capacity
         first = self.frames.take(capacity, _CPU)
         stages = [([first], self.header_group, "frame header")]
@@ -817,9 +822,11 @@ class Channel:
                     self._receive(guess.pieces, guess.copies)
                 self.step += 1
                 self._repeats += 1
+                self._dropped += (first, stages, host)
                 return "data", guess.tree
             renewed = self._with_new_values(guess, host, device)
             if renewed is not None:
+                self._dropped += (first, stages, host)
                 return "data", renewed
         fields = self._read_prefix(host, capacity)
         kind, flags, desc_len = fields[1:4]
@@ -1078,6 +1085,7 @@ class Channel:
         """Note a data frame's header and how it travelled, to build the next one's tree
         ahead (see _guess)."""
         last = self._last
+        self._dropped.append(last)
         same = (
             last is not None
             and last[1].structure is decoded.structure
@@ -1086,7 +1094,7 @@ class Channel:
         self._repeats = self._repeats + 1 if same else 0
         guessable = (
             (device is None or device == _CPU)
-            and self.transfer_device.type == "cpu"
+            and self.inline_ok  # a CPU transfer device
             and not flags & ~(_INLINE | _DIRECT | _NEXT | _POSTED)  # no spill, no CRC
         )
         if same and guessable:  # a structure already found guessable

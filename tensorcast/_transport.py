@@ -312,9 +312,9 @@ class Channel:
         # times in a row its structure repeated.
         self._last: tuple[bytes, _schema.Decoded, int, int] | None = None
         self._repeats = 0
-        # What a receive left behind (the last header, the first message's views): freed
-        # at the start of the next receive, while waiting, not on the way out of this one.
-        # Nothing here views a batch handed out.
+        # What a receive left behind (the last header, the first message's tensor and
+        # memoryview): freed at the start of the next receive, before it takes a buffer,
+        # not on the way out of this one, right after a wait. No tensor handed out is here.
         self._dropped: list[Any] = []
         # The payload layout the last frame promised for the next one (see the module
         # docstring), on every rank; and on the source, the last data frame's layout.
@@ -822,11 +822,11 @@ class Channel:
                     self._receive(guess.pieces, guess.copies)
                 self.step += 1
                 self._repeats += 1
-                self._dropped += (first, stages, host)
+                self._dropped += (first, host)
                 return "data", guess.tree
             renewed = self._with_new_values(guess, host, device)
             if renewed is not None:
-                self._dropped += (first, stages, host)
+                self._dropped += (first, host)
                 return "data", renewed
         fields = self._read_prefix(host, capacity)
         kind, flags, desc_len = fields[1:4]

@@ -34,8 +34,8 @@ only, and a loader's new pass starts with none.
 
 A header too large for the current capacity spills into a header-only second message
 (the capacity then grows so later steps do not spill). END and ERROR frames are
-first-message only (but for the zeros of a promise). Receivers validate the prefix and the header before allocating
-anything from their sizes.
+first-message only (but for the zeros of a promise). Receivers validate the prefix and
+the header before allocating anything from their sizes.
 
 The prefix carries a pass number, a step number and a fingerprint of the sender's setup
 (header format and frame versions, source, group ranks, axes): a receiver that disagrees
@@ -117,8 +117,13 @@ def _segments(table: list[Any], nbytes: int, direct_min: int) -> list[tuple[int,
     return out
 
 
-# (payload_len, flags & (_INLINE | _DIRECT), direct_min, segments or None)
-_PayloadLayout = tuple[int, int, int, list[tuple[int, int, int]] | None]
+class _PayloadLayout(NamedTuple):
+    """What a promise names (see :func:`_payload_layout`); compared as a tuple."""
+
+    payload_len: int
+    flags: int  # only _INLINE and _DIRECT
+    direct_min: int
+    segments: list[tuple[int, int, int]] | None
 
 
 def _payload_layout(
@@ -128,7 +133,7 @@ def _payload_layout(
     cut into pieces. None when nothing follows the first message."""
     if not payload_len or (flags & _INLINE and segments is None):
         return None
-    return (payload_len, flags & (_INLINE | _DIRECT), direct_min, segments)
+    return _PayloadLayout(payload_len, flags & (_INLINE | _DIRECT), direct_min, segments)
 
 
 def _piece_sizes(layout: _PayloadLayout) -> list[int]:
@@ -152,6 +157,18 @@ def _inline_len(payload_len: int, segments: list[tuple[int, int, int]] | None) -
 def _inline_at(capacity: int, inline_len: int) -> int:
     """Where an inline payload of ``inline_len`` bytes starts in a first message."""
     return capacity - _align_up(inline_len)
+
+
+def _payload_at(
+    capacity: int, payload_len: int, flags: int, segments: list[tuple[int, int, int]] | None
+) -> int:
+    """Where a received frame's inline payload starts in its first message."""
+    return _inline_at(capacity, _inline_len(payload_len, segments) if flags & _INLINE else 0)
+
+
+# Where a payload that follows the first message lands (see Channel._landing): its buffer,
+# the pieces received into it, and the (destination, source) copies of its inline bytes.
+_Landing = tuple[torch.Tensor, list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]
 
 
 def _pow2_at_least(n: int) -> int:
@@ -792,10 +809,12 @@ class Channel:
         stages = [([first], self.header_group, "frame header")]
         # The pieces the last frame promised: posted with the first message, they land
         # without waiting for it to be read. They hold this frame's payload, or zeros.
-        landing: tuple[torch.Tensor, list[torch.Tensor], list[Any]] | None = None
+        landing: _Landing | None = None
         promise = self._promise
         if promise is not None:
-            landing = self._promised_landing(promise, first, device)
+            landing = self._land(
+                promise.payload_len, promise.flags, promise.segments, first, device
+            )
             stages.append((landing[1], self.group, "batch buffer"))
         # Made while the first message is on the wire, with the tree built ahead: the
         # message's bytes (as a memoryview) and the guess. Right after the wait every call
@@ -880,7 +899,7 @@ class Channel:
             if direct_min < _DIRECT_FLOOR:
                 raise HeaderError(f"{self._where()}: invalid direct leaf size {direct_min}")
             segments = _segments_of(decoded, direct_min)
-        at = _inline_at(capacity, _inline_len(payload_len, segments) if inline else 0)
+        at = _payload_at(capacity, payload_len, flags, segments)
         if inline and at < head_end:
             raise HeaderError(f"{self._where()}: inline payload overruns the header")
         layout = _payload_layout(payload_len, flags, direct_min, segments)
@@ -909,12 +928,7 @@ class Channel:
             # A payload buffer taken for a guess that missed goes back to the pool first.
             guess = None
             waited.clear()
-            try:
-                payload, pieces, copies = self._landing(
-                    payload_len, flags, segments, first, at, device
-                )
-            except RuntimeError as e:  # out of memory: the collective sequence is lost
-                raise self._no_memory(payload_len, e) from e
+            payload, pieces, copies = self._land(payload_len, flags, segments, first, device)
             self._receive(pieces, copies)
         self._remember(header, decoded, device, flags, direct_min)
         if flags & _CRC and _crc(payload) != crc:
@@ -964,25 +978,24 @@ class Channel:
             )
         return fields
 
-    def _promised_landing(
-        self, promise: _PayloadLayout, first: torch.Tensor, device: Any
-    ) -> tuple[torch.Tensor, list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Where the pieces a promise names land (see :meth:`_landing`)."""
-        payload_len, flags, _, segments = promise
-        inline_len = _inline_len(payload_len, segments) if flags & _INLINE else 0
+    def _land(
+        self,
+        payload_len: int,
+        flags: int,
+        segments: list[tuple[int, int, int]] | None,
+        first: torch.Tensor,
+        device: Any,
+    ) -> _Landing:
+        """:meth:`_landing` for pieces this rank is about to receive: with no memory for
+        them, the collective sequence is lost, and the channel is broken."""
         try:
-            return self._landing(
-                payload_len, flags, segments, first, _inline_at(first.numel(), inline_len), device
-            )
-        except RuntimeError as e:  # out of memory: the collective sequence is lost
-            raise self._no_memory(payload_len, e) from e
-
-    def _no_memory(self, payload_len: int, e: RuntimeError) -> TensorcastError:
-        self.broken = e
-        return TensorcastError(
-            f"{self._where()}: cannot allocate the {payload_len}-byte batch buffer "
-            f"on {self.transfer_device}: {e}"
-        )
+            return self._landing(payload_len, flags, segments, first, device)
+        except RuntimeError as e:
+            self.broken = e
+            raise TensorcastError(
+                f"{self._where()}: cannot allocate the {payload_len}-byte batch buffer "
+                f"on {self.transfer_device}: {e}"
+            ) from e
 
     def _landing(
         self,
@@ -990,17 +1003,17 @@ class Channel:
         flags: int,
         segments: list[tuple[int, int, int]] | None,
         first: torch.Tensor,
-        at: int,
         device: Any,
-    ) -> tuple[torch.Tensor, list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    ) -> _Landing:
         """Where a frame's payload lands when it does not all travel inline: the buffer,
         the pieces received into it after the first message (in order), and the
         ``(destination, source)`` copies of the bytes between direct leaves that came
-        inline, from ``first[at:]``.
+        inline, from ``first``.
 
         Raises:
             RuntimeError: the buffer cannot be allocated.
         """
+        at = _payload_at(first.numel(), payload_len, flags, segments)
         if device is not None and device.type == "cuda" and self.transfer_device.type == "cpu":
             # gloo into pinned memory, so the copy to the GPU below is asynchronous.
             payload = torch.empty(payload_len, dtype=torch.uint8, pin_memory=True)
@@ -1108,7 +1121,7 @@ class Channel:
         self,
         first: torch.Tensor,
         device: Any,
-        landing: tuple[torch.Tensor, list[torch.Tensor], list[Any]] | None,
+        landing: _Landing | None,
     ) -> _Ahead | None:
         """Build the tree of the next frame before it arrives, assuming it repeats the
         last header (steady state): receivers wait for the source anyway, so the views and
@@ -1126,8 +1139,7 @@ class Channel:
         if bool(flags & _POSTED) != (landing is not None):
             return None  # not a frame like the last one
         segments = _segments_of(decoded, direct_min) if flags & _DIRECT else None
-        inline_len = _inline_len(decoded.nbytes, segments) if flags & _INLINE else 0
-        at = _inline_at(first.numel(), inline_len)
+        at = _payload_at(first.numel(), decoded.nbytes, flags, segments)
         if at < _PREFIX.size + len(self.description) + len(header):
             return None
         prefix = self._prefix(
@@ -1144,7 +1156,7 @@ class Channel:
             else:
                 try:
                     buffer, pieces, copies = self._landing(
-                        decoded.nbytes, flags, segments, first, at, None
+                        decoded.nbytes, flags, segments, first, None
                     )
                 except RuntimeError:  # no memory to spare now: the full path will say so
                     return None

@@ -112,6 +112,11 @@ def views_batch() -> dict[str, Any]:
     }
 
 
+def payload_batch(step: int) -> dict[str, Any]:
+    """300 KB in one tensor: a payload that follows the first message."""
+    return {"x": torch.full((75_000,), float(step))}
+
+
 def big_text_batch() -> dict[str, Any]:
     """Multi-megabyte bytes and str leaves (they travel in the buffer, not the header)."""
     return {
@@ -462,7 +467,7 @@ def _desync_and_integrity(rank: int, world: int) -> dict[str, Any]:
     # the first message, says so at once instead of waiting for pieces never sent.
     ch = _transport.Channel(group, 0, timeout=TIMEOUT)
     for step in range(3):
-        want = {"x": torch.full((75_000,), float(step))}  # 300 KB: it follows the first message
+        want = payload_batch(step)
         got = ch.send_batch(want) if rank == 0 else _transport.raise_for(*ch.recv(), 0)
         assert_same(got, want)
     if rank == 0:
@@ -540,15 +545,12 @@ def _desync_and_integrity(rank: int, world: int) -> dict[str, Any]:
     def small(step: int) -> dict[str, Any]:
         return good_batch(6, step)
 
-    def payload(step: int) -> dict[str, Any]:  # 300 KB: it follows the first message
-        return {"x": torch.full((75_000,), float(step))}
-
     # (what the receiver raises, the flags it finds in frame 2, frames 0 and 1, frame 2)
     for key, flags, make, last in (
         ("promise_inline", _transport._NEXT, small, "data"),
         ("posted_unpromised", _transport._POSTED, small, "data"),
         ("promise_at_end", _transport._NEXT, small, "end"),
-        ("posted_other_layout", _transport._POSTED, payload, "data"),
+        ("posted_other_layout", _transport._POSTED, payload_batch, "data"),
     ):
         cls = _transport.Channel if rank == 0 else _FlagTamperingChannel
         ch = cls(group, 0, timeout=TIMEOUT)

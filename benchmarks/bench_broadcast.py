@@ -24,7 +24,7 @@ Methods:
 - ``floor``: one broadcast of a preallocated buffer of the batch's byte count.
 
 Also measured: peak transient memory per rank (peak RSS reset right before a loop of one
-method alone, after warm-up), collectives per batch, and the overlap of
+method alone, after warm-up), messages per batch a receiver takes, and the overlap of
 ``prefetch=1`` with a simulated training step.
 
     python benchmarks/bench_broadcast.py --quick
@@ -295,35 +295,42 @@ def time_methods(
 
 
 @contextmanager
-def counting_broadcasts() -> Iterator[list[int]]:
-    """Count broadcasts at the process group, whoever calls them (``dist.broadcast``,
-    ``broadcast_object_list``, or a library calling ``ProcessGroup.broadcast`` itself)."""
+def counting_messages() -> Iterator[list[int]]:
+    """Count the broadcasts and receives this rank posts at the process group, whoever
+    calls them (``dist.broadcast``, ``broadcast_object_list``, or a library calling
+    ``ProcessGroup.broadcast`` / ``ProcessGroup.recv`` itself)."""
     cls = dist.ProcessGroup
-    saved = cls.__dict__["broadcast"]  # the raw descriptor: restoring it keeps the binding
-    original = cls.broadcast
+    saved = {op: cls.__dict__[op] for op in ("broadcast", "recv")}  # the raw descriptors
     count = [0]
 
-    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return original(self, *args, **kwargs)
+    def counting(original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+            count[0] += 1
+            return original(self, *args, **kwargs)
+        return counted
 
-    cls.broadcast = counted  # type: ignore[method-assign]
+    for op in saved:
+        setattr(cls, op, counting(getattr(cls, op)))
     try:
         yield count
     finally:
-        cls.broadcast = saved  # type: ignore[method-assign]
+        for op, descriptor in saved.items():  # restoring the descriptors keeps the binding
+            setattr(cls, op, descriptor)
 
 
-def count_collectives(methods: dict[str, Callable[[], Any]], names: list[str],
+def count_messages(methods: dict[str, Callable[[], Any]], names: list[str],
                       world: dist.ProcessGroup) -> dict[str, int]:
-    """Broadcasts per batch on the source, in steady state (after the timing phase)."""
+    """Messages per batch each receiver takes (broadcasts and receives), in steady state
+    (after the timing phase): the most over ranks, so a receiver's count."""
     counts = {}
     for name in names:
         dist.barrier(group=world)
-        with counting_broadcasts() as count:
+        with counting_messages() as count:
             out = methods[name]()
         del out
-        counts[name] = count[0]
+        most = torch.tensor(count, dtype=torch.int64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=world)
+        counts[name] = int(most)
     return counts
 
 
@@ -434,7 +441,7 @@ def run_workload(name: str, cfg: dict[str, Any], group: dist.ProcessGroup,
     iters = cfg["iters"] or DEFAULT_ITERS[name]
     vary = None if cfg["fixed_batch"] else functools.partial(next_step, name, batch)
     times, failures = time_methods(methods, names, iters, cfg["warmup"], world, batch, vary)
-    counts = count_collectives(methods, names, world)
+    counts = count_messages(methods, names, world)
     memory = measure_memory(methods, names, cfg["mem_calls"], world)
     close_methods(methods)
     stats = {n: _summary(times[n]) for n in names}
@@ -451,7 +458,7 @@ def run_workload(name: str, cfg: dict[str, Any], group: dist.ProcessGroup,
             "mem_x_batch": max(mem) / nbytes if mem is not None else None,
             "mem_peak_bytes": max(mem) if mem is not None else None,
             "mem_per_rank_bytes": mem,
-            "collectives": counts[n],
+            "messages": counts[n],
             "times_ms": [t * 1e3 for t in times[n]],
         })
     result: dict[str, Any] = {"workload": name, "nbytes": nbytes, "iters": iters, "rows": rows}
@@ -546,7 +553,7 @@ def format_tables(report: dict[str, Any]) -> str:
                          f"data, {wl['iters']} timed iterations")
             lines.append(f"{'method':<17} {'median ms':>10} {'p10 ms':>9} {'p90 ms':>9} "
                          f"{'GB/s':>7} {'x floor':>8} {'paired':>7} {'mem x batch':>11} {'peak MiB':>9} "
-                         f"{'colls':>5}")
+                         f"{'msgs':>5}")
             for r in wl["rows"]:
                 mib = None if r["mem_peak_bytes"] is None else r["mem_peak_bytes"] / 2**20
                 lines.append(
@@ -554,7 +561,7 @@ def format_tables(report: dict[str, Any]) -> str:
                     f"{r['p90_ms']:>9.3f} {r['gbps']:>7.3f} {_fmt(r['x_floor'], '>8.2f')} "
                     f"{_fmt(r['x_floor_paired'], '>7.2f')} "
                     f"{_fmt(r['mem_x_batch'], '>11.2f')} {_fmt(mib, '>9.1f')} "
-                    f"{r['collectives']:>5}"
+                    f"{r['messages']:>5}"
                 )
             for f in wl["check_failures"]:
                 lines.append(f"  CHECK FAILED: {f}")
@@ -576,9 +583,9 @@ def format_tables(report: dict[str, Any]) -> str:
         lines.append("ratio: time per step (median over steps) / max(C, transfer); transfer = "
                      "tc.loader's median; mean ratio: the mean step with prefetch=1 instead")
     lines.append("\nGB/s and x batch use the batch's tensor bytes; x floor compares medians of the "
-                 "same run; paired: the median of per-iteration ratios to the floor; colls: "
-                 "broadcasts per batch on the source; mem: peak RSS above the RSS before a loop "
-                 "of that method alone, max over ranks")
+                 "same run; paired: the median of per-iteration ratios to the floor; msgs: "
+                 "messages per batch a receiver takes (broadcasts and receives); mem: peak RSS "
+                 "above the RSS before a loop of that method alone, max over ranks")
     return "\n".join(lines)
 
 

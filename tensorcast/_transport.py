@@ -82,6 +82,8 @@ _NEXT, _POSTED = 16, 32
 _PREFIX = struct.Struct("<4sBBHIQQIQIII")
 _HEADER_LEN_AT = 28  # where the header's length is in the prefix
 _MAGIC = b"TCFR"
+#: The tag of header messages, which travel point to point on gloo (see Channel._broadcasts).
+_HEADER_TAG = 0x7C5A
 #: How frames follow one another (part of every rank's setup fingerprint): 2 added the
 #: payloads promised a frame ahead.
 FRAMES_VERSION = 2
@@ -95,6 +97,14 @@ _CPU = torch.device("cpu")
 #: broadcast: copying 2 MiB costs more than the extra collective.
 DIRECT_MIN = 2 << 20
 _DIRECT_FLOOR = 64 << 10  # a frame asking for smaller direct leaves is not ours
+
+
+class _Stage(NamedTuple):
+    """Tensors posted together, from the source to every receiver."""
+
+    tensors: list[torch.Tensor]
+    what: str  # names the stage in errors
+    header: bool  # on the header group (see Channel._broadcasts), else the batch's group
 
 
 def _segments(table: list[Any], nbytes: int, direct_min: int) -> list[tuple[int, int, int]]:
@@ -303,6 +313,9 @@ class Channel:
             self.transfer_device = torch.device("cpu")
             self._own_header_group = None
         self.inline_ok = self.transfer_device.type == "cpu"
+        # Header messages are sends and receives where the header group is gloo's
+        # (see _broadcasts); a broadcast on any other backend.
+        self._header_p2p = self._own_header_group is not None or "gloo" in backend
         if isinstance(timeout, (int, float)):
             timeout = datetime.timedelta(seconds=timeout)
         self.timeout = timeout
@@ -341,7 +354,7 @@ class Channel:
         self.step = 0
         self.capacity = INITIAL_CAPACITY
         self.broken: BaseException | None = None
-        self._broadcast_options: dict[int, Any] = {}
+        self._routes: dict[int, tuple[Any, list[int]]] = {}
         self._last_layout: _codec.Layout | None = None
 
     # -- state ---------------------------------------------------------------------
@@ -358,17 +371,21 @@ class Channel:
 
     # -- collectives ---------------------------------------------------------------
 
-    def _broadcast(self, tensor: torch.Tensor, group: dist.ProcessGroup, what: str) -> None:
-        self._broadcasts([([tensor], group, what)])
-
     def _broadcasts(
         self,
-        stages: list[tuple[list[torch.Tensor], dist.ProcessGroup, str]],
+        stages: list[_Stage],
         meanwhile: Callable[[], None] | None = None,
         arrived: Callable[[], None] | None = None,
     ) -> None:
-        """Broadcast each stage's tensors on its group, in order: all are posted, then all
-        are waited for. A stage's ``what`` names it in errors.
+        """Broadcast each stage's tensors, in order: all are posted, then all are waited
+        for. A stage's ``what`` names it in errors.
+
+        Header stages travel on the header group, as one send to each receiver where
+        that group is gloo's: ProcessGroupGloo posts a send or a receive on the calling
+        thread, but queues a broadcast for a worker thread on every rank, and that hop
+        costs a small message about a third of its time. Payloads are broadcasts, on the
+        batch's group: gloo forwards them along a tree, so the source does not send
+        every receiver its own copy.
 
         ``meanwhile`` runs while the broadcasts are in flight (gloo and NCCL run them
         outside the GIL): the source builds its own copy of the batch then, a receiver
@@ -382,16 +399,27 @@ class Channel:
         step must say so, not wait for pieces its source will never send.
         """
         self._raise_if_broken()
-        first = len(stages[0][0]) if arrived is not None else None
+        first = 0  # how many works the first stage posted
         works: list[tuple[Any, str]] = []
-        what = stages[0][2]
+        what = stages[0].what
         try:
-            # The group's own broadcast with cached options: dist.broadcast re-derives them
-            # on every call, which shows up on small batches.
-            for tensors, group, what in stages:
-                opts = self._options(group)
-                for t in tensors:
-                    works.append((group.broadcast([t], opts), what))
+            # The group's own operations with cached options and ranks: dist.broadcast
+            # re-derives them on every call, which shows up on small batches.
+            for k, (tensors, what, header) in enumerate(stages):
+                group = self.header_group if header else self.group
+                opts, peers = self._route(group)
+                if header and self._header_p2p:
+                    for t in tensors:
+                        if self.is_source:
+                            for peer in peers:
+                                works.append((group.send([t], peer, _HEADER_TAG), what))
+                        else:
+                            works.append((group.recv([t], opts.rootRank, _HEADER_TAG), what))
+                else:
+                    for t in tensors:
+                        works.append((group.broadcast([t], opts), what))
+                if k == 0:
+                    first = len(works)
         except RuntimeError as e:
             raise self._peer_error(what, e) from e
         failed: BaseException | None = None  # raised by ``meanwhile``, not by the collective
@@ -440,17 +468,20 @@ class Channel:
                 f"the process group cannot be trusted any more, restart the job"
             )
 
-    def _options(self, group: dist.ProcessGroup) -> Any:
+    def _route(self, group: dist.ProcessGroup) -> tuple[Any, list[int]]:
+        """A group's broadcast options (the source's group-local rank is ``rootRank``)
+        and the group-local ranks of the receivers."""
         # Keyed by id(): only this channel's group and header group come here, and both
         # are alive whenever they do (the ``group`` property raises for a dead one).
-        opts = self._broadcast_options.get(id(group))
-        if opts is None:
+        route = self._routes.get(id(group))
+        if route is None:
             opts = dist.BroadcastOptions()
             opts.rootRank = dist.get_group_rank(group, self.src)  # group-local
             opts.rootTensor = 0
             opts.asyncOp = True
-            self._broadcast_options[id(group)] = opts
-        return opts
+            peers = [r for r in range(group.size()) if r != opts.rootRank]
+            route = self._routes[id(group)] = (opts, peers)
+        return route
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -704,18 +735,16 @@ class Channel:
         ``meanwhile`` runs while the frame's last collective is in flight.
         """
         frame, payload, flags = prepared.frame, prepared.payload, prepared.flags
-        first: list[tuple[list[torch.Tensor], dist.ProcessGroup, str]] = [
-            ([prepared.first], self.header_group, "frame header")
-        ]
+        first = [_Stage([prepared.first], "frame header", True)]
         promised = prepared.pieces if flags & _POSTED else prepared.void
         if promised is not None:
-            first.append((promised, self.group, "batch buffer"))
+            first.append(_Stage(promised, "batch buffer", False))
         waves = [first]
         if flags & _SPILL:
             spill = torch.frombuffer(bytearray(frame.header), dtype=torch.uint8)
-            waves.append([([spill], self.header_group, "spilled header")])
+            waves.append([_Stage([spill], "spilled header", True)])
         if prepared.pieces and not flags & _POSTED:
-            waves.append([(prepared.pieces, self.group, "batch buffer")])
+            waves.append([_Stage(prepared.pieces, "batch buffer", False)])
         try:
             for k, wave in enumerate(waves):
                 self._broadcasts(wave, meanwhile if k == len(waves) - 1 else None)
@@ -806,7 +835,7 @@ class Channel:
         self._dropped.clear()  # before a first message is taken: it may be the last one
         capacity = self.capacity
         first = self.frames.take(capacity, _CPU)
-        stages = [([first], self.header_group, "frame header")]
+        stages = [_Stage([first], "frame header", True)]
         # The pieces the last frame promised: posted with the first message, they land
         # without waiting for it to be read. They hold this frame's payload, or zeros.
         landing: _Landing | None = None
@@ -815,7 +844,7 @@ class Channel:
             landing = self._land(
                 promise.payload_len, promise.flags, promise.segments, first, device
             )
-            stages.append((landing[1], self.group, "batch buffer"))
+            stages.append(_Stage(landing[1], "batch buffer", False))
         # Made while the first message is on the wire, with the tree built ahead: the
         # message's bytes (as a memoryview) and the guess. Right after the wait every call
         # costs several times what it costs in a hot loop, so what can go before it does.
@@ -869,7 +898,7 @@ class Channel:
         head_end = desc_end + header_len
         if flags & _SPILL:
             spill = torch.empty(header_len, dtype=torch.uint8)
-            self._broadcast(spill, self.header_group, "spilled header")
+            self._broadcasts([_Stage([spill], "spilled header", True)])
             header = spill.numpy().tobytes()
         elif head_end > capacity:
             raise HeaderError(f"{self._where()}: header overruns the first message")
@@ -1047,7 +1076,7 @@ class Channel:
                 meanwhile()
 
         if pieces:
-            self._broadcasts([(pieces, self.group, "batch buffer")], during)
+            self._broadcasts([_Stage(pieces, "batch buffer", False)], during)
         else:
             during()
 

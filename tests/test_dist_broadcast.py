@@ -284,26 +284,45 @@ CASES: dict[str, Callable[[], Any]] = {
 
 
 class CountBroadcasts:
-    """Counts the broadcasts tensorcast posts; every collective goes through
-    ``Channel._broadcasts``."""
+    """Counts the broadcasts tensorcast posts (``calls``: every one goes through
+    ``Channel._broadcasts``), and the operations this rank posts on process groups for
+    them (``ops``: how many ``broadcast``, ``send`` and ``recv``)."""
+
+    OPS = ("broadcast", "send", "recv")
 
     def __init__(self) -> None:
         self.calls = 0
+        self.ops: dict[str, int] = {}
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[CountBroadcasts]:
         real = _transport.Channel._broadcasts
+        group_ops = {op: dist.ProcessGroup.__dict__[op] for op in self.OPS}  # descriptors
         self.calls = 0
+        self.ops = dict.fromkeys(self.OPS, 0)
 
         def counting(channel: Any, stages: list[Any], *args: Any, **kwargs: Any) -> Any:
-            self.calls += sum(len(tensors) for tensors, _, _ in stages)
+            self.calls += sum(len(stage.tensors) for stage in stages)
             return real(channel, stages, *args, **kwargs)
 
+        def counted(op: str) -> Callable[..., Any]:
+            original = getattr(dist.ProcessGroup, op)
+
+            def call(group: Any, *args: Any) -> Any:
+                self.ops[op] += 1
+                return original(group, *args)
+
+            return call
+
         _transport.Channel._broadcasts = counting  # type: ignore[method-assign]
+        for op in self.OPS:
+            setattr(dist.ProcessGroup, op, counted(op))
         try:
             yield self
         finally:
             _transport.Channel._broadcasts = real  # type: ignore[method-assign]
+            for op, descriptor in group_ops.items():
+                setattr(dist.ProcessGroup, op, descriptor)
 
 
 def group_count() -> int:
@@ -365,9 +384,10 @@ def expect_unsupported_everywhere(rank: int, src: int, send: Callable[[Any], Any
 # -- rank functions -----------------------------------------------------------------------
 
 
-def _rank_two(rank: int, world: int) -> dict[str, Any]:
+def _rank_two(rank: int, world: int) -> tuple[dict[str, Any], dict[str, dict[str, int]]]:
     counter = CountBroadcasts()
     found: dict[str, Any] = {}
+    ops: dict[str, dict[str, int]] = {}  # this rank's, which differ between ranks
     kept: list[tuple[str, Any]] = []
     for src in (0, 1):
         for name, build in CASES.items():
@@ -376,6 +396,7 @@ def _rank_two(rank: int, world: int) -> dict[str, Any]:
             check_same(out, build(), f"{name} from {src}")
             assert all(t.is_contiguous() and t.device.type == "cpu" for t in tensors_of(out))
             found[f"{name}/{src}"] = (digest(out), counter.calls)
+            ops[f"{name}/{src}"] = counter.ops
             kept.append((name, out))
 
     # Large leaves are sent from their own memory, but the source still gets its own
@@ -426,7 +447,7 @@ def _rank_two(rank: int, world: int) -> dict[str, Any]:
     gc.collect()
     assert channel() is None, "a destroyed group's channel is still alive"
     check_same(out, large(), "a tree received on a group destroyed since")
-    return found
+    return found, ops
 
 
 def _rank_four(rank: int, world: int) -> dict[str, Any]:
@@ -450,6 +471,11 @@ def _rank_four(rank: int, world: int) -> dict[str, Any]:
     assert _mesh.resolve_submesh(mesh, ("cp", "tp")) is sub
     assert sub.ranks == (0, 1, 2, 3) and sub.src == 0
     found["2d"] = outs
+    counter = CountBroadcasts()
+    with counter():
+        out = tc.broadcast_batch(tiny() if rank == 0 else None, mesh)
+    check_same(out, tiny(), "2-D mesh, counted")
+    found["tiny_ops"] = counter.ops
 
     # A second, equal mesh is another object: it gets its own groups, not the first's.
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
@@ -558,11 +584,11 @@ def _rank_zero_pickle(rank: int, world: int) -> list[str]:
 
 
 def test_broadcast_trees_of_every_kind_on_two_ranks(pool2: Any) -> None:
-    results = pool2.run(_rank_two, timeout=TIMEOUT)
-    assert results[0] == results[1]
-    for key, (got, _) in results[0].items():
+    (found, ops0), (found1, ops1) = pool2.run(_rank_two, timeout=TIMEOUT)
+    assert found == found1
+    for key, (got, _) in found.items():
         assert got == digest(CASES[key.split("/")[0]]()), key
-    calls = {key: n for key, (_, n) in results[0].items()}
+    calls = {key: n for key, (_, n) in found.items()}
     for src in (0, 1):
         assert calls[f"tiny/{src}"] == 1, "a tiny batch travels in one message"
         assert calls[f"tiny_after_large/{src}"] == 1
@@ -572,11 +598,21 @@ def test_broadcast_trees_of_every_kind_on_two_ranks(pool2: Any) -> None:
         assert calls[f"big_header_and_payload/{src}"] >= 2
         assert calls[f"direct/{src}"] == 5, "first message, then each leaf of >= 2 MiB"
         assert calls[f"direct_and_large_rest/{src}"] == 3
+        # On gloo, header messages are one send to each receiver (the group's worker
+        # thread never sees them); payloads are broadcasts.
+        source, receiver = (ops0, ops1) if src == 0 else (ops1, ops0)
+        for name, headers, payloads in [("tiny", 1, 0), ("large", 1, 1), ("big_header", 2, 0)]:
+            key = f"{name}/{src}"
+            assert source[key] == {"broadcast": payloads, "send": headers, "recv": 0}, key
+            assert receiver[key] == {"broadcast": payloads, "send": 0, "recv": headers}, key
 
 
 def test_broadcast_on_meshes_and_groups_of_four(pool4: Any) -> None:
     results = pool4.run(_rank_four, timeout=TIMEOUT)
     assert all(r["2d"] == results[0]["2d"] for r in results)
+    # The source sends each receiver the header message itself.
+    assert results[0]["tiny_ops"] == {"broadcast": 0, "send": 3, "recv": 0}
+    assert all(r["tiny_ops"] == {"broadcast": 0, "send": 0, "recv": 1} for r in results[1:])
     for src in (2, 3):
         assert {r[f"group/{src}"] for r in results[1:]} == {digest(every_kind())}
     source_message, *receiver_messages = (r["unsupported"] for r in results)
@@ -743,7 +779,7 @@ def _rank_steady_payload(rank: int, world: int) -> tuple[list[list[str]], list[i
         return True
 
     def many(channel: Any, stages: Any, *args: Any) -> Any:
-        log.append("+".join(what for _, _, what in stages))
+        log.append("+".join(stage.what for stage in stages))
         return real_many(channel, stages, *args)
 
     def read(*args: Any) -> Any:

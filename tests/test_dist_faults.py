@@ -405,8 +405,8 @@ class _CorruptingChannel(_transport.Channel):
         super()._broadcasts(stages, *args)
         if self.is_source:
             return
-        for tensors, _, what in stages:
-            self._flip(tensors, what)
+        for stage in stages:
+            self._flip(stage.tensors, stage.what)
 
     def _flip(self, tensors: list[torch.Tensor], what: str) -> None:
         if what == "batch buffer":
@@ -578,7 +578,7 @@ class _FlagTamperingChannel(_transport.Channel):
 
     def _broadcasts(self, stages: list[Any], *args: Any) -> None:
         super()._broadcasts(stages, *args)
-        tensors, _, what = stages[0]
+        tensors, what = stages[0].tensors, stages[0].what
         if what == "frame header" and self.tamper:
             tensors[0][5] |= self.tamper  # the prefix's flags byte
             self.tamper = 0

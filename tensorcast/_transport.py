@@ -1,18 +1,20 @@
 """Moving a packed batch from one source rank to its peers: frames and collectives.
 
-Each step is one *frame*, usually sent as one or two broadcasts on the group:
+Each step is one *frame*, usually one or two messages from the source to every receiver:
 
 1. the *first message*, of a fixed capacity that every rank knows in advance (it starts
    at 4 KiB and the source announces any growth in the previous frame)::
 
        frame prefix (52 bytes) | setup description | header | zeros | inline payload
 
-   A batch whose header and buffer fit travels in this one message: one collective.
-   The inline payload ends the message (at ``_inline_at``), 64-byte aligned: where it
-   starts does not depend on the header's length, so batches of one structure put their
-   leaves at the same place whatever their small values.
-2. the *payload*, only when it did not fit inline: exactly ``payload_len`` bytes,
-   received into a pooled buffer on the transfer device.
+   A batch whose header and buffer fit travels in this one message. The inline payload
+   ends the message (at ``_inline_at``), 64-byte aligned: where it starts does not depend
+   on the header's length, so batches of one structure put their leaves at the same place
+   whatever their small values. On gloo the source sends it to each receiver itself
+   (``send`` / ``recv``): ProcessGroupGloo runs those on the calling thread, where a
+   broadcast waits for a worker thread on every rank.
+2. the *payload*, only when it did not fit inline: exactly ``payload_len`` bytes, a
+   broadcast received into a pooled buffer on the transfer device.
 
 A tensor leaf of at least ``DIRECT_MIN`` bytes is not copied into the source's buffer:
 it travels from its own memory as a broadcast of its own, straight into its place in the
@@ -85,8 +87,8 @@ _MAGIC = b"TCFR"
 #: The tag of header messages, which travel point to point on gloo (see Channel._broadcasts).
 _HEADER_TAG = 0x7C5A
 #: How frames follow one another (part of every rank's setup fingerprint): 2 added the
-#: payloads promised a frame ahead.
-FRAMES_VERSION = 2
+#: payloads promised a frame ahead, 3 sends header messages point to point on gloo.
+FRAMES_VERSION = 3
 INITIAL_CAPACITY = 4096
 MAX_CAPACITY = 256 << 10  # larger payloads always take a second message
 _PAYLOAD_ALIGN = 64

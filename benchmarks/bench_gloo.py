@@ -1,19 +1,28 @@
-"""What a payload loses when its receive is posted only after the first message is read.
+"""Two costs of raw gloo that tensorcast's frames are built around, without tensorcast.
 
-gloo sends a message once the receiver has posted its receive. A frame whose payload
-follows its first message therefore waits for receivers to read that message, unless
-they post both receives at once, which tensorcast does once the source has promised the
-payload's layout a frame ahead (see ``tensorcast/_transport.py``). This measures that
-effect on raw gloo broadcasts, without tensorcast, in one run with interleaved
-iterations (order rotated, a barrier before each, the slowest rank, medians):
+In one run with interleaved iterations (order rotated, a barrier before each, the slowest
+rank, medians):
 
-- ``one``: one broadcast of the payload's bytes (the floor);
-- ``read_first``: a 4 KiB first message, then the payload; receivers post the payload's
-  receive once the first message has arrived;
-- ``posted_together``: the same two broadcasts, both posted at once on every rank.
+1. *A small message as a broadcast or as sends.* ProcessGroupGloo queues a broadcast for a
+   worker thread on every rank, but posts a send or a receive on the calling thread.
+   tensorcast's first message of each frame (4 KiB in steady state) is therefore one send
+   from the source to each receiver (see ``tensorcast/_transport.py``):
 
-    python benchmarks/bench_rendezvous.py
-    python benchmarks/bench_rendezvous.py --mib 58.6 --iters 60 --world-size 4
+   - ``header_broadcast``: one broadcast of 4 KiB;
+   - ``header_sends``: the same bytes as a send to each receiver, received with ``recv``.
+
+2. *A payload whose receive is posted late.* gloo sends a message once the receiver has
+   posted its receive. A frame whose payload follows its first message therefore waits
+   for receivers to read that message, unless they post both receives at once, which
+   tensorcast does once the source has promised the payload's layout a frame ahead:
+
+   - ``one``: one broadcast of the payload's bytes (the floor);
+   - ``read_first``: a 4 KiB first message, then the payload; receivers post the payload's
+     receive once the first message has arrived;
+   - ``posted_together``: the same two broadcasts, both posted at once on every rank.
+
+    python benchmarks/bench_gloo.py
+    python benchmarks/bench_gloo.py --mib 58.6 --iters 60 --world-size 4
 """
 
 from __future__ import annotations
@@ -29,7 +38,10 @@ from typing import Any
 
 _ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 FIRST_BYTES = 4096
-METHODS = ("one", "read_first", "posted_together")
+HEADER = ("header_broadcast", "header_sends")
+PAYLOAD = ("one", "read_first", "posted_together")
+METHODS = HEADER + PAYLOAD
+_TAG = 7
 
 
 def _rank(rank: int, world: int, store_dir: str, nbytes: int, iters: int, out: Any) -> None:
@@ -42,6 +54,20 @@ def _rank(rank: int, world: int, store_dir: str, nbytes: int, iters: int, out: A
                             timeout=datetime.timedelta(seconds=120))
     first = torch.zeros(FIRST_BYTES, dtype=torch.uint8)
     payload = torch.zeros(nbytes, dtype=torch.uint8)
+
+    group = dist.group.WORLD
+    assert group is not None
+
+    def header_broadcast() -> None:
+        dist.broadcast(first, 0)
+
+    def header_sends() -> None:  # the process group's own calls, as tensorcast makes them
+        if rank == 0:
+            works = [group.send([first], peer, _TAG) for peer in range(1, world)]
+            for work in works:
+                work.wait()
+        else:
+            group.recv([first], 0, _TAG).wait()
 
     def one() -> None:
         dist.broadcast(payload, 0)
@@ -62,7 +88,13 @@ def _rank(rank: int, world: int, store_dir: str, nbytes: int, iters: int, out: A
         head.wait()
         body.wait()
 
-    calls = {"one": one, "read_first": read_first, "posted_together": posted_together}
+    calls = {
+        "header_broadcast": header_broadcast,
+        "header_sends": header_sends,
+        "one": one,
+        "read_first": read_first,
+        "posted_together": posted_together,
+    }
     times: dict[str, list[float]] = {name: [] for name in METHODS}
     warmup = 3
     for it in range(warmup + iters):
@@ -107,11 +139,15 @@ def main(argv: list[str] | None = None) -> int:
             print("a rank failed", file=sys.stderr)
             return 1
         medians = out.get()
-    print(f"world size {args.world_size}, payload {nbytes:,} bytes after a {FIRST_BYTES}-byte "
-          f"first message, {args.iters} iterations (medians of the slowest rank)")
-    floor = medians["one"]
-    for name in METHODS:
-        print(f"{name:16s} {medians[name] * 1e3:9.3f} ms  {medians[name] / floor:5.2f}x one")
+    print(f"world size {args.world_size}, {args.iters} iterations (medians of the slowest rank)")
+    print(f"\na {FIRST_BYTES}-byte message")
+    for name in HEADER:
+        ratio = medians[name] / medians["header_broadcast"]
+        print(f"{name:16s} {medians[name] * 1e3:9.3f} ms  {ratio:5.2f}x header_broadcast")
+    print(f"\na {nbytes:,}-byte payload after a {FIRST_BYTES}-byte first message")
+    for name in PAYLOAD:
+        ratio = medians[name] / medians["one"]
+        print(f"{name:16s} {medians[name] * 1e3:9.3f} ms  {ratio:5.2f}x one")
     return 0
 
 

@@ -41,6 +41,7 @@ DEFAULT_ALIGN = 64
 _MAX_ITEMSIZE = max(CODE_ITEMSIZE.values())
 _MEMSET_BELOW = 1 << 20
 _MEMSET_ABOVE_LEAVES = 64
+_CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,22 +79,21 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device | No
 class PackPlan:
     """A batch flattened and laid out, ready to be written into any large-enough buffer."""
 
-    __slots__ = ("device", "header", "layout", "leaves", "nbytes")
+    __slots__ = ("header", "layout", "leaves", "nbytes")
 
-    def __init__(
-        self,
-        leaves: list[_tree.BufferLeaf],
-        device: torch.device,
-        layout: Layout,
-        header: bytes,
-    ):
+    def __init__(self, leaves: list[_tree.BufferLeaf], layout: Layout, header: bytes):
         self.leaves = leaves
-        #: the device of the batch's tensors (cpu when it has none)
-        self.device = device
         #: the leaves' places and the structure, reused by the next batch when it matches
         self.layout = layout
         self.header = header
         self.nbytes = layout.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the batch's tensors (cpu when it has none). Asked only where it
+        matters (large or CUDA batches): a tiny batch's step does not pay for it."""
+        # flatten checked that every tensor shares the first one's device
+        return next((leaf[3].device for leaf in self.leaves if leaf[0] == "tensor"), _CPU)
 
     def write(
         self,
@@ -299,7 +299,6 @@ class Layout:
 
 _KIND = operator.itemgetter(0, 1, 2)
 _masks_by_align: dict[int, dict[str, int]] = {}
-_CPU = torch.device("cpu")
 
 
 def _align_masks(align: int) -> dict[str, int]:
@@ -338,9 +337,7 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = Non
         layout = previous
     else:
         layout = _lay_out(leaves, kinds, tokens, align, not loose)
-    # flatten checked that every tensor shares the first one's device
-    device = next((leaf[3].device for leaf in leaves if leaf[0] == "tensor"), _CPU)
-    return PackPlan(leaves, device, layout, layout.header(values))
+    return PackPlan(leaves, layout, layout.header(values))
 
 
 def _lay_out(
@@ -391,8 +388,9 @@ def pack(
         ValueError: bad ``align``, tensors on more than one device, a cyclic tree.
     """
     p = plan(tree, align=align)
-    dev = resolve_device(device) or p.device
-    if dev.type == "cuda" and p.device.type == "cpu":
+    batch_device = p.device
+    dev = resolve_device(device) or batch_device
+    if dev.type == "cuda" and batch_device.type == "cpu":
         staging = torch.empty(p.nbytes, dtype=torch.uint8, pin_memory=True)
         p.write(staging)
         buffer = copy_to_device(staging, dev)

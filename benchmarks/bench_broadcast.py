@@ -81,7 +81,7 @@ METHODS = (
 # Timed iterations per workload when --iters is not given: small batches are cheap and
 # noisy, and on a shared 2-core host a 61 MB transfer varies 2x from one iteration to the
 # next, so even the audio medians need a few dozen.
-DEFAULT_ITERS = {"audio_large": 30, "audio_medium": 100, "many_small": 60, "tiny": 300}
+DEFAULT_ITERS = {"audio_large": 30, "audio_medium": 100, "many_small": 120, "tiny": 300}
 PROFILE_CALLS = {"audio_large": 10, "audio_medium": 40, "many_small": 500, "tiny": 2000}
 # The targets, as ratios (world size 2).
 TARGETS = {"audio_large": 1.3, "audio_medium": 1.3, "many_small": 5.0, "tiny": 1.5}

@@ -35,7 +35,7 @@ def broadcast(
     """Send ``tree`` from rank ``src`` to every rank of ``group``; all return the same tree.
 
     Every rank of ``group`` calls this. The source packs the tree into a header and one
-    buffer and sends both (one collective when they are small, two otherwise); receivers
+    buffer and sends both (one message when they are small, two otherwise); receivers
     rebuild the tree as views into the received buffer. Nothing is pickled on any rank.
     Tensor leaves of 2 MiB or more travel from their own memory, each as a broadcast of
     its own, straight into its place in the receivers' buffer; the source copies them for

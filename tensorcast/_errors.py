@@ -48,7 +48,7 @@ class HeaderError(TensorcastError):
 
 
 class PeerError(TensorcastError):
-    """Raised when a peer rank stops answering: it died, or a collective timed out."""
+    """Raised when a peer rank stops answering: it died, or a message timed out."""
 
 
 class DesyncError(TensorcastError):

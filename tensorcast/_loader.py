@@ -9,8 +9,8 @@ How a pass runs on each rank::
 With ``prefetch=k > 0`` a background thread runs the producer up to ``k`` batches ahead of
 the consumer, so the broadcast of batch i+1 overlaps the caller's work on batch i. The
 lookahead is bounded by credits that only the consumer hands out, so every rank posts
-exactly the same collectives: a loop broken on every rank after the same batch leaves
-no collective pending. ``state_dict()`` then describes the position after the last batch
+exactly the same messages: a loop broken on every rank after the same batch leaves
+no message pending. ``state_dict()`` then describes the position after the last batch
 *yielded*, from a snapshot taken right after that batch was pulled from the source.
 
 This module knows nothing of byte layouts (``_codec``) or frame formats (``_transport``).
@@ -160,7 +160,7 @@ class BroadcastingDataLoader:
         device: where output tensors land (default: the group's transfer device).
         group: instead of a mesh, the process group to broadcast on...
         src: ...and the *global* rank of its source.
-        timeout: seconds (or a timedelta) any rank waits for one collective before raising
+        timeout: seconds (or a timedelta) any rank waits for one message before raising
             ``PeerError``; None means the process group's timeout.
         verify: carry a CRC32 of every buffer and check it on receivers.
 

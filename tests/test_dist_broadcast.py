@@ -472,10 +472,11 @@ def _rank_four(rank: int, world: int) -> dict[str, Any]:
     assert sub.ranks == (0, 1, 2, 3) and sub.src == 0
     found["2d"] = outs
     counter = CountBroadcasts()
-    with counter():
-        out = tc.broadcast_batch(tiny() if rank == 0 else None, mesh)
-    check_same(out, tiny(), "2-D mesh, counted")
-    found["tiny_ops"] = counter.ops
+    for name in ("tiny", "large"):
+        with counter():
+            out = tc.broadcast_batch(CASES[name]() if rank == 0 else None, mesh)
+        check_same(out, CASES[name](), f"2-D mesh, {name}, counted")
+        found[f"{name}_ops"] = counter.ops
 
     # A second, equal mesh is another object: it gets its own groups, not the first's.
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
@@ -545,6 +546,15 @@ def _rank_dp_slots(rank: int, world: int) -> list[tuple[int, int]]:
         if step == 0:
             groups = group_count()
     assert group_count() == groups, "groups re-created after the first call"
+
+    # The whole world is a group of 8, over HEADER_SENDS_MAX_RANKS: its header messages
+    # are broadcasts (gloo's tree), and the same frames arrive.
+    counter = CountBroadcasts()
+    for name, headers, payloads in [("tiny", 1, 0), ("large", 1, 1), ("big_header", 2, 0)]:
+        with counter():
+            out = tc.broadcast(CASES[name]() if rank == 0 else None, 0)
+        check_same(out, CASES[name](), f"{name} on a group of 8")
+        assert counter.ops == {"broadcast": headers + payloads, "send": 0, "recv": 0}, name
     return seen
 
 
@@ -610,9 +620,11 @@ def test_broadcast_trees_of_every_kind_on_two_ranks(pool2: Any) -> None:
 def test_broadcast_on_meshes_and_groups_of_four(pool4: Any) -> None:
     results = pool4.run(_rank_four, timeout=TIMEOUT)
     assert all(r["2d"] == results[0]["2d"] for r in results)
-    # The source sends each receiver the header message itself.
-    assert results[0]["tiny_ops"] == {"broadcast": 0, "send": 3, "recv": 0}
-    assert all(r["tiny_ops"] == {"broadcast": 0, "send": 0, "recv": 1} for r in results[1:])
+    # The source sends each receiver the header message itself; payloads are broadcasts.
+    for name, payloads in [("tiny", 0), ("large", 1)]:
+        key = f"{name}_ops"
+        assert results[0][key] == {"broadcast": payloads, "send": 3, "recv": 0}, name
+        assert all(r[key] == {"broadcast": payloads, "send": 0, "recv": 1} for r in results[1:])
     for src in (2, 3):
         assert {r[f"group/{src}"] for r in results[1:]} == {digest(every_kind())}
     source_message, *receiver_messages = (r["unsupported"] for r in results)
@@ -838,6 +850,19 @@ def test_payloads_are_posted_with_the_first_message_once_their_layout_repeats(
 def test_nothing_is_pickled_on_any_rank(pool4: Any) -> None:
     digests = pool4.run(_rank_zero_pickle, timeout=TIMEOUT)
     assert all(d == digests[0] for d in digests)
+
+
+def test_header_messages_are_sends_on_small_gloo_groups_only() -> None:
+    """The rule every rank applies alike (group size and backend are the same on all)."""
+    off, detail = dist.DebugLevel.OFF, dist.DebugLevel.DETAIL
+    most = _transport.HEADER_SENDS_MAX_RANKS
+    assert _transport.header_sends(True, 2, off)
+    assert _transport.header_sends(True, most, dist.DebugLevel.INFO)
+    assert not _transport.header_sends(True, most + 1, off), "large groups keep gloo's tree"
+    assert not _transport.header_sends(False, 2, off), "other backends keep broadcasts"
+    # DETAIL checks each collective's sequence number across ranks; a source's sends
+    # count one per receiver there, a receiver's one in all.
+    assert not _transport.header_sends(True, 2, detail)
 
 
 def test_broadcast_batch_is_a_no_op_without_torch_distributed() -> None:

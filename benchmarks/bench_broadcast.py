@@ -319,7 +319,7 @@ def counting_messages() -> Iterator[list[int]]:
 
 
 def count_messages(methods: dict[str, Callable[[], Any]], names: list[str],
-                      world: dist.ProcessGroup) -> dict[str, int]:
+                   world: dist.ProcessGroup) -> dict[str, int]:
     """Messages per batch each receiver takes (broadcasts and receives), in steady state
     (after the timing phase): the most over ranks, so a receiver's count."""
     counts = {}

@@ -280,6 +280,10 @@ CASES: dict[str, Callable[[], Any]] = {
 }
 
 
+# (case, header messages, payload broadcasts): how each of these batches travels.
+MESSAGES = [("tiny", 1, 0), ("large", 1, 1), ("big_header", 2, 0)]
+
+
 # -- helpers run inside the ranks ---------------------------------------------------------
 
 
@@ -550,7 +554,7 @@ def _rank_dp_slots(rank: int, world: int) -> list[tuple[int, int]]:
     # The whole world is a group of 8, over HEADER_SENDS_MAX_RANKS: its header messages
     # are broadcasts (gloo's tree), and the same frames arrive.
     counter = CountBroadcasts()
-    for name, headers, payloads in [("tiny", 1, 0), ("large", 1, 1), ("big_header", 2, 0)]:
+    for name, headers, payloads in MESSAGES:
         with counter():
             out = tc.broadcast(CASES[name]() if rank == 0 else None, 0)
         check_same(out, CASES[name](), f"{name} on a group of 8")
@@ -611,7 +615,7 @@ def test_broadcast_trees_of_every_kind_on_two_ranks(pool2: Any) -> None:
         # On gloo, header messages are one send to each receiver (the group's worker
         # thread never sees them); payloads are broadcasts.
         source, receiver = (ops0, ops1) if src == 0 else (ops1, ops0)
-        for name, headers, payloads in [("tiny", 1, 0), ("large", 1, 1), ("big_header", 2, 0)]:
+        for name, headers, payloads in MESSAGES:
             key = f"{name}/{src}"
             assert source[key] == {"broadcast": payloads, "send": headers, "recv": 0}, key
             assert receiver[key] == {"broadcast": payloads, "send": 0, "recv": headers}, key

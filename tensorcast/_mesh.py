@@ -6,25 +6,50 @@ process group per DP slot, whose first rank (coordinate 0 on every such axis) is
 source. The groups are created once, by every rank together, and kept on the mesh
 object that owns them (never in a dict keyed by ``id()``); a mesh from a process group
 that was destroyed and re-initialised gets new groups.
+
+# NOTE [ The per-axis mesh protocol ]
+Which rank is a source, and which DP slot a rank is in, is read from a mesh-like through
+the per-axis protocol only: ``mesh.mesh_dim_names`` and, for each name,
+``mesh[name].size()`` and ``mesh[name].get_local_rank()`` (the rank's coordinate along
+that dimension). That is what NeMo's helpers and tests use, so their stand-ins work
+wherever a mesh is accepted. Only creating the groups (:func:`submesh_rows`) needs the
+global rank of every mesh position, i.e. a real ``DeviceMesh``'s ``.mesh`` tensor.
+
+A real ``torch.distributed.device_mesh.DeviceMesh`` is read through ``size(dim)`` and
+``get_coordinate()`` instead, for two reasons. Its ``mesh[name].get_local_rank()`` is the
+rank within that dimension's process group, whose ranks torch sorts: on a mesh whose
+ranks are not laid out row-major (``DeviceMesh("cpu", [[3, 1], [0, 2]])``) it is not the
+coordinate, and the source would not be the first rank of :func:`submesh_rows`. And
+``mesh[name]`` builds a new ``DeviceMesh`` on every call (no process group, but a copy of
+the rank map, about a thousand times the cost of ``get_coordinate()``).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+try:
+    from torch.distributed.device_mesh import DeviceMesh as _DeviceMesh
+except ImportError:  # torch built without distributed support: only mesh-likes exist
+    _DeviceMesh = None  # type: ignore[assignment,misc]
 
 __all__ = [
     "SubMesh",
+    "dp_rank_and_size",
     "is_dp_source_rank",
     "normalize_axes",
     "present_axes",
     "resolve_submesh",
     "spanning_axes",
+    "submesh_rows",
 ]
 
 _ATTR = "_tensorcast_submeshes"
@@ -51,17 +76,45 @@ def normalize_axes(axes: Sequence[str] | str) -> tuple[str, ...]:
     return out
 
 
+def _dim_names(device_mesh: Any) -> tuple[str, ...]:
+    return tuple(device_mesh.mesh_dim_names or ())
+
+
 def present_axes(device_mesh: Any, axes: Sequence[str] | str) -> tuple[str, ...]:
     """The named axes present in the mesh, in mesh order (sizes included)."""
     if device_mesh is None:
         return ()
-    names = tuple(device_mesh.mesh_dim_names or ())
+    names = _dim_names(device_mesh)
     wanted = normalize_axes(axes)
     return tuple(n for n in names if n in wanted)
 
 
+def _is_device_mesh(device_mesh: Any) -> bool:
+    return _DeviceMesh is not None and isinstance(device_mesh, _DeviceMesh)
+
+
 def _axis_size(device_mesh: Any, name: str) -> int:
-    return int(device_mesh.mesh.size(tuple(device_mesh.mesh_dim_names).index(name)))
+    """The size of the dimension ``name``; see NOTE [ The per-axis mesh protocol ]."""
+    if _is_device_mesh(device_mesh):
+        return int(device_mesh.size(_dim_names(device_mesh).index(name)))
+    return int(device_mesh[name].size())
+
+
+def _axis_coordinate(device_mesh: Any, name: str, size: int) -> int:
+    """This rank's coordinate along ``name``; ``ValueError`` when it is not in the mesh."""
+    if _is_device_mesh(device_mesh):
+        coords = device_mesh.get_coordinate()
+        local = None if coords is None else coords[_dim_names(device_mesh).index(name)]
+    else:
+        local = device_mesh[name].get_local_rank()
+    # torch's get_rank(group) answers -1 on a rank outside the group
+    if local is None or not 0 <= int(local) < size:
+        raise ValueError(
+            f"this rank is not part of the device mesh {device_mesh}: its coordinate along "
+            f"{name!r} is {local!r}, expected 0..{size - 1}; call this on the ranks of the "
+            f"mesh only"
+        )
+    return int(local)
 
 
 def spanning_axes(device_mesh: Any, axes: Sequence[str] | str) -> tuple[str, ...]:
@@ -74,28 +127,122 @@ def is_dp_source_rank(device_mesh: Any, axes: Sequence[str] | str = ("cp", "tp")
 
     True when ``device_mesh`` is None, when none of ``axes`` is in the mesh, or when every
     named axis present has size 1; otherwise True only at coordinate 0 along every present
-    named axis.
+    named axis. ``device_mesh`` is a ``DeviceMesh`` or any object with ``mesh_dim_names``
+    and ``mesh[name].size()`` / ``mesh[name].get_local_rank()``.
+
+    Args:
+        device_mesh: the mesh, or None.
+        axes: the names of the dimensions whose ranks share one batch.
+
+    Returns:
+        Whether this rank is its sub-mesh's source.
+
+    Raises:
+        TypeError: ``axes`` are not names.
+        ValueError: this rank is not part of ``device_mesh``.
     """
-    present = present_axes(device_mesh, axes)
-    if not present or all(_axis_size(device_mesh, a) == 1 for a in present):
-        return True
-    coords = device_mesh.get_coordinate()
-    if coords is None:
-        raise ValueError(f"this rank is not part of the device mesh {device_mesh}")
-    names = tuple(device_mesh.mesh_dim_names)
-    return all(coords[names.index(a)] == 0 for a in present)
+    for name in present_axes(device_mesh, axes):
+        size = _axis_size(device_mesh, name)
+        if size > 1 and _axis_coordinate(device_mesh, name, size) != 0:
+            return False
+    return True
 
 
-def _submesh_rows(device_mesh: Any, spanning: tuple[str, ...]) -> list[list[int]]:
-    """Every sub-mesh's global ranks: one row per DP slot, the source first."""
-    names = tuple(device_mesh.mesh_dim_names)
-    mesh = device_mesh.mesh
-    keep = [names.index(a) for a in spanning]
-    rest = [i for i in range(mesh.dim()) if i not in keep]
-    size = 1
-    for i in keep:
-        size *= mesh.size(i)
-    return mesh.permute(*rest, *keep).reshape(-1, size).tolist()
+def dp_rank_and_size(device_mesh: Any, axes: Sequence[str] | str = ("cp", "tp")) -> tuple[int, int]:
+    """This rank's data-parallel slot and the number of slots, for sharding a sampler.
+
+    Every dimension of the mesh that is not in ``axes`` counts as data-parallel (``dp``,
+    ``dp_replicate``, ``dp_shard``, ``pp``, ...). The slot is this rank's coordinate over
+    those dimensions, flattened row-major in mesh order; all ranks of one ``axes``
+    sub-mesh share a slot, so shard the data by it rather than by global rank. Reads the
+    mesh through ``mesh_dim_names`` and ``mesh[name].size()`` /
+    ``mesh[name].get_local_rank()`` only, so mesh-like objects work too.
+
+    Args:
+        device_mesh: a ``DeviceMesh`` (or mesh-like) with named dimensions, or None.
+        axes: the names of the dimensions whose ranks share one batch.
+
+    Returns:
+        ``(dp_rank, dp_size)`` with ``0 <= dp_rank < dp_size``; ``(0, 1)`` when
+        ``device_mesh`` is None or every dimension is in ``axes``.
+
+    Raises:
+        TypeError: ``axes`` are not names.
+        ValueError: the mesh has no dimension names, or this rank is not part of it.
+
+    Example::
+
+        mesh = init_device_mesh("cuda", (2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
+        dp_rank, dp_size = tc.dp_rank_and_size(mesh)  # global rank 5 -> (1, 2)
+        sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank)
+    """
+    wanted = normalize_axes(axes)
+    if device_mesh is None:
+        return 0, 1
+    names = _dim_names(device_mesh)
+    if not names:
+        raise ValueError(
+            f"dp_rank_and_size needs a mesh with named dimensions, got {device_mesh} with "
+            f"mesh_dim_names={device_mesh.mesh_dim_names!r}; create it with "
+            f"init_device_mesh(..., mesh_dim_names=('dp', 'cp', 'tp'))"
+        )
+    rank, size = 0, 1
+    for name in names:
+        if name in wanted:
+            continue
+        n = _axis_size(device_mesh, name)
+        if n > 1:
+            rank = rank * n + _axis_coordinate(device_mesh, name, n)
+            size *= n
+    return rank, size
+
+
+def submesh_rows(device_mesh: Any, spanning: tuple[str, ...]) -> list[tuple[int, ...]]:
+    """Every sub-mesh's global ranks: one tuple per DP slot, each in mesh order.
+
+    The slots come in row-major order of the other dimensions; within a tuple the ranks
+    are in row-major order of the ``spanning`` dimensions (taken in mesh order), so its
+    first rank is the slot's source: coordinate 0 on every spanning axis.
+
+    Args:
+        device_mesh: a real ``torch.distributed.device_mesh.DeviceMesh`` (or an object
+            with ``mesh_dim_names`` and a ``.mesh`` tensor of global ranks).
+        spanning: names of the dimensions one sub-mesh spans.
+
+    Returns:
+        The global ranks of every sub-mesh, each rank of the mesh in exactly one tuple.
+
+    Raises:
+        TypeError: the mesh has no ``.mesh`` tensor of global ranks.
+        ValueError: a name of ``spanning`` is not a dimension of the mesh.
+    """
+    ranks = getattr(device_mesh, "mesh", None)
+    if not isinstance(ranks, torch.Tensor):
+        found = "no `.mesh`" if ranks is None else f"`.mesh` of type {type(ranks).__name__}"
+        cls = type(device_mesh)
+        raise TypeError(
+            f"creating the sub-mesh process groups needs the global rank of every mesh "
+            f"position, i.e. a real torch.distributed.device_mesh.DeviceMesh (its `.mesh` "
+            f"tensor); got `{cls.__module__}.{cls.__qualname__}` with {found}; build the "
+            f"mesh with torch.distributed.device_mesh.init_device_mesh(..., "
+            f"mesh_dim_names=...) and pass that, or pass group= and src= (tc.broadcast, "
+            f"tc.BroadcastingDataLoader) instead"
+        )
+    names = _dim_names(device_mesh)
+    if len(names) != ranks.dim():
+        raise ValueError(
+            f"the mesh's mesh_dim_names {names!r} do not name its {ranks.dim()} dimensions; "
+            f"create it with init_device_mesh(..., mesh_dim_names=...)"
+        )
+    spanning = normalize_axes(spanning)
+    missing = [a for a in spanning if a not in names]
+    if missing:
+        raise ValueError(f"axes {missing!r} are not dimensions of the mesh {names!r}")
+    keep = sorted({names.index(a) for a in spanning})
+    rest = [i for i in range(ranks.dim()) if i not in keep]
+    size = math.prod(ranks.size(i) for i in keep)
+    rows = ranks.permute(*rest, *keep).reshape(-1, size).tolist()
+    return [tuple(int(r) for r in row) for row in rows]
 
 
 def resolve_submesh(device_mesh: Any, axes: Sequence[str] | str) -> SubMesh:
@@ -114,7 +261,7 @@ def resolve_submesh(device_mesh: Any, axes: Sequence[str] | str) -> SubMesh:
         if hit is not None and hit.world() is world:
             return hit
         rank = dist.get_rank()
-        rows = _submesh_rows(device_mesh, spanning)
+        rows = [list(r) for r in submesh_rows(device_mesh, spanning)]
         mine = next((r for r in rows if rank in r), None)
         if mine is None:
             raise ValueError(f"rank {rank} is not part of the device mesh {device_mesh}")

@@ -20,7 +20,7 @@ from tensorcast._errors import (
     UnsupportedLeafError,
 )
 from tensorcast._loader import BroadcastingDataLoader
-from tensorcast._mesh import is_dp_source_rank
+from tensorcast._mesh import dp_rank_and_size, is_dp_source_rank
 from tensorcast._registry import register_type
 from tensorcast._schema import FORMAT_VERSION, LeafSpec, Schema
 
@@ -40,6 +40,7 @@ __all__ = [
     "UnsupportedLeafError",
     "broadcast",
     "broadcast_batch",
+    "dp_rank_and_size",
     "is_dp_source_rank",
     "pack",
     "packed_collate",

@@ -22,6 +22,7 @@ DOCUMENTED = {
     "UnsupportedLeafError",
     "broadcast",
     "broadcast_batch",
+    "dp_rank_and_size",
     "is_dp_source_rank",
     "pack",
     "packed_collate",

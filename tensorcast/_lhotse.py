@@ -5,7 +5,11 @@ A cut travels as ``cut.to_dict()``, encoded like any other subtree: its numpy ar
 an in-memory recording) go into the packed buffer; ids, durations and texts go into the
 header. Receivers rebuild the cut with lhotse's own ``from_dict``, so what comes back is
 what lhotse would read from a manifest: the same fields, and the same audio when loaded.
-A ``CutSet`` travels as the list of its cuts.
+
+A ``CutSet`` travels as the list of its items: cuts, or registered NamedTuples and
+dataclasses (NeMo's conversation batches are a ``CutSet`` of dataclasses), each through
+its own codec or registry entry, and comes back as a ``CutSet`` of equal items in the
+same order. Registered items are rebuilt as they are anywhere else in a batch.
 
 ``tensorcast._registry`` imports this module the first time it meets a lhotse object
 (sending) or a ``lhotse.*`` name in a header (receiving); ``import tensorcast`` alone never
@@ -18,13 +22,14 @@ exactly as it would from a manifest. Only in-memory audio travels inside the buf
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import numpy as np
 import torch
 
-from tensorcast._errors import HeaderError
-from tensorcast._registry import register_codec, register_type
+from tensorcast._errors import HeaderError, UnsupportedLeafError
+from tensorcast._registry import by_type, register_codec, register_type
 
 try:
     from lhotse import CutSet, MonoCut, MultiCut, Recording, SupervisionSegment
@@ -86,21 +91,70 @@ def _from_dict(cls: type, name: str) -> Any:
     return from_tree
 
 
+# Values that travel anywhere in a batch but are not items of a CutSet.
+_PLAIN_TYPES: frozenset[type] = frozenset(
+    {
+        dict,
+        collections.OrderedDict,
+        list,
+        tuple,
+        str,
+        bytes,
+        int,
+        float,
+        complex,
+        bool,
+        type(None),
+        np.ndarray,
+        torch.Tensor,
+        torch.nn.Parameter,
+    }
+)
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_item(obj: Any) -> bool:
+    """Whether ``obj`` may be an item of a travelling CutSet: a cut, or a registered
+    NamedTuple / dataclass (exactly its type, as the registry matches it)."""
+    if isinstance(obj, Cut):
+        return True
+    entry = by_type(type(obj))
+    return entry is not None and entry.kind != "codec"
+
+
 def _cutset_to_tree(cuts: CutSet) -> list[Any]:
-    # each cut then travels through its own codec
-    return list(cuts)
+    # Each item then travels through its own codec or registry entry. Items of types the
+    # registry does not know are left to the walk, whose error names their path. Plain
+    # values and other lhotse objects would travel, but only cuts and registered types
+    # are CutSet items to the receiver: refuse them here, on the encoding side.
+    items = list(cuts)
+    for i, item in enumerate(items):
+        t = type(item)
+        plain = t in _PLAIN_TYPES or (isinstance(item, np.generic) and t.__module__ == "numpy")
+        if (plain or by_type(t) is not None) and not _is_item(item):
+            raise UnsupportedLeafError(
+                f"a `lhotse.CutSet` travels with items that are cuts or registered "
+                f"NamedTuples / dataclasses, but its item {i} is of type `{_qualname(t)}`; "
+                f"send it beside the CutSet (e.g. in a dict), or wrap it in a dataclass "
+                f"registered with tensorcast.register_type"
+            )
+    return items
 
 
 def _cutset_from_tree(tree: Any) -> CutSet:
     if type(tree) is not list:
         raise HeaderError(
-            f"a `lhotse.CutSet` travels as a list of cuts, but the header holds a "
+            f"a `lhotse.CutSet` travels as a list of its items, but the header holds a "
             f"{type(tree).__name__}"
         )
-    for i, cut in enumerate(tree):
-        if not isinstance(cut, Cut):
+    for i, item in enumerate(tree):
+        if not _is_item(item):
             raise HeaderError(
-                f"a `lhotse.CutSet` holds only cuts, but its item {i} is of type {type(cut).__name__}"
+                f"a `lhotse.CutSet` holds only cuts and registered NamedTuples / "
+                f"dataclasses, but its item {i} is of type {type(item).__name__}"
             )
     return CutSet(tree)
 

@@ -16,7 +16,7 @@ import struct
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -414,6 +414,123 @@ def test_lhotse_objects_are_never_pickled() -> None:
     assert b"lhotse.CutSet" in packed.header and b"lhotse.MonoCut" in packed.header
 
 
+# -- CutSets of registered dataclasses and NamedTuples (NeMo's conversation batches) --------
+
+
+@dataclasses.dataclass
+class TextTurn:
+    value: str
+    role: str
+
+
+@dataclasses.dataclass
+class AudioTurn:
+    cut: Cut
+    role: str
+    audio_locator_tag: str
+    text: str | None = None
+
+
+@dataclasses.dataclass
+class Conversation:
+    """Shaped like NeMo's ``NeMoMultimodalConversation``: token ids live in ``custom``."""
+
+    id: str
+    turns: list[TextTurn | AudioTurn]
+    token_equivalent_duration: float | None = None
+    custom: dict[str, Any] | None = None
+
+
+class Utterance(NamedTuple):
+    id: str
+    tokens: torch.Tensor
+    score: float
+
+
+for _cls in (TextTurn, AudioTurn, Conversation, Utterance):
+    tc.register_type(_cls, name=f"tests.lhotse.{_cls.__qualname__}")
+
+
+def conversation(seed: int, *, audio: bool = True) -> Conversation:
+    turns: list[TextTurn | AudioTurn] = [TextTurn(f"transcribe {seed}", "user")]
+    if audio:
+        turns.append(AudioTurn(memory_cut(seed, 0.2), "user", "<audio>", text=None))
+    turns.append(TextTurn(f"utterance {seed}", "assistant"))
+    ids = np.arange(5 + seed, dtype=np.int64)
+    return Conversation(
+        id=f"conv-{seed}",
+        turns=turns,
+        token_equivalent_duration=0.08,
+        custom={"input_ids": ids, "context_ids": ids[:3].copy(), "lang": "en"},
+    )
+
+
+def test_cutset_of_registered_dataclasses_travels() -> None:
+    convs = CutSet([conversation(1), conversation(2, audio=False), conversation(3)])
+    batch = {"conversations": convs, "audio": torch.randn(3, 1600)}
+    out = round_trip(batch)
+    assert type(out["conversations"]) is CutSet
+    assert [type(c) for c in out["conversations"]] == [Conversation] * 3
+    same(batch, out, "batch")
+    turns = [list(map(type, c.turns)) for c in out["conversations"]]
+    assert turns == [[TextTurn, AudioTurn, TextTurn], [TextTurn, TextTurn], turns[2]]
+    first = next(iter(convs)).turns[1]
+    back = next(iter(out["conversations"])).turns[1]
+    assert isinstance(back, AudioTurn) and type(back.cut) is MonoCut
+    same_audio(first.cut, back.cut)
+
+
+def test_cutset_of_namedtuples_travels() -> None:
+    items = [Utterance(f"u{i}", torch.arange(i, dtype=torch.int32), i / 3) for i in range(4)]
+    out = round_trip(CutSet(items))
+    assert type(out) is CutSet and [type(u) for u in out] == [Utterance] * 4
+    same(CutSet(items), out, "cuts")
+
+
+def test_cutset_mixing_cuts_and_registered_items_keeps_order_and_types() -> None:
+    items: list[Any] = [
+        memory_cut(20, 0.1, tokens=3),
+        conversation(21),
+        Utterance("u", torch.ones(2), 0.5),
+        memory_cut(22, 0.2).pad(duration=0.3),
+    ]
+    out = round_trip({"mixed": CutSet(items), "empty": CutSet([])})
+    assert [type(x) for x in out["mixed"]] == [MonoCut, Conversation, Utterance, MixedCut]
+    same(CutSet(items), out["mixed"], "mixed")
+    assert type(out["empty"]) is CutSet and len(out["empty"]) == 0
+
+
+def test_cutset_of_dataclasses_is_never_pickled() -> None:
+    packed = tc.pack(CutSet([conversation(4)]))
+    assert b"\x80\x04" not in packed.header and b"\x80\x05" not in packed.header
+    assert b"tests.lhotse.Conversation" in packed.header
+    kinds = sorted(leaf.kind for leaf in tc.read_header(packed.header).leaves)
+    assert kinds == ["bytes", "ndarray", "ndarray"]  # the cut's audio, the two token arrays
+
+
+@settings(deadline=None, print_blob=True, max_examples=25)
+@given(data=st.data())
+def test_cutset_of_any_item_mix_round_trip_law(
+    audio_files: list[Path], data: st.DataObject
+) -> None:
+    """unpack(pack(CutSet(items))) == CutSet(items) for any mix of cuts and registered
+    dataclass / NamedTuple items: same items, same order, same types."""
+    item = st.one_of(
+        cuts(audio_files),
+        st.builds(conversation, st.integers(0, 5), audio=st.booleans()),
+        st.builds(
+            Utterance,
+            st.text(max_size=8),
+            st.integers(0, 6).map(lambda n: torch.arange(n, dtype=torch.int64)),
+            st.floats(allow_nan=False),
+        ),
+    )
+    items = data.draw(st.lists(item, max_size=5))
+    out = round_trip({"conversations": CutSet(items)})
+    assert type(out["conversations"]) is CutSet
+    same(CutSet(items), out["conversations"], "conversations")
+
+
 # -- unit tests: errors ---------------------------------------------------------------------------
 
 
@@ -424,6 +541,58 @@ def test_unsupported_custom_value_names_its_path() -> None:
         tc.pack({"cuts": CutSet([cut])})
     assert "batch['cuts']<lhotse.CutSet>[0]<lhotse.MonoCut>['custom']['bad']" in str(err.value)
     assert "builtins.set" in str(err.value)
+
+
+def test_unregistered_cutset_item_names_its_path() -> None:
+    @dataclasses.dataclass
+    class Unregistered:
+        x: int
+
+    convs = CutSet([conversation(30), Unregistered(1)])
+    with pytest.raises(tc.UnsupportedLeafError) as err:
+        tc.pack({"conversations": convs})
+    assert "batch['conversations']<lhotse.CutSet>[1]" in str(err.value)
+    assert "Unregistered" in str(err.value) and "register_type" in str(err.value)
+
+
+def test_unregistered_type_deep_inside_a_cutset_item_names_its_path() -> None:
+    class Opaque:
+        pass
+
+    conv = conversation(31)
+    assert conv.custom is not None
+    conv.custom["bad"] = Opaque()
+    with pytest.raises(tc.UnsupportedLeafError) as err:
+        tc.pack({"c": CutSet([conv])})
+    assert "batch['c']<lhotse.CutSet>[0].custom['bad']" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("item", "type_name"),
+    [
+        ({"id": "x"}, "builtins.dict"),
+        (("a", 1), "builtins.tuple"),
+        (3, "builtins.int"),
+        (torch.zeros(2), "torch.Tensor"),
+        (np.int64(2), "numpy.int64"),
+        (None, "builtins.NoneType"),
+    ],
+)
+def test_plain_values_are_refused_as_cutset_items_on_the_encoding_side(
+    item: Any, type_name: str
+) -> None:
+    """They would encode, but a receiver only rebuilds cuts and registered items into a
+    CutSet: refusing them when packing keeps the error on the source."""
+    with pytest.raises(tc.UnsupportedLeafError, match="item 1 is of type") as err:
+        tc.pack({"c": CutSet([memory_cut(32, 0.1), item])})
+    assert f"`{type_name}`" in str(err.value)
+
+
+def test_other_lhotse_objects_are_refused_as_cutset_items() -> None:
+    rec = Recording.from_bytes(wav_bytes(33, 800), recording_id="r")
+    for item in (rec, CutSet([memory_cut(33, 0.1)])):
+        with pytest.raises(tc.UnsupportedLeafError, match=r"item 0 is of type `lhotse\."):
+            tc.pack(CutSet([item]))
 
 
 def test_unregistered_lhotse_type_is_unsupported() -> None:
@@ -444,9 +613,11 @@ def _header(tree: list[Any]) -> bytes:
     ("tokens", "match"),
     [
         ([["x", "lhotse.MonoCut"], ["l", 0]], "travels as a dict"),
-        ([["x", "lhotse.CutSet"], ["d", 0, []]], "travels as a list of cuts"),
+        ([["x", "lhotse.CutSet"], ["d", 0, []]], "travels as a list of its items"),
         ([["x", "lhotse.MonoCut"], ["d", 1, ["id"]], "c1"], "cannot rebuild `lhotse.MonoCut`"),
         ([["x", "lhotse.CutSet"], ["l", 1], ["i", 3]], "item 0 is of type int"),
+        ([["x", "lhotse.CutSet"], ["l", 2], ["d", 0, []], ["t", 0]], "item 0 is of type dict"),
+        ([["x", "lhotse.CutSet"], ["l", 1], ["t", 1], ["i", 3]], "item 0 is of type tuple"),
         ([["x", "lhotse.NoSuchCut"], None], "no codec"),
     ],
 )

@@ -1,28 +1,34 @@
-"""``broadcast`` and ``broadcast_batch``: one batch from a source rank to its peers."""
+"""``broadcast`` and ``broadcast_batch``: one batch from a source rank to its peers.
+
+Both run one job on the lane of tensorcast's own group over the caller's ranks (see
+NOTE [ One ordered lane ]): the caller's group (or mesh) only says which ranks; nothing
+travels on it.
+"""
 
 from __future__ import annotations
 
+import datetime
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tensorcast import _mesh, _transport
+from tensorcast import _groups, _mesh
+from tensorcast._channel import Channel, open_channel, raise_for, to_timedelta
 from tensorcast._codec import Packed, resolve_device, unpack
 
-__all__ = ["broadcast", "broadcast_batch"]
-
+__all__ = ["broadcast", "broadcast_batch", "mesh_channel", "unpack_if_packed"]
 
 _AVAILABLE = dist.is_available()  # fixed by how torch was built
+_ATTR = "_tensorcast_channels"  # on a mesh: its channels by axes
+_lock = threading.Lock()
 
 
-def _require_initialized(what: str) -> None:
-    if not (_AVAILABLE and dist.is_initialized()):
-        raise RuntimeError(
-            f"{what} needs torch.distributed: call torch.distributed.init_process_group() "
-            f"first (tensorcast.broadcast_batch and BroadcastingDataLoader are no-ops without it)"
-        )
+def _initialized() -> bool:
+    return _AVAILABLE and dist.is_initialized()
 
 
 def broadcast(
@@ -31,23 +37,26 @@ def broadcast(
     group: dist.ProcessGroup | None = None,
     *,
     device: torch.device | str | None = None,
+    timeout: float | datetime.timedelta | None = None,
 ) -> Any:
     """Send ``tree`` from rank ``src`` to every rank of ``group``; all return the same tree.
 
-    Every rank of ``group`` calls this. The source packs the tree into a header and one
-    buffer and sends both (one message when they are small, two otherwise); receivers
-    rebuild the tree as views into the received buffer. Nothing is pickled on any rank.
-    Tensor leaves of 2 MiB or more travel from their own memory, each as a broadcast of
-    its own, straight into its place in the receivers' buffer; the source copies them for
-    its own result while they are on the wire.
+    Every rank of ``group`` calls this, in the same order as its other tensorcast calls
+    on those ranks. The source packs the tree into a header and one buffer; receivers
+    rebuild it as views into the buffer they received. Nothing is pickled on any rank,
+    and nothing travels on ``group`` itself: tensorcast sends on its own group over the
+    same ranks, made (with an agreement among the ranks) the first time a ``(group,
+    src)`` pair is used.
 
     Args:
         tree: the batch on the source rank (a tree or a :class:`Packed`); ignored elsewhere,
             where ``None`` is the usual value.
         src: the source's *global* rank, as in ``torch.distributed.broadcast``.
-        group: the process group; None means the default group.
+        group: the ranks to reach; None means every rank.
         device: where output tensors land. Defaults to the group's transfer device:
             ``cuda:<current device>`` for NCCL, CPU for gloo. numpy leaves stay on CPU.
+        timeout: seconds (or a timedelta) to wait for a peer; None means the default
+            process group's timeout.
 
     Returns:
         The rebuilt tree, on every rank including the source.
@@ -55,18 +64,82 @@ def broadcast(
     Raises:
         UnsupportedLeafError: on the source, when the tree holds a leaf that cannot travel.
         SourceError: on receivers, when the source could not encode its tree.
-        PeerError: a peer died or did not join within the group's timeout.
+        DesyncError: the ranks disagree on ``src`` the first time it is used.
+        PeerError: a peer died or did not answer within the timeout.
     """
-    _require_initialized("tensorcast.broadcast")
-    if group is None:
-        group = dist.distributed_c10d._get_default_group()
-    _transport.drain(group)  # a loader pass left early may still owe broadcasts here
-    channel = _transport.channel_for_group(group, src)
+    if not _initialized():
+        raise RuntimeError(
+            "tensorcast.broadcast needs torch.distributed: call "
+            "torch.distributed.init_process_group() first (tensorcast.broadcast_batch and "
+            "BroadcastingDataLoader are no-ops without it)"
+        )
+    wait = to_timedelta(timeout)
+    ranks = tuple(sorted(dist.get_process_group_ranks(group))) if group is not None else None
+    if ranks is None:
+        ranks = tuple(range(dist.get_world_size()))
+    if src not in ranks:
+        raise ValueError(
+            f"src={src} is not a rank of the group (global ranks {list(ranks)}); src is a "
+            f"global rank, as in torch.distributed.broadcast"
+        )
+    channel = _broadcast_channel(ranks, src)
     dev = resolve_device(device)
+    lane = channel.group.lane
     if channel.is_source:
-        return channel.send_batch(tree, device=dev)
-    kind, value = channel.recv(device=dev)
-    return _transport.raise_for(kind, value, src)
+        return lane.run(lambda: channel.send_batch(tree, dev, wait))
+    kind, value = lane.run(lambda: channel.recv(dev, wait))
+    return raise_for(kind, value, src)
+
+
+def _broadcast_channel(ranks: tuple[int, ...], src: int) -> Channel:
+    world = _groups.world()
+    key = (ranks, src)
+    channel = world.broadcast_channels.get(key)
+    if channel is None:
+        channel, _ = open_channel(
+            ranks, ranks, src, f"tensorcast.broadcast(src={src})", {"src": src}
+        )
+        world.broadcast_channels[key] = channel
+    return channel  # type: ignore[no-any-return]
+
+
+def mesh_channel(
+    device_mesh: Any,
+    axes: tuple[str, ...],
+    what: str,
+    setup: dict[str, Any],
+    *,
+    extra: dict[str, Any] | None = None,
+    timeout: datetime.timedelta | None = None,
+    verify: bool = False,
+) -> tuple[Channel, dict[int, dict[str, Any]]]:
+    """A channel over this rank's flattened sub-mesh of ``axes``, from its first rank.
+
+    Every rank of the mesh calls this together: they agree on ``setup`` (with the mesh's
+    shape and the axes), and each sub-mesh gets tensorcast's group over its ranks.
+    """
+    spanning = _mesh.spanning_axes(device_mesh, axes)
+    rows = _mesh.submesh_rows(device_mesh, spanning)
+    rank = dist.get_rank()
+    mine = next((r for r in rows if rank in r), None)
+    if mine is None:
+        raise ValueError(f"rank {rank} is not part of the device mesh {device_mesh}")
+    scope = sorted(r for row in rows for r in row)
+    full = {
+        **setup,
+        "axes": list(axes),
+        "mesh": [list(device_mesh.mesh_dim_names), list(device_mesh.mesh.shape)],
+    }
+    return open_channel(
+        scope,
+        tuple(sorted(mine)),
+        mine[0],
+        what,
+        full,
+        extra=extra,
+        timeout=timeout,
+        verify=verify,
+    )
 
 
 def broadcast_batch(
@@ -78,19 +151,36 @@ def broadcast_batch(
 ) -> Any:
     """Broadcast ``batch`` across this rank's ``(cp, tp)`` sub-mesh, from its first rank.
 
-    The named axes present in ``device_mesh`` are flattened (once; the groups are reused)
-    into one group per DP slot. Returns ``batch`` itself, the very same object, when there
-    is nothing to do: ``torch.distributed`` not initialized, ``device_mesh`` None, no named
-    axis in the mesh, or every present named axis of size 1.
+    The named axes present in ``device_mesh`` are flattened into one group per DP slot
+    (tensorcast's own, made on the first call and reused). Returns ``batch`` itself, the
+    very same object, when there is nothing to do: ``torch.distributed`` not initialized,
+    ``device_mesh`` None, no named axis in the mesh, or every present named axis of size 1.
 
-    Every rank of the mesh must make the first call together (it creates the groups).
+    Every rank of the mesh must make the first call together (it sets up the groups).
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _initialized():
         return batch
-    if not _mesh.spanning_axes(device_mesh, axes):
+    names = _mesh.normalize_axes(axes)
+    if not _mesh.spanning_axes(device_mesh, names):
         return batch
-    sub = _mesh.resolve_submesh(device_mesh, axes)
-    return broadcast(batch, sub.src, sub.group, device=device)
+    world = _groups.world()
+    with _lock:
+        cache: dict[tuple[str, ...], tuple[Any, Channel]] = device_mesh.__dict__.setdefault(
+            _ATTR, {}
+        )
+        hit = cache.get(names)
+    if hit is None or hit[0]() is not world:
+        channel, _ = mesh_channel(device_mesh, names, "tensorcast.broadcast_batch", {})
+        with _lock:
+            cache[names] = (weakref.ref(world), channel)
+    else:
+        channel = hit[1]
+    dev = resolve_device(device)
+    lane = channel.group.lane
+    if channel.is_source:
+        return lane.run(lambda: channel.send_batch(batch, dev))
+    kind, value = lane.run(lambda: channel.recv(dev))
+    return raise_for(kind, value, channel.src)
 
 
 def unpack_if_packed(batch: Any) -> Any:

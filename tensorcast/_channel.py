@@ -1,0 +1,199 @@
+"""A channel: one source and its receivers on one of tensorcast's groups.
+
+A loader, a mesh's ``broadcast_batch`` and each ``(group, src)`` of ``broadcast`` own a
+channel. Channels on the same ranks share one group and its lane, and every method
+that communicates (:meth:`Channel.send_batch`, :meth:`send_end`, :meth:`send_error`,
+:meth:`recv`) must run as a job on that lane (see NOTE [ One ordered lane ]). Each frame
+is stamped with the channel's agreed id, its pass and its step, so a receiver that is
+handed another channel's frame raises ``DesyncError`` instead of taking it.
+
+:func:`open_channel` sets one up: agreement among the ranks that build it together, then
+the group (made on first use), then the channel.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tensorcast import _groups, _schema
+from tensorcast._errors import SourceError
+from tensorcast._frame import FRAMES_VERSION, Kind
+from tensorcast._groups import Group, World
+from tensorcast._liveness import diagnose
+from tensorcast._receiver import Receiver
+from tensorcast._sender import Outgoing, Sender, Stamp
+
+__all__ = ["Channel", "open_channel", "raise_for", "to_timedelta"]
+
+
+def to_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
+    if timeout is None or isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return datetime.timedelta(seconds=timeout)
+
+
+class Channel:
+    """One source (a *global* rank) and its peers on tensorcast's group over ``group.ranks``.
+
+    Args:
+        world: tensorcast's state for the default group.
+        group: tensorcast's group the frames travel on.
+        src: the source's global rank.
+        channel_id: the number the ranks agreed on for this channel.
+        timeout: how long a rank waits for one message; None means the default group's.
+        verify: carry a CRC32 of every payload and check it on receivers.
+    """
+
+    def __init__(
+        self,
+        world: World,
+        group: Group,
+        src: int,
+        channel_id: int,
+        *,
+        timeout: datetime.timedelta | None = None,
+        verify: bool = False,
+    ) -> None:
+        self.group = group
+        self.src = src
+        self.id = channel_id
+        self.timeout = timeout or world.timeout
+        self.is_source = world.rank == src
+        self.pass_index = 0
+        self.step = 0
+        root = group.local(src)
+        self._heartbeat = world.heartbeat
+        self._sender: Sender | None = None
+        self._receiver: Receiver | None = None
+        if self.is_source:
+            self._sender = Sender(group, root, verify=verify)
+            world.heartbeat.start()
+        else:
+            seconds = self.timeout.total_seconds()
+            self._receiver = Receiver(group, root, src, lambda: diagnose(world.store, src, seconds))
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.group.ranks
+
+    def start_pass(self, pass_index: int) -> None:
+        """Number the frames of a new pass; run as a job, like the frames."""
+        self.pass_index = pass_index
+        self.step = 0
+
+    def busy(self, what: str) -> Any:
+        """A context in which this (source) rank's heartbeat says it is busy with ``what``."""
+        return self._heartbeat.busy(what)
+
+    def _stamp(self) -> Stamp:
+        return Stamp(self.id, self.pass_index, self.step)
+
+    # -- source (jobs) -------------------------------------------------------------------
+
+    def prepare(self, batch: Any, device: torch.device | None) -> tuple[Outgoing, Any]:
+        """Everything before the first message of ``batch``'s frame: the frame, written,
+        and this rank's own tree (see NOTE [ A frame is atomic ]).
+
+        Raises:
+            UnsupportedLeafError, ValueError, HeaderError: the batch cannot travel.
+        """
+        self.group.lane.check()
+        return self._source().data(batch, self._stamp(), device)
+
+    def send(self, frame: Outgoing, timeout: datetime.timedelta | None = None) -> None:
+        """Post a frame :meth:`prepare` made (or an END / ERROR frame)."""
+        self._source().send(frame, timeout or self.timeout)
+        self.step += 1
+
+    def send_batch(
+        self, batch: Any, device: torch.device | None, timeout: datetime.timedelta | None = None
+    ) -> Any:
+        """Send ``batch`` and return this rank's own tree of it.
+
+        A batch that cannot travel is announced with an ERROR frame, then raised.
+        """
+        try:
+            frame, own = self.prepare(batch, device)
+        except Exception as e:
+            self.send_error(f"batch serialization failed: {type(e).__name__}: {e}", timeout)
+            raise
+        self.send(frame, timeout)
+        return own
+
+    def send_end(self, timeout: datetime.timedelta | None = None) -> None:
+        self.group.lane.check()
+        self.send(self._source().end(self._stamp()), timeout)
+
+    def send_error(self, message: str, timeout: datetime.timedelta | None = None) -> None:
+        self.group.lane.check()
+        self.send(self._source().error(message, self._stamp()), timeout)
+
+    def _source(self) -> Sender:
+        if self._sender is None:
+            raise RuntimeError(f"this rank is not the source (rank {self.src}) of the channel")
+        return self._sender
+
+    # -- receivers (jobs) ----------------------------------------------------------------
+
+    def recv(
+        self, device: torch.device | None, timeout: datetime.timedelta | None = None
+    ) -> tuple[Kind, Any]:
+        """The next frame from the source: ``(DATA, tree)``, ``(END, None)`` or
+        ``(ERROR, message)``."""
+        self.group.lane.check()
+        if self._receiver is None:
+            raise RuntimeError(f"rank {self.src} is the source of this channel")
+        got = self._receiver.recv(self._stamp(), device, timeout or self.timeout)
+        self.step += 1
+        return got
+
+
+def raise_for(kind: Kind, value: Any, src: int) -> Any:
+    """A received frame's tree, or the ``SourceError`` it stands for."""
+    if kind == Kind.DATA:
+        return value
+    if kind == Kind.ERROR:
+        raise SourceError(f"source rank {src} reported: {value}")
+    raise SourceError(f"source rank {src} ended the stream where a batch was expected")
+
+
+def open_channel(
+    scope: Sequence[int],
+    ranks: tuple[int, ...],
+    src: int,
+    what: str,
+    setup: dict[str, Any],
+    *,
+    extra: dict[str, Any] | None = None,
+    timeout: datetime.timedelta | None = None,
+    verify: bool = False,
+) -> tuple[Channel, dict[int, dict[str, Any]]]:
+    """Agree on ``setup`` among ``scope``, then open a channel on the group over ``ranks``.
+
+    Args:
+        scope: every global rank that builds this together (a mesh's ranks, a group's).
+        ranks: this rank's group: the source and its receivers (global, sorted).
+        src: the source's global rank.
+        what: names the thing in errors.
+        setup: what must agree on every rank of ``scope``; the format and frame versions
+            are added.
+        extra: what this rank tells the others (see :meth:`World.agree`).
+
+    Returns:
+        The channel, and every rank's ``extra``.
+
+    Raises:
+        DesyncError: the ranks disagree, or one did not come within the timeout.
+    """
+    world = _groups.world()
+    full = {**setup, "format": _schema.FORMAT_VERSION, "frames": FRAMES_VERSION}
+    channel_id, extras = world.agree(scope, what, full, extra, timeout=timeout)
+    group = world.group(ranks)
+    channel = Channel(world, group, src, channel_id, timeout=timeout, verify=verify)
+    return channel, extras

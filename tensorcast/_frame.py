@@ -1,0 +1,212 @@
+"""A frame: what one step puts on the wire, and how it is cut into messages.
+
+Each step (one batch, the end of a pass, or a source's failure) is one *frame*. Its first
+message has a *capacity* every rank knows before it arrives; what follows it, if
+anything, is decided by :func:`plan_frame` from numbers in the prefix, so the sender and
+the receivers cut a frame the same way by construction::
+
+    first message (``capacity`` bytes, always)
+    +--------+--------------------+-------- zeros --------+-----------------+
+    | prefix | header (not SPILL) |                       | inline payload  |
+    +--------+--------------------+-------- zeros --------+-----------------+
+    0        PREFIX.size                          payload_at         capacity
+
+    then, in order, only where the plan says so:
+      the header alone, ``header_len`` bytes           (flag SPILL)
+      the payload alone, ``payload_len`` bytes        (payload_len > 0, not INLINE)
+
+The inline payload ends the message, 64-byte aligned, so where it starts depends only on
+its length: batches of one structure land at the same place whatever their small values.
+A frame that needed more room announces a larger capacity for the next first message
+(``next_capacity``); capacities only grow, up to :data:`MAX_CAPACITY`.
+
+Frame kinds and what they carry:
+
+    ======  ==================================  =====================================
+    kind    header                              payload
+    ======  ==================================  =====================================
+    DATA    the batch's encoded schema          the packed buffer (may be empty)
+    END     empty                               none: the source is exhausted
+    ERROR   UTF-8 text of the source's failure  none
+    ======  ==================================  =====================================
+
+The prefix names the channel (which loader or broadcast on these ranks), the pass and the
+step, so a receiver out of step raises ``DesyncError`` instead of taking a batch meant
+for another loader. Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum, IntFlag
+
+from tensorcast._errors import HeaderError
+
+__all__ = [
+    "FRAMES_VERSION",
+    "INITIAL_CAPACITY",
+    "MAX_CAPACITY",
+    "MAX_ERROR_BYTES",
+    "PREFIX_SIZE",
+    "Flags",
+    "FramePlan",
+    "Kind",
+    "Prefix",
+    "plan_frame",
+]
+
+#: How frames are laid out and follow one another; part of every setup agreement.
+FRAMES_VERSION = 4
+INITIAL_CAPACITY = 4096
+#: The largest first message: larger payloads always follow in a message of their own.
+MAX_CAPACITY = 256 << 10
+MAX_ERROR_BYTES = 64 << 10
+#: A header larger than this is refused before anything is allocated for it.
+MAX_HEADER_BYTES = 64 << 20
+PAYLOAD_ALIGN = 64
+_MAGIC = b"TCFR"
+# magic, version, kind, flags, channel, pass, step, header_len, payload_len,
+# next_capacity, crc32
+_STRUCT = struct.Struct("<4sBBHIIQIQII")
+PREFIX_SIZE = _STRUCT.size
+
+
+class Kind(IntEnum):
+    """What a frame carries."""
+
+    DATA = 1
+    END = 2
+    ERROR = 3
+
+
+class Flags(IntFlag):
+    """How a frame is cut; receivers check them against their own :func:`plan_frame`."""
+
+    NONE = 0
+    INLINE = 1  # the payload ends the first message
+    SPILL = 2  # the header did not fit: it follows the first message alone
+    CRC = 4  # ``crc`` is the CRC32 of the payload
+
+
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    """The fixed-size start of every first message."""
+
+    kind: Kind
+    flags: Flags
+    channel: int  # which channel on these ranks (agreed when it was set up)
+    pass_index: int
+    step: int
+    header_len: int
+    payload_len: int
+    next_capacity: int
+    crc: int = 0
+
+    def pack_into(self, buffer: memoryview | bytearray) -> None:
+        _STRUCT.pack_into(
+            buffer,
+            0,
+            _MAGIC,
+            FRAMES_VERSION,
+            self.kind,
+            self.flags,
+            self.channel,
+            self.pass_index,
+            self.step,
+            self.header_len,
+            self.payload_len,
+            self.next_capacity,
+            self.crc,
+        )
+
+    @classmethod
+    def unpack(cls, data: memoryview | bytes, capacity: int) -> Prefix:
+        """Read and validate a prefix received in a first message of ``capacity`` bytes.
+
+        Raises:
+            HeaderError: not a frame of this version, or sizes no sender would write.
+        """
+        if len(data) < PREFIX_SIZE:
+            raise HeaderError(f"a first message of {len(data)} bytes has no frame prefix")
+        magic, version, kind, flags, channel, pass_index, step, hlen, plen, nxt, crc = (
+            _STRUCT.unpack_from(data, 0)
+        )
+        if magic != _MAGIC:
+            raise HeaderError(f"not a tensorcast frame (magic {magic!r}, expected {_MAGIC!r})")
+        if version != FRAMES_VERSION:
+            raise HeaderError(
+                f"frame version {version} from the source, but this rank speaks frames "
+                f"v{FRAMES_VERSION}: install the same tensorcast version on every rank"
+            )
+        if kind not in Kind._value2member_map_:
+            raise HeaderError(f"unknown frame kind {kind}; known kinds: {[k.value for k in Kind]}")
+        if flags & ~int(Flags.INLINE | Flags.SPILL | Flags.CRC):
+            raise HeaderError(f"unknown frame flags {flags:#x}")
+        if hlen > MAX_HEADER_BYTES:
+            raise HeaderError(f"a {hlen}-byte header is over the {MAX_HEADER_BYTES}-byte limit")
+        if not capacity <= nxt <= MAX_CAPACITY or nxt & (nxt - 1):
+            raise HeaderError(f"invalid next capacity {nxt} (this one is {capacity})")
+        if kind != Kind.DATA and (plen or (kind == Kind.END and hlen)):
+            raise HeaderError(f"a {Kind(kind).name} frame with a header or payload")
+        if kind == Kind.ERROR and hlen > MAX_ERROR_BYTES:
+            raise HeaderError(f"an error message of {hlen} bytes is over the limit")
+        return cls(Kind(kind), Flags(flags), channel, pass_index, step, hlen, plen, nxt, crc)
+
+
+def _align_up(n: int, a: int = PAYLOAD_ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 1).bit_length()
+
+
+@dataclass(frozen=True, slots=True)
+class FramePlan:
+    """How one frame is cut into messages; a pure function of four numbers."""
+
+    capacity: int
+    header_len: int
+    payload_len: int
+    flags: Flags
+    next_capacity: int
+
+    @property
+    def inline(self) -> bool:
+        return bool(self.flags & Flags.INLINE)
+
+    @property
+    def spill(self) -> bool:
+        return bool(self.flags & Flags.SPILL)
+
+    @property
+    def payload_at(self) -> int:
+        """Where an inline payload starts in the first message."""
+        return self.capacity - _align_up(self.payload_len)
+
+    @property
+    def separate_payload(self) -> bool:
+        """Whether the payload follows the first message as a message of its own."""
+        return self.payload_len > 0 and not self.inline
+
+
+def plan_frame(capacity: int, header_len: int, payload_len: int, *, inline_ok: bool) -> FramePlan:
+    """Cut a frame: the header inline unless it does not fit, the payload inline when it
+    fits after the header (and the transfer device is the host), else on its own.
+
+    ``inline_ok`` is False where payloads live on a GPU: a first message travels on a
+    host group there, so the payload always follows on the device group.
+    """
+    head = PREFIX_SIZE + header_len
+    flags = Flags.NONE
+    if head > capacity:
+        flags |= Flags.SPILL
+    elif inline_ok and _align_up(head) + _align_up(payload_len) <= capacity:
+        flags |= Flags.INLINE
+    # Grow the next first message so a frame like this one fits in it, within the cap.
+    want = _align_up(head) + (_align_up(payload_len) if inline_ok else 0)
+    if want > MAX_CAPACITY:
+        want = head if head <= MAX_CAPACITY else 0
+    next_capacity = max(capacity, _pow2_at_least(want)) if want else capacity
+    return FramePlan(capacity, header_len, payload_len, flags, next_capacity)

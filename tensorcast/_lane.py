@@ -1,0 +1,151 @@
+"""One ordered lane per group: every tensorcast transfer on a set of ranks, in order.
+
+# NOTE [ One ordered lane ]
+Collectives match by order. tensorcast's traffic runs on process groups that it owns
+(see ``_groups``), one per set of ranks, and every transfer on such a group is a *job*
+in one FIFO, run by one worker thread. Jobs are submitted only from the caller's thread,
+at points that are the same on every rank (``iter()`` and ``next()`` of a loader, a
+``tensorcast.broadcast`` call), so every rank runs the same jobs in the same order,
+whatever mix of loaders, prefetch depths, early breaks and broadcasts the caller makes,
+and whatever the model does on its own groups in between. A loader's ``prefetch=k`` is
+simply "k jobs submitted ahead of the consumer".
+
+A job that fails after its first message went out leaves the group in an unknown state:
+the lane is then *broken* on this rank (its group aborted, so that peers blocked on it
+fail now rather than at their timeout), and every later job fails with ``PeerError``
+naming the first failure. A job's exception is handed to whoever waits for it; a caller
+interrupted while waiting (Ctrl-C, a signal handler that raises) leaves the job running
+to the end of its frame, and waiting again picks up its result.
+
+The worker leaves after a few idle seconds and comes back with the next job, so idle
+lanes hold no thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from tensorcast._errors import PeerError
+
+__all__ = ["Job", "Lane"]
+
+T = TypeVar("T")
+_IDLE_EXIT_S = 5.0
+
+
+class Job(Generic[T]):
+    """A transfer submitted to a lane; :meth:`result` waits for it."""
+
+    __slots__ = ("_done", "_error", "_fn", "_value")
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self._fn = fn
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def error(self) -> BaseException | None:
+        """What the job raised, once it is done."""
+        return self._error
+
+    def result(self) -> T:
+        """The job's value, or its exception raised here; waits until it has run."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[no-any-return]
+
+    def _run(self) -> None:
+        try:
+            self._value = self._fn()
+        except BaseException as e:  # handed to whoever waits, never swallowed
+            self._error = e
+        finally:
+            self._fn = None  # type: ignore[assignment]
+            self._done.set()
+
+
+class Lane:
+    """A FIFO of jobs on one of tensorcast's groups, run in order by one worker thread.
+
+    Args:
+        name: names the lane's thread and its errors (e.g. the group's ranks).
+        abort: tears the group down; called once, when the lane breaks.
+        cuda_device: the CUDA device jobs run on (the caller's current one), if any.
+    """
+
+    def __init__(
+        self, name: str, abort: Callable[[], None], cuda_device: int | None = None
+    ) -> None:
+        self.name = name
+        self._abort = abort
+        self._cuda_device = cuda_device
+        self._jobs: collections.deque[Job[Any]] = collections.deque()
+        self._cond = threading.Condition()
+        self._worker: threading.Thread | None = None
+        self.broken: BaseException | None = None
+
+    def submit(self, fn: Callable[[], T]) -> Job[T]:
+        """Queue ``fn`` behind every job submitted before it; it runs on the worker."""
+        if threading.current_thread() is self._worker:
+            raise RuntimeError(
+                "tensorcast was called from inside a loader's source iterator on the same "
+                "ranks; a source must not broadcast or iterate another BroadcastingDataLoader"
+            )
+        job: Job[T] = Job(fn)
+        with self._cond:
+            self._jobs.append(job)
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=self._run, name=f"tensorcast-lane-{self.name}", daemon=True
+                )
+                self._worker.start()
+            else:
+                self._cond.notify()
+        return job
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """Submit ``fn`` and wait for its result."""
+        return self.submit(fn).result()
+
+    def break_(self, cause: BaseException) -> None:
+        """Mark the lane broken after a failure in the middle of a frame (first cause wins)."""
+        if self.broken is not None:
+            return
+        self.broken = cause
+        # A group that cannot abort is broken all the same, and the cause is what to report.
+        with contextlib.suppress(RuntimeError):
+            self._abort()
+
+    def check(self) -> None:
+        """Raise ``PeerError`` if the lane is broken."""
+        if self.broken is not None:
+            raise PeerError(
+                f"tensorcast's channel on ranks {self.name} failed earlier and cannot be "
+                f"trusted any more ({type(self.broken).__name__}: {self.broken}); "
+                f"restart the job (every rank learns of the failure within its timeout)"
+            )
+
+    def _run(self) -> None:
+        if self._cuda_device is not None:
+            torch.cuda.set_device(self._cuda_device)
+        while True:
+            with self._cond:
+                if not self._jobs:
+                    self._cond.wait(_IDLE_EXIT_S)
+                if not self._jobs:
+                    self._worker = None
+                    return
+                job = self._jobs.popleft()
+            job._run()

@@ -1,0 +1,112 @@
+"""Slow is not dead: a source's heartbeat in the store, read by a receiver that timed out.
+
+A receiver waiting for a frame cannot tell from the collective alone why nothing came:
+the source may be gone, or alive and stuck in its own iterator (DataLoader workers that
+start, slow storage). A source rank keeps one key in the store fresh while it is alive::
+
+    alive/<global rank> = "<beats> <busy seconds> <what it is busy with>"
+
+written every ``period`` seconds by a daemon thread (a store write, not a collective).
+A receiver whose wait failed reads the key twice, ``period`` apart: beats that moved
+mean the source is alive, and its busy time says for how long it has been inside
+``next()``; beats that did not move (or no key) mean it is gone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["Heartbeat", "diagnose"]
+
+
+def _period(timeout_s: float) -> float:
+    return min(5.0, max(0.2, timeout_s / 8))
+
+
+class Heartbeat:
+    """The heartbeat of this rank while it is the source of any channel."""
+
+    def __init__(self, store: Any, rank: int, timeout_s: float) -> None:
+        self._store = store
+        self._key = f"alive/{rank}"
+        self._period = _period(timeout_s)
+        self._lock = threading.Lock()
+        self._busy: dict[int, tuple[float, str]] = {}  # token -> (since, what)
+        self._beats = 0
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._beat()
+                self._thread = threading.Thread(
+                    target=self._run, name="tensorcast-heartbeat", daemon=True
+                )
+                self._thread.start()
+
+    @contextmanager
+    def busy(self, what: str) -> Iterator[None]:
+        """Mark this rank busy with ``what`` (e.g. ``next(source)``) while inside."""
+        token = object()
+        with self._lock:
+            self._busy[id(token)] = (time.monotonic(), what)
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._busy[id(token)]
+
+    def _beat(self) -> None:
+        now = time.monotonic()
+        since, what = min(self._busy.values(), default=(now, "nothing"))
+        self._beats += 1
+        self._store.set(self._key, f"{self._beats} {now - since:.1f} {what}")
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self._period)
+            try:
+                with self._lock:
+                    self._beat()
+            except RuntimeError:
+                return  # the store is gone with its process group: nothing to tell
+
+
+def diagnose(store: Any, src: int, timeout_s: float) -> str:
+    """What the source's heartbeat says, for a receiver's error message."""
+    key = f"alive/{src}"
+    period = _period(timeout_s)
+
+    def read() -> list[str] | None:
+        try:
+            if not store.check([key]):
+                return None
+            return store.get(key).decode().split(" ", 2)
+        except RuntimeError:
+            return None
+
+    first = read()
+    time.sleep(1.5 * period)
+    second = read()
+    if first is None or second is None:
+        return f"the source rank {src} never sent a heartbeat (it died, or never started)"
+    if first[0] == second[0]:
+        return (
+            f"the source rank {src} is gone: its heartbeat stopped (it died, or its "
+            f"process is frozen)"
+        )
+    busy_s, what = float(second[1]), second[2]
+    if what == "nothing":
+        return (
+            f"the source rank {src} is alive and not busy: it is waiting elsewhere (do all "
+            f"ranks iterate the same loaders and call tensorcast.broadcast in the same order?)"
+        )
+    return (
+        f"the source rank {src} is alive but slow: busy for {busy_s:.1f} s in {what}; give "
+        f"it a longer timeout (init_process_group(timeout=...) or timeout=) or a faster "
+        f"loader"
+    )

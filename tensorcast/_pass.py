@@ -1,0 +1,218 @@
+"""One pass of a BroadcastingDataLoader: its steps as jobs on the lane, and their results.
+
+Each step is one job (see NOTE [ One ordered lane ]): on the source it pulls the next
+batch and sends its frame, on a receiver it receives a frame. A step whose pass already
+ended (an END or ERROR frame came before it) does nothing on any rank: every rank
+learns of the end from the same frame, so all of them skip alike.
+
+What a step hands back to the consumer:
+
+    ==========  ==============================  =====================================
+    result      source                          receivers
+    ==========  ==============================  =====================================
+    ``_Item``   the batch was sent              a batch arrived
+    ``_END``    the source is exhausted         an END frame arrived
+    ``_Failure``  the source raised: that very  an ERROR frame arrived: ``SourceError``
+                exception
+    ==========  ==============================  =====================================
+
+A job's own exception (``PeerError``, ``DesyncError``, ``HeaderError``) is raised to
+the consumer as it is.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from tensorcast._channel import Channel
+from tensorcast._errors import SourceError
+from tensorcast._frame import Kind
+from tensorcast._lane import Job
+
+if TYPE_CHECKING:
+    from tensorcast._loader import BroadcastingDataLoader
+
+__all__ = ["Pass", "stateful"]
+
+
+def stateful(source: Any) -> Any:
+    """What holds the source's position: the source, or its batch sampler or sampler
+    (a plain DataLoader over a lhotse sampler); None when nothing has a state."""
+    for target in (
+        source,
+        getattr(source, "batch_sampler", None),
+        getattr(source, "sampler", None),
+    ):
+        if target is not None and callable(getattr(target, "state_dict", None)):
+            return target
+    return None
+
+
+class _End:
+    """The source is exhausted."""
+
+
+_END = _End()
+
+
+class _Failure:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Item:
+    __slots__ = ("state", "tree")
+
+    def __init__(self, tree: Any, state: Any) -> None:
+        self.tree = tree
+        self.state = state
+
+    def take(self) -> Any:
+        """The tree, which this item then lets go of: the loader keeps no reference to a
+        batch handed out, so its pooled buffer is reused once the caller drops it."""
+        tree, self.tree = self.tree, None
+        return tree
+
+
+class _Steps:
+    """The job side of a pass: what its steps share, run on the lane's worker.
+
+    Kept apart from :class:`Pass` so that queued steps hold no reference to it: a
+    ``for ... break`` then frees the pass at once, on the caller's thread.
+    """
+
+    def __init__(self, channel: Channel, device: Any, source: Any, depth: int) -> None:
+        self.channel = channel
+        self.device = device
+        self.ended = False  # the pass's END or ERROR frame went by
+        self.source_iter: Iterator[Any] | None = None
+        self.start_error: BaseException | None = None
+        self.stateful = stateful(source) if depth and channel.is_source else None
+
+    def source(self) -> Any:
+        channel = self.channel
+        if self.ended:
+            return _END
+        channel.group.lane.check()
+        try:
+            if self.start_error is not None:
+                raise self.start_error
+            with channel.busy("next(source)"):
+                batch = next(self.source_iter)  # type: ignore[arg-type]
+        except StopIteration:
+            self.ended = True
+            channel.send_end()
+            return _END
+        except BaseException as e:
+            return self._fail(e, f"source iterator failed: {type(e).__name__}: {e}")
+        try:
+            # A deep copy: later steps advance the source before this batch is yielded.
+            state = copy.deepcopy(self.stateful.state_dict()) if self.stateful else None
+        except Exception as e:
+            return self._fail(e, f"source state_dict() failed: {type(e).__name__}: {e}")
+        try:
+            frame, own = channel.prepare(batch, self.device)
+        except Exception as e:
+            return self._fail(e, f"batch serialization failed: {type(e).__name__}: {e}")
+        channel.send(frame)
+        return _Item(own, state)
+
+    def _fail(self, error: BaseException, message: str) -> _Failure:
+        self.ended = True
+        self.channel.send_error(message)
+        return _Failure(error)
+
+    def receiver(self) -> Any:
+        if self.ended:
+            return _END
+        kind, value = self.channel.recv(self.device)
+        if kind == Kind.DATA:
+            return _Item(value, None)
+        self.ended = True
+        if kind == Kind.END:
+            return _END
+        return _Failure(SourceError(f"source rank {self.channel.src} reported: {value}"))
+
+
+class Pass:
+    """An iterator over one pass; made by ``iter(loader)`` on every rank together."""
+
+    def __init__(self, loader: BroadcastingDataLoader, channel: Channel, index: int) -> None:
+        self._loader = loader
+        self._lane = channel.group.lane
+        self._depth = loader.prefetch
+        self._pending: collections.deque[Job[Any]] = collections.deque()
+        self._finished = False
+        steps = self._steps = _Steps(channel, loader.device, loader.source, self._depth)
+        self._step = steps.source if channel.is_source else steps.receiver
+        if channel.is_source:
+            # iter(source) on the caller's thread, as a plain loop would call it; a failure
+            # is announced to the receivers by the first step.
+            try:
+                steps.source_iter = iter(loader.source)  # type: ignore[arg-type]
+                if steps.stateful is not None:  # the position before the first batch
+                    loader._state = copy.deepcopy(steps.stateful.state_dict())
+            except BaseException as e:
+                steps.start_error = e
+        self._lane.submit(lambda: channel.start_pass(index))
+        for _ in range(self._depth):
+            self._pending.append(self._lane.submit(self._step))
+
+    def __iter__(self) -> Pass:
+        return self
+
+    def __next__(self) -> Any:
+        if self._finished:
+            raise StopIteration
+        if not self._pending:
+            self._pending.append(self._lane.submit(self._step))
+        job = self._pending[0]
+        try:
+            item = job.result()
+        except BaseException as e:
+            if job.done and job.error is e:  # the step's own failure, raised once
+                self._pending.popleft()
+            raise  # else a signal interrupted the wait: the step stays, to wait on again
+        # Until the step leaves the queue below, an interruption hands out the same batch
+        # on the next call: a caught Ctrl-C never skips a batch on one rank only.
+        if isinstance(item, _Item):
+            while len(self._pending) <= self._depth:
+                self._pending.append(self._lane.submit(self._step))
+            if item.state is not None:
+                self._loader._state = item.state
+            return self._pending.popleft().result().take()
+        self._pending.popleft()
+        self.close()
+        if isinstance(item, _Failure):
+            raise item.error
+        raise StopIteration
+
+    def close(self) -> None:
+        """Finish the steps owed to the peers (their batches are dropped). Safe to call
+        again; raises what a step that was let go raised, if it broke the channel."""
+        if self._finished:
+            return
+        self._finished = True
+        error: BaseException | None = None
+        while self._pending:
+            job = self._pending.popleft()
+            try:
+                job.result()
+            except Exception as e:
+                error = error or e
+        if error is not None and self._lane.broken is not None:
+            raise error
+
+    def __del__(self) -> None:
+        # A `for ... break` drops the pass: finish its steps now, so that no collective is
+        # left pending, and keep a failure for the loader's next use (it cannot be raised
+        # from here).
+        try:
+            self.close()
+        except Exception as e:
+            self._loader._deferred = e

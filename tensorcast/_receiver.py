@@ -1,0 +1,140 @@
+"""A receiver's side of a channel: a frame off the wire, validated, rebuilt as views.
+
+A frame is read in the order the source cut it (``_frame.plan_frame`` on both sides):
+the first message, then a spilled header, then a separate payload. The prefix and the
+header are validated before anything is allocated from their sizes. Until the whole
+frame is in, any failure breaks the lane (this rank cannot skip the rest of a frame it
+cannot read); once it is in, a bad CRC is an error of that step alone.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tensorcast import _codec, _schema
+from tensorcast._errors import DesyncError, HeaderError, PeerError, TensorcastError
+from tensorcast._frame import PREFIX_SIZE, Flags, Kind, Prefix, plan_frame
+from tensorcast._groups import Group
+from tensorcast._pool import BufferPool
+from tensorcast._sender import Stamp, crc32
+
+__all__ = ["Receiver"]
+
+_CPU = torch.device("cpu")
+_CUT = Flags.INLINE | Flags.SPILL
+
+
+class Receiver:
+    """Receives and rebuilds the frames of one source on one of tensorcast's groups.
+
+    Args:
+        group: tensorcast's group the frames travel on.
+        root: the source's group-local rank.
+        src: the source's global rank (for messages).
+        diagnose: says whether the source is alive, for the error of a wait that failed.
+    """
+
+    def __init__(self, group: Group, root: int, src: int, diagnose: Callable[[], str]) -> None:
+        self._group = group
+        self._root = root
+        self._src = src
+        self._diagnose = diagnose
+        self._frames = BufferPool()  # first messages: few sizes, kept apart
+        self._pool = BufferPool()  # payloads
+
+    def recv(
+        self, expect: Stamp, device: torch.device | None, timeout: datetime.timedelta
+    ) -> tuple[Kind, Any]:
+        """The next frame: ``(DATA, tree)``, ``(END, None)`` or ``(ERROR, message)``.
+
+        Raises:
+            PeerError: the source died or did not send within ``timeout``.
+            DesyncError: the frame is another step's, or another channel's.
+            HeaderError: the frame is malformed or from another version.
+        """
+        group = self._group
+        capacity = group.capacity
+        first = self._frames.take(capacity, _CPU)
+        try:
+            group.wire.head(first, self._root, timeout)
+        except BaseException as e:
+            group.lane.break_(e)
+            raise PeerError(
+                f"waiting for the source rank {self._src} on ranks {list(group.ranks)} "
+                f"failed after up to {timeout.total_seconds():g} s: {self._diagnose()} "
+                f"({type(e).__name__}: {e})"
+            ) from e
+        try:
+            prefix, header, payload = self._rest(first, capacity, expect, timeout)
+        except TensorcastError as e:
+            group.lane.break_(e)
+            raise
+        except BaseException as e:
+            group.lane.break_(e)
+            raise PeerError(
+                f"receiving the rest of a frame from the source rank {self._src} on ranks "
+                f"{list(group.ranks)} failed: {type(e).__name__}: {e}"
+            ) from e
+        group.capacity = prefix.next_capacity
+        if prefix.kind == Kind.END:
+            return Kind.END, None
+        if prefix.kind == Kind.ERROR or payload is None:
+            return Kind.ERROR, header.decode("utf-8", "replace")
+        if prefix.flags & Flags.CRC and crc32(payload) != prefix.crc:
+            raise HeaderError(
+                f"step {expect.step}: the payload's CRC32 does not match the source's: the "
+                f"bytes were corrupted in transit"
+            )
+        decoded = _schema.decode(header)
+        if device is not None and device != payload.device:
+            return Kind.DATA, _codec.rebuild(decoded, _codec.copy_to_device(payload, device))
+        pool = self._frames if prefix.flags & Flags.INLINE else self._pool
+        return Kind.DATA, _codec.rebuild(decoded, payload, pool=pool)
+
+    def _rest(
+        self, first: torch.Tensor, capacity: int, expect: Stamp, timeout: datetime.timedelta
+    ) -> tuple[Prefix, bytes, torch.Tensor | None]:
+        """Validate the first message and take what follows it."""
+        group, wire = self._group, self._group.wire
+        host = first.numpy()
+        prefix = Prefix.unpack(host.data, capacity)
+        got = (prefix.channel, prefix.pass_index, prefix.step)
+        if got != (expect.channel, expect.pass_index, expect.step):
+            raise DesyncError(
+                f"ranks {list(group.ranks)}: expected channel {expect.channel:#x} pass "
+                f"{expect.pass_index} step {expect.step} from the source rank {self._src}, got "
+                f"channel {prefix.channel:#x} pass {prefix.pass_index} step {prefix.step}: the "
+                f"ranks did not use their loaders (or tensorcast.broadcast) in the same order"
+            )
+        plan = plan_frame(
+            capacity, prefix.header_len, prefix.payload_len, inline_ok=wire.device.type == "cpu"
+        )
+        if plan.flags != prefix.flags & _CUT:
+            raise HeaderError(
+                f"the frame is cut as {prefix.flags & _CUT!r} but its sizes say {plan.flags!r}"
+            )
+        if plan.spill:
+            spilled = torch.empty(prefix.header_len, dtype=torch.uint8)
+            wire.head(spilled, self._root, timeout)
+            header = spilled.numpy().tobytes()
+        else:
+            header = host[PREFIX_SIZE : PREFIX_SIZE + prefix.header_len].tobytes()
+        if prefix.kind != Kind.DATA:
+            return prefix, header, None
+        decoded = _schema.decode(header)  # validated before its sizes allocate anything
+        if decoded.nbytes != prefix.payload_len:
+            raise HeaderError(
+                f"the header describes a {decoded.nbytes}-byte buffer but the frame carries "
+                f"{prefix.payload_len} bytes"
+            )
+        n = prefix.payload_len
+        if plan.inline:
+            return prefix, header, first[plan.payload_at : plan.payload_at + n]
+        payload = self._pool.take(n, wire.device)
+        if n:
+            wire.payload(payload, self._root, timeout)
+        return prefix, header, payload

@@ -1,0 +1,200 @@
+"""The source's side of a channel: a batch into a frame, the frame onto the wire.
+
+Two phases, so that a frame is atomic (NOTE [ A frame is atomic ]):
+
+1. :meth:`Sender.data` / :meth:`end` / :meth:`error` do everything that can fail:
+   flatten, detach, allocate, copy, write the first message and build this rank's own
+   tree. Nothing has been sent, so a failure can still be announced with an ERROR frame.
+2. :meth:`Sender.send` runs the collectives, and nothing else. A failure there breaks
+   the lane (see ``_lane``), so no rank can ever read a frame that is half old, half new.
+
+# NOTE [ A frame is atomic ]
+Every frame is posted whole by one job on the lane's worker thread. A signal handler
+that raises (Ctrl-C, SIGTERM) runs on the caller's thread, so it interrupts the caller's
+wait, never the frame; and the source's result is a tree of views into the buffer it is
+about to send, built before the first message, so the source and the receivers return
+the same tree (detached, not inference tensors) or none of them does.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tensorcast import _codec, _schema
+from tensorcast._codec import Packed
+from tensorcast._errors import PeerError
+from tensorcast._frame import (
+    MAX_ERROR_BYTES,
+    PREFIX_SIZE,
+    Flags,
+    FramePlan,
+    Kind,
+    Prefix,
+    plan_frame,
+)
+from tensorcast._groups import Group
+from tensorcast._pool import BufferPool
+
+__all__ = ["Outgoing", "Sender", "Stamp", "crc32"]
+
+
+@dataclass(frozen=True, slots=True)
+class Stamp:
+    """Which frame this is: the channel, the loader's pass, the step within it."""
+
+    channel: int
+    pass_index: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """A frame written and ready for its collectives."""
+
+    plan: FramePlan
+    first: torch.Tensor
+    header: torch.Tensor | None  # the spilled header, when it did not fit
+    payload: torch.Tensor | None  # the payload, when it travels on its own
+
+
+def crc32(buffer: torch.Tensor) -> int:
+    return zlib.crc32(buffer.cpu().numpy().data) if buffer.numel() else 0
+
+
+class Sender:
+    """Writes and sends the frames of one source on one of tensorcast's groups.
+
+    Args:
+        group: tensorcast's group the frames travel on.
+        root: the source's group-local rank (this rank).
+        verify: carry a CRC32 of every payload.
+    """
+
+    def __init__(self, group: Group, root: int, *, verify: bool = False) -> None:
+        self._group = group
+        self._root = root
+        self._verify = verify
+        self._device = group.wire.device
+        self._pool = BufferPool()
+        self._layout: _codec.Layout | None = None  # the last batch's, reused when it repeats
+        self._first: torch.Tensor | None = None  # this rank's first message, reused
+        self._written = (0, 0)  # the last first message's head end and inline start
+
+    # -- phase 1: everything that can fail ---------------------------------------------
+
+    def data(self, batch: Any, stamp: Stamp, device: torch.device | None) -> tuple[Outgoing, Any]:
+        """The frame of ``batch`` (a tree or a :class:`Packed`) and this rank's own tree.
+
+        Raises:
+            UnsupportedLeafError, ValueError, HeaderError: the batch cannot travel.
+        """
+        with torch.no_grad():
+            if isinstance(batch, Packed):
+                header, payload, own = self._prepacked(batch)
+            else:
+                header, payload, own = self._packed(batch)
+            if device is not None and device != payload.device:
+                own = _codec.rebuild(_schema.decode(header), _codec.copy_to_device(payload, device))
+        return self._frame(Kind.DATA, header, payload, stamp), own
+
+    def end(self, stamp: Stamp) -> Outgoing:
+        return self._frame(Kind.END, b"", None, stamp)
+
+    def error(self, message: str, stamp: Stamp) -> Outgoing:
+        text = message.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
+        return self._frame(Kind.ERROR, text, None, stamp)
+
+    def _packed(self, tree: Any) -> tuple[bytes, torch.Tensor, Any]:
+        plan = _codec.plan(tree, previous=self._layout)
+        self._layout = plan.layout  # no tensors: it keeps no batch alive
+        payload = self._pool.take(plan.nbytes, self._device)
+        views = plan.layout.write_spec().pooled_views(payload, self._pool)
+        views = plan.write(payload, views=views)
+        own = _codec.rebuild(_schema.decode(plan.header), payload, plan.values(payload, views))
+        return plan.header, payload, own
+
+    def _prepacked(self, batch: Packed) -> tuple[bytes, torch.Tensor, Any]:
+        decoded = _schema.decode(batch.header)
+        _codec._check_buffer(batch.buffer, decoded.nbytes)
+        payload = batch.buffer
+        if payload.device != self._device:
+            payload = _codec.copy_to_device(payload, self._device)
+        elif payload.is_inference():
+            payload = payload.clone()  # this rank's tree must not be made of inference tensors
+        return batch.header, payload, _codec.rebuild(decoded, payload)
+
+    def _frame(
+        self, kind: Kind, header: bytes, payload: torch.Tensor | None, stamp: Stamp
+    ) -> Outgoing:
+        n = 0 if payload is None else payload.numel()
+        plan = plan_frame(
+            self._group.capacity, len(header), n, inline_ok=self._device.type == "cpu"
+        )
+        flags = plan.flags
+        crc = 0
+        if self._verify and payload is not None:
+            flags |= Flags.CRC
+            crc = crc32(payload)
+        first = self._first_message(plan)
+        host = first.numpy()
+        Prefix(
+            kind,
+            flags,
+            stamp.channel,
+            stamp.pass_index,
+            stamp.step,
+            len(header),
+            n,
+            plan.next_capacity,
+            crc,
+        ).pack_into(host.data)
+        spilled: torch.Tensor | None = None
+        if plan.spill:
+            spilled = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        else:
+            host[PREFIX_SIZE : PREFIX_SIZE + len(header)] = memoryview(header)
+        separate = payload if plan.separate_payload else None
+        if plan.inline and payload is not None and n:
+            first[plan.payload_at : plan.payload_at + n].copy_(payload)
+        return Outgoing(plan, first, spilled, separate)
+
+    def _first_message(self, plan: FramePlan) -> torch.Tensor:
+        """This rank's first message, with every byte but the new head and inline
+        payload zero: no stale memory of this process travels to the peers."""
+        first = self._first
+        head_end = PREFIX_SIZE + (0 if plan.spill else plan.header_len)
+        inline_at = plan.payload_at if plan.inline else plan.capacity
+        if first is None or first.numel() != plan.capacity:
+            first = self._first = torch.zeros(plan.capacity, dtype=torch.uint8)
+        else:
+            last_head, last_inline = self._written
+            if last_head > head_end:
+                first[head_end:last_head] = 0
+            if last_inline < inline_at:
+                first[last_inline:inline_at] = 0
+        self._written = (head_end, inline_at)
+        return first
+
+    # -- phase 2: the collectives --------------------------------------------------------
+
+    def send(self, out: Outgoing, timeout: Any) -> None:
+        """Post the frame's messages in order; a failure breaks the lane."""
+        wire, root = self._group.wire, self._root
+        try:
+            wire.head(out.first, root, timeout)
+            if out.header is not None:
+                wire.head(out.header, root, timeout)
+            if out.payload is not None:
+                wire.payload(out.payload, root, timeout)
+        except BaseException as e:
+            self._group.lane.break_(e)
+            raise PeerError(
+                f"source rank (group rank {root}) of ranks {list(self._group.ranks)}: sending "
+                f"a frame failed: a receiver died, or did not take it within "
+                f"{timeout.total_seconds():g} s ({type(e).__name__}: {e})"
+            ) from e
+        self._group.capacity = out.plan.next_capacity

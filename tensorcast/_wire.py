@@ -1,0 +1,127 @@
+"""Wires: the collectives a frame's messages travel on, one small class per backend.
+
+A wire moves one message from a source to every other rank of tensorcast's own group
+and knows nothing of what the bytes mean. Two kinds of message:
+
+- a *head* (a first message, or a spilled header): small, on a host group;
+- a *payload*: the packed buffer, on the transfer device's group.
+
+==========  ======================================  ===================================
+wire        heads                                   payloads
+==========  ======================================  ===================================
+GlooWire    gloo; sends from the source to each     gloo broadcast (a tree)
+            receiver on groups of up to
+            ``HEAD_SENDS_MAX_RANKS`` ranks, else a
+            broadcast
+NcclWire    the same gloo group (no device sync     NCCL broadcast on the current CUDA
+            to read a header)                       device
+==========  ======================================  ===================================
+
+Why sends: ProcessGroupGloo runs a send or a receive on the calling thread but queues a
+broadcast for a worker thread on every rank, and for a small message that hop is about
+a third of its time (see ``docs/design.md``). The source sends one receiver after
+another, so large groups keep gloo's broadcast tree.
+
+Ranks here are *group-local*. Every call waits for its message; a failure or a timeout
+raises ``RuntimeError`` from torch, which the caller turns into a broken channel.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["HEAD_SENDS_MAX_RANKS", "GlooWire", "NcclWire", "Wire"]
+
+#: The largest group whose heads the source sends each receiver itself.
+HEAD_SENDS_MAX_RANKS = 4
+_TAG = 0  # the group is tensorcast's own: no other traffic to tell apart
+
+
+class Wire(Protocol):
+    """The collectives of one tensorcast group (group-local ranks)."""
+
+    #: where payloads travel: the host for gloo, the current CUDA device for NCCL
+    device: torch.device
+    size: int
+
+    def head(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> None:
+        """Move a head from ``root`` to every rank (``tensor`` is read there, written
+        elsewhere)."""
+        ...
+
+    def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> None:
+        """Move a payload from ``root`` to every rank."""
+        ...
+
+    def abort(self) -> None:
+        """Tear the group down so that peers blocked on it fail now, not at their timeout."""
+        ...
+
+
+def _broadcast_options(root: int) -> Any:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    opts.rootTensor = 0
+    opts.asyncOp = True
+    return opts
+
+
+class GlooWire:
+    """Heads and payloads on one gloo group."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, gloo: Any, rank: int) -> None:
+        self._gloo = gloo
+        self.rank = rank
+        self.size = gloo.size()
+        self._sends = self.size <= HEAD_SENDS_MAX_RANKS
+        self._options: dict[int, Any] = {}
+
+    def _opts(self, root: int) -> Any:
+        opts = self._options.get(root)
+        if opts is None:
+            opts = self._options[root] = _broadcast_options(root)
+        return opts
+
+    def head(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> None:
+        gloo = self._gloo
+        if not self._sends:
+            gloo.broadcast([tensor], self._opts(root)).wait(timeout)
+        elif self.rank == root:
+            works = [gloo.send([tensor], peer, _TAG) for peer in range(self.size) if peer != root]
+            for work in works:
+                work.wait(timeout)
+        else:
+            gloo.recv([tensor], root, _TAG).wait(timeout)
+
+    def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> None:
+        self._gloo.broadcast([tensor], self._opts(root)).wait(timeout)
+
+    def abort(self) -> None:
+        self._gloo.abort()
+
+
+class NcclWire(GlooWire):
+    """Heads on a gloo group, payloads on an NCCL group over the same ranks.
+
+    The payload's broadcast is queued on the NCCL group's own stream; waiting for it
+    makes the current stream wait (no host sync), and the receive buffer is handed out
+    only after that.
+    """
+
+    def __init__(self, gloo: Any, nccl: Any, rank: int, device: torch.device) -> None:
+        super().__init__(gloo, rank)
+        self._nccl = nccl
+        self.device = device
+
+    def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> None:
+        self._nccl.broadcast([tensor], self._opts(root)).wait()
+
+    def abort(self) -> None:
+        super().abort()
+        self._nccl.abort()

@@ -1,0 +1,344 @@
+"""The loader inside a training step: one ordered lane per group, atomic frames, agreement.
+
+Each rank function puts a "model" around the loader: its own collectives on the
+sub-mesh's groups (the very TP group included) at rank-dependent moments, as a training
+step would, and checks that neither side ever sees the other's data and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import tempfile
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import tensorcast as tc
+from tensorcast import _groups, _wire
+
+TIMEOUT = 120.0
+N = 5  # batches per pass
+
+
+def batch(i: int, tag: int, nbytes: int = 0) -> dict[str, Any]:
+    out: dict[str, Any] = {"i": torch.tensor([i, tag]), "name": f"{tag}-{i}"}
+    if nbytes:
+        out["audio"] = torch.full((nbytes // 4,), float(i + 100 * tag))
+    return out
+
+
+class Source:
+    """A sized source of ``n`` batches tagged ``tag``; optionally slow at one step."""
+
+    def __init__(self, n: int, tag: int, nbytes: int = 0) -> None:
+        self.n, self.tag, self.nbytes = n, tag, nbytes
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        return (batch(i, self.tag, self.nbytes) for i in range(self.n))
+
+
+def names(batches: list[Any]) -> list[str]:
+    return [b["name"] for b in batches]
+
+
+def dp_tp_mesh(world: int) -> Any:
+    return init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def model_step(rank: int, step: int, tp: Any) -> None:
+    """The model's own traffic on the TP group, at a moment that differs per rank."""
+    time.sleep(0.002 * ((rank + step) % 3))
+    x = torch.ones(3) * (rank + 1)
+    dist.all_reduce(x, group=tp)
+    root = dist.get_process_group_ranks(tp)[step % 2]
+    y = torch.full((4,), float(root + step)) if rank == root else torch.zeros(4)
+    dist.broadcast(y, root, group=tp)
+    if not torch.equal(y, torch.full((4,), float(root + step))):
+        raise AssertionError(f"the model's broadcast got {y.tolist()} at step {step}")
+
+
+def _rank_model_on_the_tp_group(rank: int, world: int) -> dict[str, Any]:
+    mesh = dp_tp_mesh(world)
+    tp = mesh.get_group("tp")
+    dp, _ = tc.dp_rank_and_size(mesh, ("tp",))
+    out: dict[str, Any] = {}
+    for prefetch in (0, 1, 2):
+        for nbytes in (0, 300_000):
+            src = Source(N, dp, nbytes) if tc.is_dp_source_rank(mesh, ("tp",)) else None
+            loader = tc.BroadcastingDataLoader(src, mesh, axes=("tp",), prefetch=prefetch)
+            got = []
+            for step, b in enumerate(loader):
+                model_step(rank, step, tp)
+                got.append(b)
+            want = [f"{dp}-{i}" for i in range(N)]
+            if names(got) != want or (nbytes and float(got[-1]["audio"][0]) != N - 1 + 100 * dp):
+                raise AssertionError(f"prefetch={prefetch}: got {names(got)}, want {want}")
+            out[(prefetch, nbytes)] = len(loader)
+    return out
+
+
+def test_the_models_collectives_on_the_tp_group_never_meet_the_loaders(pool4: Any) -> None:
+    results = pool4.run(_rank_model_on_the_tp_group, timeout=TIMEOUT)
+    assert all(set(r.values()) == {N} for r in results)
+
+
+def _rank_zipped_loaders(rank: int, world: int) -> list[list[str]]:
+    group = dist.group.WORLD
+    is_src = rank == 0
+    out = []
+    for pa, pb in ((0, 1), (1, 3), (2, 0)):
+        a = tc.BroadcastingDataLoader(
+            Source(N, 1) if is_src else None, group=group, src=0, prefetch=pa
+        )
+        b = tc.BroadcastingDataLoader(
+            Source(N, 2) if is_src else None, group=group, src=0, prefetch=pb
+        )
+        got = []
+        for step, (x, y) in enumerate(zip(a, b)):
+            # tc.broadcast on the same ranks between steps, and the model on the world group
+            z = tc.broadcast({"step": step} if is_src else None, 0)
+            dist.all_reduce(torch.ones(1))
+            got.append(f"{x['name']}|{y['name']}|{z['step']}")
+        out.append(got)
+    return out
+
+
+def test_zipped_loaders_with_mixed_prefetch_and_broadcasts_keep_their_batches(pool2: Any) -> None:
+    results = pool2.run(_rank_zipped_loaders, timeout=TIMEOUT)
+    want = [f"1-{i}|2-{i}|{i}" for i in range(N)]
+    for r in results:
+        assert r == [want] * 3
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return not t.requires_grad and t.grad_fn is None and not t.is_inference()
+
+
+def _rank_grad_and_inference(rank: int, world: int) -> list[str]:
+    seen = []
+    for nbytes in (64, 300_000, 3 << 20):  # inline, its own message, a large leaf
+        w = torch.randn(nbytes // 4, requires_grad=True)
+        tree = {"w": w, "small": torch.ones(3, requires_grad=True), "x": torch.arange(4.0)}
+        got = tc.broadcast(tree if rank == 0 else None, 0)
+        if not all(_plain(t) for t in got.values()):
+            raise AssertionError(f"{nbytes}: a tensor came back with grad state")
+        with torch.inference_mode():
+            inf = {"x": torch.arange(float(nbytes // 4))}
+            got_inf = tc.broadcast(inf if rank == 0 else None, 0)
+            packed = tc.pack(inf)
+            got_packed = tc.broadcast(packed if rank == 0 else None, 0)
+        for t in (got_inf["x"], got_packed["x"]):
+            if not _plain(t):
+                raise AssertionError(f"{nbytes}: an inference tensor came back")
+            p = torch.ones_like(t, requires_grad=True)
+            (t * p).sum().backward()  # usable by autograd outside inference mode
+        # The next training batch after an eval step in inference mode.
+        after = tc.broadcast({"y": torch.ones(nbytes // 4)} if rank == 0 else None, 0)
+        if not _plain(after["y"]):
+            raise AssertionError("a batch after inference mode is not plain")
+        seen.append(f"{nbytes}:{float(got['w'].sum()) if rank else float(w.sum())}")
+    return seen
+
+
+def test_grad_and_inference_tensors_travel_as_plain_tensors(pool2: Any) -> None:
+    a, b = pool2.run(_rank_grad_and_inference, timeout=TIMEOUT)
+    assert [x.split(":")[0] for x in a] == [x.split(":")[0] for x in b]
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _rank_signal_mid_frame(rank: int, world: int) -> list[str]:
+    """A signal handler raises on the source while its frame is on the wire."""
+    real = _wire.GlooWire.payload
+    fired = []
+
+    def payload(self: Any, tensor: Any, root: int, timeout: Any) -> None:
+        if rank == 0 and not fired:
+            fired.append(1)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)  # type: ignore[arg-type]
+            time.sleep(0.05)  # the handler runs on the main thread meanwhile
+        real(self, tensor, root, timeout)
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    _wire.GlooWire.payload = payload  # type: ignore[method-assign]
+    got: list[str] = []
+    try:
+        for prefetch in (0, 1):
+            fired.clear()
+            loader = tc.BroadcastingDataLoader(
+                Source(N, 7, 300_000) if rank == 0 else None,
+                group=dist.group.WORLD,
+                src=0,
+                prefetch=prefetch,
+            )
+            it = iter(loader)
+            while True:
+                try:
+                    b = next(it)
+                except Interrupted:  # caught, as a training script's handler would be
+                    got.append("interrupted")
+                    continue
+                except StopIteration:
+                    break
+                got.append(f"{b['name']}:{int(b['audio'][0])}")
+    finally:
+        _wire.GlooWire.payload = real  # type: ignore[method-assign]
+        signal.signal(signal.SIGUSR1, old)
+    return got
+
+
+def test_a_signal_mid_frame_never_shifts_the_stream(pool2: Any) -> None:
+    src, receiver = pool2.run(_rank_signal_mid_frame, timeout=TIMEOUT)
+    want = [f"7-{i}:{700 + i}" for i in range(N)]
+    assert [x for x in src if x != "interrupted"] == want * 2
+    assert src.count("interrupted") == 2
+    assert receiver == want * 2
+
+
+def _rank_disagreeing_setups(rank: int, world: int) -> list[str]:
+    out = []
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    short = 10.0
+    cases = {
+        "prefetch": dict(prefetch=rank % 2),
+        "axes": dict(axes=("tp",) if rank == 3 else ("cp", "tp")),
+    }
+    for what, kwargs in cases.items():
+        src = Source(N, 0) if rank == 0 else None
+        start = time.monotonic()
+        with pytest.raises(tc.DesyncError) as info:
+            tc.BroadcastingDataLoader(
+                src if "axes" not in kwargs or rank == 0 else None, mesh, timeout=short, **kwargs
+            )
+        if time.monotonic() - start > short + 5:
+            raise AssertionError(f"{what}: the DesyncError took {time.monotonic() - start:.1f} s")
+        out.append(f"{what}: {info.value}")
+    # The ranks are still in step: a loader with one setup works.
+    loader = tc.BroadcastingDataLoader(Source(N, 0) if rank == 0 else None, mesh)
+    if names(list(loader)) != [f"0-{i}" for i in range(N)]:
+        raise AssertionError("a loader after the disagreement did not work")
+    return out
+
+
+def test_disagreeing_prefetch_and_axes_raise_desync_on_every_rank(pool4: Any) -> None:
+    results = pool4.run(_rank_disagreeing_setups, timeout=TIMEOUT)
+    for r in results:
+        assert "prefetch" in r[0] and "rank" in r[0], r[0]
+        assert "axes" in r[1], r[1]
+
+
+class Slow:
+    """A source whose first batch takes ``delay`` seconds (a DataLoader starting workers)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def __iter__(self) -> Any:
+        time.sleep(self.delay)
+        yield batch(0, 0)
+
+
+def _rank_short_default_timeout(rank: int, world: int, path: str) -> str:
+    """``timeout=None`` is init_process_group's timeout, for tensorcast's groups too; a
+    receiver that times out says the source is alive but busy."""
+    dist.destroy_process_group()
+    store = dist.FileStore(path, world)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=2)
+    )
+    try:
+        assert _groups.world().timeout == datetime.timedelta(seconds=2)
+        loader = tc.BroadcastingDataLoader(
+            Slow(5.0) if rank == 0 else None, group=dist.group.WORLD, src=0, prefetch=0
+        )
+        start = time.monotonic()
+        with pytest.raises(tc.PeerError) as info:
+            list(loader)
+        took = time.monotonic() - start
+        if took > 8.0:
+            raise AssertionError(f"the PeerError took {took:.1f} s with a 2 s timeout")
+        return str(info.value)
+    finally:
+        dist.destroy_process_group()  # the pool's next call makes a fresh group
+
+
+def test_timeout_none_is_the_init_timeout_and_a_slow_source_is_told_apart(pool2: Any) -> None:
+    path = os.path.join(tempfile.mkdtemp(prefix="tensorcast-short-"), "store")
+    src, receiver = pool2.run(_rank_short_default_timeout, path, timeout=TIMEOUT)
+    assert "alive but slow" in receiver and "next(source)" in receiver, receiver
+    assert "sending a frame failed" in src, src
+
+
+def _rank_no_leak_and_break(rank: int, world: int) -> dict[str, int]:
+    group = dist.group.WORLD
+    before = threading.active_count()
+    for k in range(12):
+        loader = tc.BroadcastingDataLoader(
+            Source(N, k) if rank == 0 else None, group=group, src=0, prefetch=k % 3
+        )
+        for step, b in enumerate(loader):
+            if b["name"] != f"{k}-{step}":
+                raise AssertionError(f"loader {k}: got {b['name']} at step {step}")
+            if step == 1:
+                break  # on every rank after the same batch
+    groups = len(_groups.world()._groups)
+    # A break leaves nothing pending: the world group carries other traffic at once.
+    x = torch.ones(2)
+    dist.all_reduce(x)
+    return {"threads": threading.active_count() - before, "groups": groups, "sum": int(x[0])}
+
+
+def test_loaders_built_per_epoch_leak_no_thread_or_group(pool2: Any) -> None:
+    for r in pool2.run(_rank_no_leak_and_break, timeout=TIMEOUT):
+        assert r["threads"] <= 2 and r["groups"] == 1 and r["sum"] == 2, r
+
+
+def _rank_deferred_failure(rank: int, world: int) -> str:
+    """A step left pending by a break fails: the next use of the loader says so."""
+    real = _wire.GlooWire.payload
+    calls = [0]
+
+    def payload(self: Any, tensor: Any, root: int, timeout: Any) -> None:
+        calls[0] += 1
+        if rank == 1 and calls[0] == 3:
+            raise RuntimeError("connection reset by peer (injected)")
+        real(self, tensor, root, timeout)
+
+    _wire.GlooWire.payload = payload  # type: ignore[method-assign]
+    try:
+        loader = tc.BroadcastingDataLoader(
+            Source(N, 3, 300_000) if rank == 0 else None,
+            group=dist.group.WORLD,
+            src=0,
+            prefetch=2,
+            timeout=5.0,
+        )
+        for step, _ in enumerate(loader):
+            if step == 0:
+                break  # steps 1 and 2 are still owed; step 2's payload fails on rank 1
+        with pytest.raises(tc.PeerError) as info:
+            iter(loader)
+        return str(info.value)
+    finally:
+        _wire.GlooWire.payload = real  # type: ignore[method-assign]
+        dist.destroy_process_group()  # the broken channel goes with it; the pool makes anew
+
+
+def test_a_failure_after_a_break_is_raised_not_swallowed(pool2: Any) -> None:
+    for r in pool2.run(_rank_deferred_failure, timeout=TIMEOUT):
+        assert "sending a frame failed" in r or "failed" in r, r

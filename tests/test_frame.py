@@ -1,0 +1,374 @@
+"""Pure tests of the frame: how ``plan_frame`` cuts a frame into messages, and how a
+first message's ``Prefix`` is written, read back and refused. Nothing communicates.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tensorcast as tc
+from tensorcast import _frame
+from tensorcast._frame import (
+    FRAMES_VERSION,
+    INITIAL_CAPACITY,
+    MAX_CAPACITY,
+    MAX_ERROR_BYTES,
+    MAX_HEADER_BYTES,
+    PAYLOAD_ALIGN,
+    PREFIX_SIZE,
+    Flags,
+    FramePlan,
+    Kind,
+    Prefix,
+    plan_frame,
+)
+
+SETTINGS = settings(deadline=None, print_blob=True, max_examples=300)
+
+
+def _align(n: int) -> int:
+    return (n + PAYLOAD_ALIGN - 1) // PAYLOAD_ALIGN * PAYLOAD_ALIGN
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def first_message(plan: FramePlan) -> list[tuple[int, int, str]]:
+    """The byte ranges of the first message that carry something, as the sender writes
+    them: the prefix, the header unless it spilled, the payload when it is inline."""
+    spans = [(0, PREFIX_SIZE, "prefix")]
+    if not plan.spill:
+        spans.append((PREFIX_SIZE, PREFIX_SIZE + plan.header_len, "header"))
+    if plan.inline:
+        spans.append((plan.payload_at, plan.payload_at + plan.payload_len, "payload"))
+    return spans
+
+
+def later_messages(plan: FramePlan) -> list[tuple[str, int]]:
+    """The messages that follow the first one, in order, and their sizes."""
+    out = []
+    if plan.spill:
+        out.append(("header", plan.header_len))
+    if plan.separate_payload:
+        out.append(("payload", plan.payload_len))
+    return out
+
+
+# -- plan_frame: worked examples --------------------------------------------------------
+
+
+def test_a_small_frame_travels_in_its_first_message() -> None:
+    plan = plan_frame(INITIAL_CAPACITY, 100, 200, inline_ok=True)
+    assert plan.flags == Flags.INLINE and plan.inline and not plan.spill
+    assert not plan.separate_payload and later_messages(plan) == []
+    # The inline payload ends the message, aligned: where it starts depends on its length
+    # alone, not on the header's.
+    assert plan.payload_at == INITIAL_CAPACITY - _align(200)
+    assert plan.payload_at == plan_frame(INITIAL_CAPACITY, 900, 200, inline_ok=True).payload_at
+    assert plan.next_capacity == INITIAL_CAPACITY, "a frame that fits asks for no more room"
+
+
+def test_frames_without_payload() -> None:
+    for header_len in (0, 5, INITIAL_CAPACITY - PREFIX_SIZE):  # an END frame; an ERROR frame
+        plan = plan_frame(INITIAL_CAPACITY, header_len, 0, inline_ok=True)
+        assert not plan.spill and not plan.separate_payload and later_messages(plan) == []
+        assert plan.next_capacity == INITIAL_CAPACITY
+
+
+def test_a_header_that_does_not_fit_spills_and_the_next_capacity_grows() -> None:
+    header_len = INITIAL_CAPACITY  # with the prefix, over the first message's capacity
+    plan = plan_frame(INITIAL_CAPACITY, header_len, 0, inline_ok=True)
+    assert plan.flags == Flags.SPILL and plan.spill and not plan.inline
+    assert later_messages(plan) == [("header", header_len)]
+    assert plan.next_capacity == 2 * INITIAL_CAPACITY
+    again = plan_frame(plan.next_capacity, header_len, 0, inline_ok=True)
+    assert not again.spill, "the next frame like this one fits in its first message"
+
+
+def test_a_payload_that_does_not_fit_follows_and_the_next_capacity_grows() -> None:
+    plan = plan_frame(INITIAL_CAPACITY, 100, 10_000, inline_ok=True)
+    assert plan.flags == Flags.NONE and plan.separate_payload
+    assert later_messages(plan) == [("payload", 10_000)]
+    want = _align(PREFIX_SIZE + 100) + _align(10_000)
+    assert plan.next_capacity == 16384 >= want > 8192  # the smallest power of two that fits
+    again = plan_frame(plan.next_capacity, 100, 10_000, inline_ok=True)
+    assert again.inline and later_messages(again) == []
+
+
+def test_capacities_only_grow() -> None:
+    plan = plan_frame(64 << 10, 10, 10, inline_ok=True)
+    assert plan.inline and plan.next_capacity == 64 << 10
+
+
+def test_growth_is_capped_at_max_capacity() -> None:
+    # A payload larger than the cap always travels on its own; the next capacity grows
+    # for the header alone.
+    plan = plan_frame(INITIAL_CAPACITY, 10_000, MAX_CAPACITY, inline_ok=True)
+    assert plan.spill and later_messages(plan) == [("header", 10_000), ("payload", MAX_CAPACITY)]
+    assert plan.next_capacity == 16384
+    big = plan_frame(MAX_CAPACITY, 100, 6 << 30, inline_ok=True)
+    assert big.separate_payload and big.next_capacity == MAX_CAPACITY
+    # A header larger than the cap spills every time and asks for nothing.
+    huge = plan_frame(INITIAL_CAPACITY, MAX_CAPACITY, 0, inline_ok=True)
+    assert huge.spill and huge.next_capacity == INITIAL_CAPACITY
+    # A frame just under the cap grows the capacity to it, and fits there.
+    near = plan_frame(INITIAL_CAPACITY, 100, MAX_CAPACITY - 1024, inline_ok=True)
+    assert near.next_capacity == MAX_CAPACITY
+    assert plan_frame(MAX_CAPACITY, 100, MAX_CAPACITY - 1024, inline_ok=True).inline
+
+
+def test_payloads_never_go_inline_where_they_live_on_a_device() -> None:
+    plan = plan_frame(INITIAL_CAPACITY, 100, 200, inline_ok=False)
+    assert not plan.inline and plan.separate_payload
+    assert later_messages(plan) == [("payload", 200)]
+    assert plan.next_capacity == INITIAL_CAPACITY, "growth counts the header alone"
+    spilled = plan_frame(INITIAL_CAPACITY, 5000, 1 << 20, inline_ok=False)
+    assert spilled.spill and spilled.next_capacity == 8192
+
+
+# -- plan_frame: laws --------------------------------------------------------------------
+
+capacities = st.integers(12, 18).map(lambda k: 1 << k)  # INITIAL_CAPACITY .. MAX_CAPACITY
+lengths = st.one_of(
+    st.integers(0, 3 * MAX_CAPACITY),
+    st.sampled_from([0, 1, 63, 64, 65, INITIAL_CAPACITY - PREFIX_SIZE, MAX_CAPACITY]),
+    st.integers(0, 1 << 44),
+)
+
+
+@SETTINGS
+@given(
+    capacity=capacities,
+    header_len=st.one_of(st.integers(0, 3 * MAX_CAPACITY), st.integers(0, MAX_HEADER_BYTES)),
+    payload_len=lengths,
+    inline_ok=st.booleans(),
+)
+def test_plans_carry_every_byte_once(
+    capacity: int, header_len: int, payload_len: int, inline_ok: bool
+) -> None:
+    """For any sizes, the frame's messages carry exactly ``header_len + payload_len``
+    bytes besides the prefix, the first message's pieces never overlap and stay inside
+    it, an inline payload starts aligned, and the next capacity is a power of two that
+    only grows, up to the cap, and fits a frame like this one where the cap allows."""
+    assert INITIAL_CAPACITY <= capacity <= MAX_CAPACITY
+    plan = plan_frame(capacity, header_len, payload_len, inline_ok=inline_ok)
+    assert (plan.capacity, plan.header_len, plan.payload_len) == (
+        capacity,
+        header_len,
+        payload_len,
+    )
+    spans = first_message(plan)
+    carried = sum(end - start for start, end, what in spans if what != "prefix")
+    carried += sum(n for _, n in later_messages(plan))
+    assert carried == header_len + payload_len
+    assert all(0 <= start <= end <= capacity for start, end, _ in spans), spans
+    ordered = sorted(spans)
+    for (_, end, a), (start, _, b) in itertools.pairwise(ordered):
+        assert end <= start, f"{a} and {b} overlap in {spans}"
+    if plan.inline:
+        assert inline_ok and plan.payload_at % PAYLOAD_ALIGN == 0
+    assert plan.spill == (PREFIX_SIZE + header_len > capacity)
+    assert plan.separate_payload == (payload_len > 0 and not plan.inline)
+    # The receiver reads the cut from the flags: they say exactly what the sizes say.
+    assert plan.flags == (Flags.INLINE if plan.inline else 0) | (Flags.SPILL if plan.spill else 0)
+
+    nxt = plan.next_capacity
+    assert _is_pow2(nxt) and capacity <= nxt <= MAX_CAPACITY
+    again = plan_frame(nxt, header_len, payload_len, inline_ok=inline_ok)
+    if PREFIX_SIZE + header_len <= MAX_CAPACITY:
+        assert not again.spill, "the next capacity fits this frame's header"
+    if inline_ok and _align(PREFIX_SIZE + header_len) + _align(payload_len) <= MAX_CAPACITY:
+        assert again.inline, "the next capacity fits this whole frame"
+    assert again.next_capacity == nxt, "a frame like the last one asks for nothing more"
+    # The prefix a sender writes for this plan is one a receiver accepts.
+    data = bytearray(PREFIX_SIZE)
+    if header_len <= MAX_HEADER_BYTES:
+        Prefix(Kind.DATA, plan.flags, 1, 0, 0, header_len, payload_len, nxt).pack_into(data)
+        got = Prefix.unpack(data, capacity)
+        assert (got.flags, got.header_len, got.payload_len, got.next_capacity) == (
+            plan.flags,
+            header_len,
+            payload_len,
+            nxt,
+        )
+
+
+# -- Prefix ------------------------------------------------------------------------------
+
+_FIELDS = (
+    "magic",
+    "version",
+    "kind",
+    "flags",
+    "channel",
+    "pass_index",
+    "step",
+    "header_len",
+    "payload_len",
+    "next_capacity",
+    "crc",
+)
+
+
+def raw(**fields: Any) -> bytes:
+    """A prefix's bytes with any field set to anything, valid or not."""
+    values: dict[str, Any] = {
+        "magic": b"TCFR",
+        "version": FRAMES_VERSION,
+        "kind": int(Kind.DATA),
+        "flags": int(Flags.INLINE),
+        "channel": 7,
+        "pass_index": 1,
+        "step": 2,
+        "header_len": 10,
+        "payload_len": 20,
+        "next_capacity": INITIAL_CAPACITY,
+        "crc": 0,
+    }
+    values.update(fields)
+    return _frame._STRUCT.pack(*(values[f] for f in _FIELDS))
+
+
+def test_prefix_round_trip_keeps_large_sizes_exact() -> None:
+    prefixes = [
+        Prefix(Kind.DATA, Flags.INLINE, 7, 1, 2, 10, 20, INITIAL_CAPACITY),
+        Prefix(Kind.DATA, Flags.SPILL | Flags.CRC, 2**32 - 1, 2**32 - 1, 2**64 - 1,
+               MAX_HEADER_BYTES, (6 << 30) + 3, MAX_CAPACITY, 0xDEADBEEF),
+        Prefix(Kind.END, Flags.INLINE, 0, 0, 5, 0, 0, 8192),
+        Prefix(Kind.ERROR, Flags.NONE, 3, 4, 5, MAX_ERROR_BYTES, 0, INITIAL_CAPACITY),
+    ]  # fmt: skip
+    for prefix in prefixes:
+        data = bytearray(INITIAL_CAPACITY)
+        prefix.pack_into(data)
+        assert data[:4] == b"TCFR" and data[4] == FRAMES_VERSION
+        assert not any(data[PREFIX_SIZE:]), "the prefix writes its own bytes only"
+        got = Prefix.unpack(memoryview(data), INITIAL_CAPACITY)
+        assert got == prefix
+        assert type(got.kind) is Kind and type(got.flags) is Flags
+    assert PREFIX_SIZE == _frame._STRUCT.size == len(raw())
+
+
+@SETTINGS
+@given(
+    kind=st.sampled_from(Kind),
+    flags=st.sampled_from([Flags(f) for f in range(8)]),
+    channel=st.integers(0, 2**32 - 1),
+    pass_index=st.integers(0, 2**32 - 1),
+    step=st.integers(0, 2**64 - 1),
+    header_len=st.integers(0, MAX_ERROR_BYTES),
+    payload_len=st.integers(0, 2**64 - 1),
+    capacity=capacities,
+    grow=st.integers(0, 6),
+    crc=st.integers(0, 2**32 - 1),
+)
+def test_prefix_unpack_inverts_pack_into(
+    kind: Kind,
+    flags: Flags,
+    channel: int,
+    pass_index: int,
+    step: int,
+    header_len: int,
+    payload_len: int,
+    capacity: int,
+    grow: int,
+    crc: int,
+) -> None:
+    """``Prefix.unpack(pack_into(p)) == p`` for every prefix a sender can write."""
+    if kind != Kind.DATA:
+        payload_len = 0
+    if kind == Kind.END:
+        header_len = 0
+    nxt = min(capacity << grow, MAX_CAPACITY)
+    prefix = Prefix(kind, flags, channel, pass_index, step, header_len, payload_len, nxt, crc)
+    data = bytearray(PREFIX_SIZE)
+    prefix.pack_into(data)
+    assert Prefix.unpack(bytes(data), capacity) == prefix
+
+
+@pytest.mark.parametrize(
+    ("fields", "capacity", "match"),
+    [
+        ({"magic": b"TCST"}, INITIAL_CAPACITY, "not a tensorcast frame"),
+        ({"magic": b"\x80\x04\x95\x00"}, INITIAL_CAPACITY, "magic"),  # a pickle, say
+        ({"version": FRAMES_VERSION - 1}, INITIAL_CAPACITY, f"frames v{FRAMES_VERSION}"),
+        ({"version": FRAMES_VERSION + 1}, INITIAL_CAPACITY, "same tensorcast version"),
+        ({"kind": 0}, INITIAL_CAPACITY, "unknown frame kind 0"),
+        ({"kind": 9}, INITIAL_CAPACITY, "known kinds"),
+        ({"flags": 8}, INITIAL_CAPACITY, "unknown frame flags"),
+        ({"flags": 0x8001}, INITIAL_CAPACITY, "unknown frame flags"),
+        ({"header_len": MAX_HEADER_BYTES + 1}, INITIAL_CAPACITY, "over the"),
+        ({"header_len": 2**32 - 1}, INITIAL_CAPACITY, "limit"),
+        ({"next_capacity": INITIAL_CAPACITY // 2}, INITIAL_CAPACITY, "next capacity"),
+        ({"next_capacity": 8192}, 16384, "invalid next capacity"),  # capacities never shrink
+        ({"next_capacity": 2 * MAX_CAPACITY}, INITIAL_CAPACITY, "next capacity"),
+        ({"next_capacity": 3 * INITIAL_CAPACITY}, INITIAL_CAPACITY, "next capacity"),
+        ({"next_capacity": 0}, INITIAL_CAPACITY, "next capacity"),
+        ({"kind": int(Kind.END), "payload_len": 0}, INITIAL_CAPACITY, "END frame with a"),
+        ({"kind": int(Kind.END), "header_len": 0}, INITIAL_CAPACITY, "END frame with a"),
+        ({"kind": int(Kind.ERROR), "header_len": 3}, INITIAL_CAPACITY, "ERROR frame with a"),
+        (
+            {"kind": int(Kind.ERROR), "header_len": MAX_ERROR_BYTES + 1, "payload_len": 0},
+            INITIAL_CAPACITY,
+            "error message of",
+        ),
+    ],
+)
+def test_prefix_unpack_refuses_what_no_sender_writes(
+    fields: dict[str, Any], capacity: int, match: str
+) -> None:
+    data = raw(**fields) + bytes(64)
+    with pytest.raises(tc.HeaderError, match=match):
+        Prefix.unpack(data, capacity)
+
+
+def test_prefix_unpack_refuses_a_truncated_prefix() -> None:
+    data = raw()
+    for n in (0, 4, PREFIX_SIZE - 1):
+        with pytest.raises(tc.HeaderError, match=f"{n} bytes has no frame prefix"):
+            Prefix.unpack(data[:n], INITIAL_CAPACITY)
+    assert Prefix.unpack(data, INITIAL_CAPACITY).step == 2
+
+
+def test_the_valid_corners_are_accepted() -> None:
+    assert Prefix.unpack(raw(next_capacity=MAX_CAPACITY), INITIAL_CAPACITY).next_capacity
+    assert Prefix.unpack(raw(header_len=MAX_HEADER_BYTES), INITIAL_CAPACITY)
+    error = raw(kind=int(Kind.ERROR), header_len=MAX_ERROR_BYTES, payload_len=0)
+    assert Prefix.unpack(error, INITIAL_CAPACITY).kind == Kind.ERROR
+    end = raw(kind=int(Kind.END), header_len=0, payload_len=0)
+    assert Prefix.unpack(end, INITIAL_CAPACITY).kind == Kind.END
+
+
+@SETTINGS
+@given(data=st.binary(max_size=2 * PREFIX_SIZE), capacity=capacities)
+def test_prefix_unpack_of_any_bytes_returns_or_raises_header_error(
+    data: bytes, capacity: int
+) -> None:
+    """Arbitrary bytes (a lying or garbled first message) never raise anything else."""
+    try:
+        prefix = Prefix.unpack(data, capacity)
+    except tc.HeaderError:
+        return
+    assert capacity <= prefix.next_capacity <= MAX_CAPACITY
+
+
+@SETTINGS
+@given(data=st.binary(min_size=PREFIX_SIZE - 4, max_size=PREFIX_SIZE - 4), capacity=capacities)
+def test_prefix_unpack_of_any_fields_returns_or_raises_header_error(
+    data: bytes, capacity: int
+) -> None:
+    """The same with the magic and version right, so the other checks are reached."""
+    head = b"TCFR" + bytes([FRAMES_VERSION])
+    try:
+        prefix = Prefix.unpack(head + data[1:], capacity)
+    except tc.HeaderError:
+        return
+    assert prefix.header_len <= MAX_HEADER_BYTES
+    assert _is_pow2(prefix.next_capacity)
+    if prefix.kind != Kind.DATA:
+        assert prefix.payload_len == 0

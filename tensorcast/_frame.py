@@ -169,16 +169,15 @@ class FramePlan:
     capacity: int
     header_len: int
     payload_len: int
-    flags: Flags
+    inline: bool  # the payload ends the first message
+    spill: bool  # the header follows the first message alone
     next_capacity: int
 
     @property
-    def inline(self) -> bool:
-        return bool(self.flags & Flags.INLINE)
-
-    @property
-    def spill(self) -> bool:
-        return bool(self.flags & Flags.SPILL)
+    def flags(self) -> Flags:
+        return (Flags.INLINE if self.inline else Flags.NONE) | (
+            Flags.SPILL if self.spill else Flags.NONE
+        )
 
     @property
     def payload_at(self) -> int:
@@ -199,14 +198,11 @@ def plan_frame(capacity: int, header_len: int, payload_len: int, *, inline_ok: b
     host group there, so the payload always follows on the device group.
     """
     head = PREFIX_SIZE + header_len
-    flags = Flags.NONE
-    if head > capacity:
-        flags |= Flags.SPILL
-    elif inline_ok and _align_up(head) + _align_up(payload_len) <= capacity:
-        flags |= Flags.INLINE
+    spill = head > capacity
+    inline = not spill and inline_ok and _align_up(head) + _align_up(payload_len) <= capacity
     # Grow the next first message so a frame like this one fits in it, within the cap.
     want = _align_up(head) + (_align_up(payload_len) if inline_ok else 0)
     if want > MAX_CAPACITY:
         want = head if head <= MAX_CAPACITY else 0
     next_capacity = max(capacity, _pow2_at_least(want)) if want else capacity
-    return FramePlan(capacity, header_len, payload_len, flags, next_capacity)
+    return FramePlan(capacity, header_len, payload_len, inline, spill, next_capacity)

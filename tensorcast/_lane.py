@@ -94,11 +94,14 @@ class Lane:
         self._jobs: collections.deque[Job[Any]] = collections.deque()
         self._cond = threading.Condition()
         self._worker: threading.Thread | None = None
+        self._running = False  # a job is running, on the worker or inline
+        self._inline: int | None = None  # the thread running a job inline
+        self._worker_id: int | None = None
         self.broken: BaseException | None = None
 
     def submit(self, fn: Callable[[], T]) -> Job[T]:
         """Queue ``fn`` behind every job submitted before it; it runs on the worker."""
-        if threading.current_thread() is self._worker:
+        if threading.get_ident() in (self._inline, self._worker_id):
             raise RuntimeError(
                 "tensorcast was called from inside a loader's source iterator on the same "
                 "ranks; a source must not broadcast or iterate another BroadcastingDataLoader"
@@ -116,8 +119,31 @@ class Lane:
         return job
 
     def run(self, fn: Callable[[], T]) -> T:
-        """Submit ``fn`` and wait for its result."""
-        return self.submit(fn).result()
+        """Run ``fn`` in its turn and return its result.
+
+        When nothing is queued or running, ``fn`` runs right here on the caller's thread,
+        still in its turn: the hop to the worker and back costs a small batch about a
+        third of its time (see ``docs/design.md``). A signal handler that raises there
+        in the middle of a frame breaks the lane, as any failure does (NOTE [ A frame is
+        atomic ]); on the worker it would only interrupt the wait.
+        """
+        me = threading.get_ident()
+        with self._cond:
+            inline = not self._jobs and not self._running and me != self._worker_id
+            if inline:
+                self._running = True
+                self._inline = me
+        if not inline:
+            return self.submit(fn).result()
+        try:
+            with torch.inference_mode(False):  # buffers made here must not be inference tensors
+                return fn()
+        finally:
+            with self._cond:
+                self._running = False
+                self._inline = None
+                if self._jobs:
+                    self._cond.notify()
 
     def break_(self, cause: BaseException) -> None:
         """Mark the lane broken after a failure in the middle of a frame (first cause wins)."""
@@ -138,14 +164,22 @@ class Lane:
             )
 
     def _run(self) -> None:
+        self._worker_id = threading.get_ident()
         if self._cuda_device is not None:
             torch.cuda.set_device(self._cuda_device)
         while True:
             with self._cond:
-                if not self._jobs:
+                if not self._jobs or self._running:
                     self._cond.wait(_IDLE_EXIT_S)
                 if not self._jobs:
-                    self._worker = None
+                    self._worker = self._worker_id = None
                     return
+                if self._running:  # a job runs inline; it notifies when it is done
+                    continue
                 job = self._jobs.popleft()
-            job._run()
+                self._running = True
+            try:
+                job._run()
+            finally:
+                with self._cond:
+                    self._running = False

@@ -169,6 +169,8 @@ class Pass:
     def __next__(self) -> Any:
         if self._finished:
             raise StopIteration
+        if not self._depth and not self._pending:
+            return self._hand_out(self._lane.run(self._step), None)
         if not self._pending:
             self._pending.append(self._lane.submit(self._step))
         job = self._pending[0]
@@ -178,15 +180,21 @@ class Pass:
             if job.done and job.error is e:  # the step's own failure, raised once
                 self._pending.popleft()
             raise  # else a signal interrupted the wait: the step stays, to wait on again
-        # Until the step leaves the queue below, an interruption hands out the same batch
-        # on the next call: a caught Ctrl-C never skips a batch on one rank only.
+        return self._hand_out(item, job)
+
+    def _hand_out(self, item: Any, job: Job[Any] | None) -> Any:
+        # Until the step leaves the queue, an interruption hands out the same batch on the
+        # next call: a caught Ctrl-C never skips a batch on one rank only.
         if isinstance(item, _Item):
-            while len(self._pending) <= self._depth:
+            while len(self._pending) < self._depth + (job is not None):
                 self._pending.append(self._lane.submit(self._step))
             if item.state is not None:
                 self._loader._state = item.state
-            return self._pending.popleft().result().take()
-        self._pending.popleft()
+            if job is not None:
+                self._pending.popleft()
+            return item.take()
+        if job is not None:
+            self._pending.popleft()
         self.close()
         if isinstance(item, _Failure):
             raise item.error

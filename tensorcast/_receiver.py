@@ -61,24 +61,29 @@ class Receiver:
         first = self._frames.take(capacity, _CPU)
         try:
             group.wire.head(first, self._root, timeout)
-        except BaseException as e:
+        except RuntimeError as e:  # from the collective: the source died or timed out
             group.lane.break_(e)
             raise PeerError(
                 f"waiting for the source rank {self._src} on ranks {list(group.ranks)} "
                 f"failed after up to {timeout.total_seconds():g} s: {self._diagnose()} "
                 f"({type(e).__name__}: {e})"
             ) from e
-        try:
-            prefix, header, payload = self._rest(first, capacity, expect, timeout)
-        except TensorcastError as e:
-            group.lane.break_(e)
-            raise
         except BaseException as e:
             group.lane.break_(e)
+            raise
+        try:
+            prefix, header, payload = self._rest(first, capacity, expect, timeout)
+        except (TensorcastError, RuntimeError) as e:
+            group.lane.break_(e)
+            if isinstance(e, TensorcastError):
+                raise
             raise PeerError(
                 f"receiving the rest of a frame from the source rank {self._src} on ranks "
                 f"{list(group.ranks)} failed: {type(e).__name__}: {e}"
             ) from e
+        except BaseException as e:
+            group.lane.break_(e)
+            raise
         group.capacity = prefix.next_capacity
         if prefix.kind == Kind.END:
             return Kind.END, None
@@ -113,7 +118,10 @@ class Receiver:
         plan = plan_frame(
             capacity, prefix.header_len, prefix.payload_len, inline_ok=wire.device.type == "cpu"
         )
-        if plan.flags != prefix.flags & _CUT:
+        if (plan.inline, plan.spill) != (
+            bool(prefix.flags & Flags.INLINE),
+            bool(prefix.flags & Flags.SPILL),
+        ):
             raise HeaderError(
                 f"the frame is cut as {prefix.flags & _CUT!r} but its sizes say {plan.flags!r}"
             )

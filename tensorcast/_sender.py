@@ -190,11 +190,14 @@ class Sender:
                 wire.head(out.header, root, timeout)
             if out.payload is not None:
                 wire.payload(out.payload, root, timeout)
-        except BaseException as e:
+        except RuntimeError as e:  # from the collective: a peer died or timed out
             self._group.lane.break_(e)
             raise PeerError(
                 f"source rank (group rank {root}) of ranks {list(self._group.ranks)}: sending "
                 f"a frame failed: a receiver died, or did not take it within "
                 f"{timeout.total_seconds():g} s ({type(e).__name__}: {e})"
             ) from e
+        except BaseException as e:  # e.g. a signal handler's: raised as it is
+            self._group.lane.break_(e)
+            raise
         self._group.capacity = out.plan.next_capacity

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 import tensorcast as tc
-from tensorcast import _transport
+from tensorcast import _groups, _wire
 
 TIMEOUT = 120.0
 # Loaders whose ranks could fall out of step get a collective timeout, so a desync fails
@@ -28,7 +28,7 @@ TIMEOUT = 120.0
 HANG = 30.0
 N = 6  # batches per pass
 # Floats of audio in every batch() while _with_audio runs: 0 means none, and the batch
-# travels inline in the first message; with audio, a payload follows it.
+# travels inline in the first message; with audio (over 256 KiB), a payload follows it.
 _AUDIO = [0]
 
 
@@ -178,10 +178,12 @@ class Samples(Dataset[dict[str, Any]]):
 
 
 def _rank_lockstep(rank: int, world: int) -> None:
-    """Items 3 and 7: same batches everywhere, one end for all, ``len``; mesh and group forms."""
+    """Items 2, 3 and 7: same batches everywhere, one end for all, ``len`` on every rank;
+    mesh and group forms; loaders built one after another share one group."""
     mesh = cp_tp_mesh()
     source = tc.is_dp_source_rank(mesh)
     want = [batch(i) for i in range(N)]
+    groups: set[tuple[int, ...]] | None = None
     for prefetch in (0, 1, 3):
         sized = tc.BroadcastingDataLoader(
             want if source else Untouchable(), mesh, prefetch=prefetch
@@ -206,14 +208,19 @@ def _rank_lockstep(rank: int, world: int) -> None:
         pre = tc.BroadcastingDataLoader(packed if source else None, mesh, prefetch=prefetch)
         check(list(pre), want, f"pre-packed source, prefetch={prefetch}")
 
-        if source:
-            assert len(sized) == N
+        # Item 7: every rank learns the source's length when the loader is built (a
+        # receiver's own source, here Untouchable's 99, is not asked), and a source
+        # without one is a TypeError on every rank.
+        assert len(sized) == N and len(empty) == 0 and len(pre) == N
+        for loader in (stream, once):
             with pytest.raises(TypeError, match="no len"):
-                len(stream)
-        else:
-            for loader in (sized, stream):
-                with pytest.raises(TypeError, match="source rank"):
-                    len(loader)
+                len(loader)
+
+        # Every loader on the mesh travels on the one group over its ranks, made once.
+        made = set(_groups.world()._groups)
+        assert groups is None or made == groups, f"new groups: {made} after {groups}"
+        groups = made
+    assert groups is not None and (0, 1, 2, 3) in groups
 
     # The group= / src= form, with a source that is not rank 0 (src is a global rank).
     for prefetch in (0, 2):
@@ -224,17 +231,25 @@ def _rank_lockstep(rank: int, world: int) -> None:
             prefetch=prefetch,
         )
         check(list(loader), [batch(i, 2) for i in range(N)], f"group form, prefetch={prefetch}")
+        with pytest.raises(TypeError, match="no len"):
+            len(loader)
+        sized = tc.BroadcastingDataLoader(
+            want if rank == 2 else None, group=dist.group.WORLD, src=2, prefetch=prefetch
+        )
+        assert len(sized) == N
+        check(list(sized), want, f"group form, list source, prefetch={prefetch}")
+    assert set(_groups.world()._groups) == groups, "the group form made a group of its own"
 
-    # Item 2: the source rank must have a source.
+    # Item 2: a source rank whose source is None is a ValueError on every rank of its
+    # group, not on the source alone (its receivers would wait for batches forever).
     for prefetch in (0, 1):
-        if source:
-            with pytest.raises(ValueError, match="source is None"):
-                tc.BroadcastingDataLoader(None, mesh, prefetch=prefetch)
-        else:
+        with pytest.raises(ValueError, match="source is None"):
             tc.BroadcastingDataLoader(None, mesh, prefetch=prefetch)
-        if rank == 2:
-            with pytest.raises(ValueError, match="source is None"):
-                tc.BroadcastingDataLoader(None, group=dist.group.WORLD, src=2, prefetch=prefetch)
+        with pytest.raises(ValueError, match="source is None"):
+            tc.BroadcastingDataLoader(None, group=dist.group.WORLD, src=2, prefetch=prefetch)
+    # ... and the ranks are still in step: the next loader works everywhere.
+    loader = tc.BroadcastingDataLoader(want if source else None, mesh)
+    check(list(loader), want, "a loader after the ValueErrors")
 
 
 _RAISED: dict[str, BaseException] = {}
@@ -511,27 +526,25 @@ def _rank_dp_slots(rank: int, world: int) -> list[list[tuple[int, int]]]:
     return passes
 
 
-def _with_audio(rank: int, world: int, floats: int, fn: Any, *args: Any) -> tuple[Any, int, int]:
+def _with_audio(rank: int, world: int, floats: int, fn: Any, *args: Any) -> tuple[Any, int]:
     """``fn`` with ``floats`` of audio in every batch: a payload that follows the first
-    message, whose layout repeats, so the source promises each next frame's. Returns what
-    ``fn`` returned, and how many frames this rank sent that kept a promise and that
-    broke one (sending zeros)."""
-    real = _transport.Channel._post
-    kept = broken = 0
+    message, one after another of the same layout. Returns what ``fn`` returned, and how
+    many payload messages this rank took part in."""
+    real = _wire.GlooWire.payload
+    payloads = 0
 
-    def post(channel: Any, prepared: Any, *more: Any) -> Any:
-        nonlocal kept, broken
-        kept += bool(prepared.flags & _transport._POSTED)
-        broken += prepared.void is not None
-        return real(channel, prepared, *more)
+    def payload(wire: Any, *more: Any) -> Any:
+        nonlocal payloads
+        payloads += 1
+        return real(wire, *more)
 
     _AUDIO[0] = floats
-    _transport.Channel._post = post  # type: ignore[method-assign]
+    _wire.GlooWire.payload = payload  # type: ignore[method-assign]
     try:
-        return fn(rank, world, *args), kept, broken
+        return fn(rank, world, *args), payloads
     finally:
         _AUDIO[0] = 0
-        _transport.Channel._post = real  # type: ignore[method-assign]
+        _wire.GlooWire.payload = real  # type: ignore[method-assign]
 
 
 # -- tests ----------------------------------------------------------------------------------
@@ -574,11 +587,11 @@ def test_break_leaves_nothing_pending(pool4: Any, prefetch: int) -> None:
     assert last == [["batch-0-0"]] * 4
 
 
-@pytest.mark.parametrize("floats", [75_000, 600_000], ids=["one-piece", "own-leaf"])
-def test_promised_payloads_end_fail_break_and_resume_cleanly(pool4: Any, floats: int) -> None:
-    """Batches with a payload of a repeating layout: once the source promises the next
-    frame's payload, every way a frame can turn out otherwise (the end of a pass, a failing
-    or unencodable batch, a break, a resumed or new pass) still keeps the ranks in step."""
+@pytest.mark.parametrize("floats", [75_000, 600_000], ids=["300KB", "2.4MB"])
+def test_batches_with_payloads_end_fail_break_and_resume_cleanly(pool4: Any, floats: int) -> None:
+    """Batches whose payload follows the first message: every way a pass can turn out (the
+    end of a pass, a failing or unencodable batch, a break, a resumed or new pass) keeps
+    the ranks in step, as it does with batches that travel in one message."""
     for fn, args in (
         (_rank_lockstep, ()),
         (_rank_source_failures, ()),
@@ -586,13 +599,12 @@ def test_promised_payloads_end_fail_break_and_resume_cleanly(pool4: Any, floats:
         (_rank_break, (1,)),
     ):
         results = pool4.run(_with_audio, floats, fn, *args, timeout=TIMEOUT)
-        # rank 0 is the source of every loader but one (its group form, from rank 2)
-        _, kept, broken = results[0]
-        assert kept > 0 and broken > 0, f"{fn.__name__}: {kept} promises kept, {broken} broken"
+        for rank, (_, payloads) in enumerate(results):
+            assert payloads > 0, f"{fn.__name__}: no payload message on rank {rank}"
         if fn is _rank_source_failures:
-            assert all(len(messages["iterator"]) == 3 for messages, _, _ in results[1:])
+            assert all(len(messages["iterator"]) == 3 for messages, _ in results[1:])
         if fn is _rank_break:
-            assert [last for last, _, _ in results] == [["batch-0-0"]] * 4
+            assert [last for last, _ in results] == [["batch-0-0"]] * 4
 
 
 def test_group_carries_other_traffic_right_after_a_break(pool4: Any) -> None:

@@ -296,11 +296,13 @@ def time_methods(
 
 @contextmanager
 def counting_messages() -> Iterator[list[int]]:
-    """Count the broadcasts and receives this rank posts at the process group, whoever
-    calls them (``dist.broadcast``, ``broadcast_object_list``, or a library calling
-    ``ProcessGroup.broadcast`` / ``ProcessGroup.recv`` itself)."""
-    cls = dist.ProcessGroup
-    saved = {op: cls.__dict__[op] for op in ("broadcast", "recv")}  # the raw descriptors
+    """Count the broadcasts and receives this rank posts, whoever calls them: on process
+    groups (``dist.broadcast``, ``broadcast_object_list``) and on the gloo backends that
+    tensorcast creates for its own groups and calls directly."""
+    classes = (dist.ProcessGroup, dist.ProcessGroupGloo)
+    saved = {
+        (cls, op): cls.__dict__[op] for cls in classes for op in ("broadcast", "recv")
+    }  # the raw descriptors
     count = [0]
 
     def counting(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -309,12 +311,12 @@ def counting_messages() -> Iterator[list[int]]:
             return original(self, *args, **kwargs)
         return counted
 
-    for op in saved:
+    for cls, op in saved:
         setattr(cls, op, counting(getattr(cls, op)))
     try:
         yield count
     finally:
-        for op, descriptor in saved.items():  # restoring the descriptors keeps the binding
+        for (cls, op), descriptor in saved.items():  # restoring keeps the binding
             setattr(cls, op, descriptor)
 
 

@@ -6,15 +6,17 @@ rank, medians):
 1. *A small message as a broadcast or as sends.* ProcessGroupGloo queues a broadcast for a
    worker thread on every rank, but posts a send or a receive on the calling thread.
    tensorcast's first message of each frame (4 KiB in steady state) is therefore one send
-   from the source to each receiver (see ``tensorcast/_transport.py``):
+   from the source to each receiver on groups of up to four ranks (see
+   ``tensorcast/_wire.py``):
 
    - ``header_broadcast``: one broadcast of 4 KiB;
    - ``header_sends``: the same bytes as a send to each receiver, received with ``recv``.
 
 2. *A payload whose receive is posted late.* gloo sends a message once the receiver has
    posted its receive. A frame whose payload follows its first message therefore waits
-   for receivers to read that message, unless they post both receives at once, which
-   tensorcast does once the source has promised the payload's layout a frame ahead:
+   for receivers to read that message. Posting both receives at once would need the
+   payload's layout a frame ahead; tensorcast 0.1 did that ("promised payloads") and the
+   lane design dropped it for a simpler frame protocol. This measures what it saved:
 
    - ``one``: one broadcast of the payload's bytes (the floor);
    - ``read_first``: a 4 KiB first message, then the payload; receivers post the payload's

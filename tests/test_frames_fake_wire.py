@@ -1,0 +1,183 @@
+"""A sender and a receiver over a fake wire: how frames are cut, checked and rebuilt.
+
+The fake stands in for the ``Wire`` interface (one in-memory queue per direction), so
+these run in one process with no process group: the receiver runs in a thread, as it
+would on its own rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from tensorcast import _frame
+from tensorcast._errors import DesyncError, HeaderError, PeerError
+from tensorcast._frame import PREFIX_SIZE, Kind
+from tensorcast._groups import Group
+from tensorcast._lane import Lane
+from tensorcast._receiver import Receiver
+from tensorcast._sender import Sender, Stamp
+
+TIMEOUT = datetime.timedelta(seconds=10)
+
+
+class FakeWire:
+    """Two ranks joined by one queue of messages; the source is group rank 0."""
+
+    device = torch.device("cpu")
+    size = 2
+
+    def __init__(self, rank: int, link: queue.Queue[bytes], log: list[tuple[str, int]]) -> None:
+        self.rank = rank
+        self._link = link
+        self.log = log
+        self.aborted = False
+        self.corrupt_next_payload = False
+
+    def _move(self, what: str, tensor: torch.Tensor, root: int, timeout: Any) -> None:
+        if self.aborted:
+            raise RuntimeError("the group was aborted")
+        if self.rank == root:
+            self.log.append((what, tensor.numel()))
+            self._link.put(tensor.numpy().tobytes())
+            return
+        data = self._link.get(timeout=timeout.total_seconds())
+        if len(data) != tensor.numel():
+            raise RuntimeError(f"message of {len(data)} bytes into {tensor.numel()}")
+        tensor.numpy()[:] = memoryview(data)
+        if what == "payload" and self.corrupt_next_payload:
+            self.corrupt_next_payload = False
+            tensor[0] ^= 1
+
+    def head(self, tensor: torch.Tensor, root: int, timeout: Any) -> None:
+        self._move("head", tensor, root, timeout)
+
+    def payload(self, tensor: torch.Tensor, root: int, timeout: Any) -> None:
+        self._move("payload", tensor, root, timeout)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def pair(*, verify: bool = False) -> tuple[Sender, Receiver, FakeWire, FakeWire, Group]:
+    link: queue.Queue[bytes] = queue.Queue()
+    log: list[tuple[str, int]] = []
+    wires = FakeWire(0, link, log), FakeWire(1, link, log)
+    groups = [Group((0, 1), w, Lane(f"fake{w.rank}", w.abort)) for w in wires]
+    sender = Sender(groups[0], 0, verify=verify)
+    receiver = Receiver(groups[1], 0, 0, lambda: "the fake source is fine")
+    return sender, receiver, wires[0], wires[1], groups[1]
+
+
+def transfer(
+    sender: Sender, receiver: Receiver, tree: Any, stamp: Stamp, expect: Stamp | None = None
+) -> tuple[Any, tuple[Kind, Any]]:
+    got: list[Any] = []
+
+    def receive() -> None:
+        try:
+            got.append(receiver.recv(expect or stamp, None, TIMEOUT))
+        except BaseException as e:
+            got.append(e)
+
+    t = threading.Thread(target=receive)
+    t.start()
+    out, own = sender.data(tree, stamp, None)
+    sender.send(out, TIMEOUT)
+    t.join(20)
+    if isinstance(got[0], BaseException):
+        raise got[0]
+    return own, got[0]
+
+
+def test_inline_separate_and_spilled_frames_rebuild_and_grow_alike() -> None:
+    sender, receiver, src_wire, _, rgroup = pair()
+    trees = [
+        {"x": torch.arange(4.0)},  # inline: one message
+        {"a": torch.arange(300_000, dtype=torch.int32)},  # a payload of its own
+        {"names": [f"utterance {i:05d}" for i in range(800)]},  # a header that spills
+        {"x": torch.arange(4.0), "names": [f"u{i}" for i in range(800)]},  # fits after growth
+    ]
+    for step, tree in enumerate(trees):
+        src_wire.log.clear()
+        own, (kind, got) = transfer(sender, receiver, tree, Stamp(1, 0, step))
+        assert kind == Kind.DATA
+        for key, want in tree.items():
+            if isinstance(want, torch.Tensor):
+                assert torch.equal(got[key], want) and torch.equal(own[key], want)
+            else:
+                assert got[key] == want == own[key]
+        kinds = [what for what, _ in src_wire.log]
+        assert kinds == [["head"], ["head", "payload"], ["head", "head"], ["head"]][step]
+        assert rgroup.capacity == sender._group.capacity
+    assert rgroup.capacity > _frame.INITIAL_CAPACITY
+
+
+def test_end_and_error_frames() -> None:
+    sender, receiver, *_ = pair()
+    got: list[Any] = []
+    t = threading.Thread(
+        target=lambda: got.extend(receiver.recv(Stamp(2, 1, s), None, TIMEOUT) for s in (0, 1))
+    )
+    t.start()
+    sender.send(sender.end(Stamp(2, 1, 0)), TIMEOUT)
+    sender.send(
+        sender.error("source iterator failed: ValueError: shard 3", Stamp(2, 1, 1)), TIMEOUT
+    )
+    t.join(20)
+    assert got == [(Kind.END, None), (Kind.ERROR, "source iterator failed: ValueError: shard 3")]
+
+
+def test_a_frame_of_another_step_is_a_desync_that_breaks_the_lane() -> None:
+    sender, receiver, _, rwire, rgroup = pair()
+    with pytest.raises(DesyncError, match="expected channel 0x7 pass 0 step 1"):
+        transfer(sender, receiver, {"x": torch.ones(2)}, Stamp(7, 0, 0), expect=Stamp(7, 0, 1))
+    assert rgroup.lane.broken is not None and rwire.aborted
+    with pytest.raises(PeerError, match="failed earlier"):
+        rgroup.lane.check()
+
+
+def test_a_corrupted_payload_fails_its_step_only() -> None:
+    sender, receiver, _, rwire, rgroup = pair(verify=True)
+    big = {"a": torch.arange(100_000, dtype=torch.int64)}
+    rwire.corrupt_next_payload = True
+    with pytest.raises(HeaderError, match="CRC32"):
+        transfer(sender, receiver, big, Stamp(1, 0, 0))
+    assert rgroup.lane.broken is None  # the frame was read whole: the stream is in step
+    _, (kind, got) = transfer(sender, receiver, big, Stamp(1, 0, 1))
+    assert kind == Kind.DATA and torch.equal(got["a"], big["a"])
+
+
+def test_no_stale_bytes_in_a_reused_first_message() -> None:
+    sender, *_ = pair()
+    long, short = {"s": "x" * 600, "t": torch.ones(3)}, {"t": torch.ones(3)}
+    sender.data(long, Stamp(1, 0, 0), None)
+    out, _ = sender.data(short, Stamp(1, 0, 1), None)
+    data = out.first.numpy().tobytes()
+    prefix = _frame.Prefix.unpack(data, len(data))
+    head_end = PREFIX_SIZE + prefix.header_len
+    inline_at = len(data) - 64
+    assert data[head_end:inline_at] == bytes(inline_at - head_end)
+
+
+def test_a_lying_prefix_is_a_header_error() -> None:
+    capacity = 4096
+    buf = bytearray(capacity)
+    _frame.Prefix(Kind.DATA, _frame.Flags.INLINE, 1, 0, 0, 10, 1 << 20, capacity).pack_into(buf)
+    prefix = _frame.Prefix.unpack(bytes(buf), capacity)
+    plan = _frame.plan_frame(capacity, prefix.header_len, prefix.payload_len, inline_ok=True)
+    assert not plan.inline  # a receiver compares the two and refuses the frame
+    for bad, match in (
+        (b"XXXX" + bytes(buf[4:]), "not a tensorcast frame"),
+        (bytes(buf[:4]) + b"\x09" + bytes(buf[5:]), "frame version 9"),
+        (bytes(buf[:5]) + b"\x09" + bytes(buf[6:]), "unknown frame kind"),
+        (bytes(20), "not a tensorcast frame"),
+        (bytes(10), "no frame prefix"),
+    ):
+        with pytest.raises(HeaderError, match=match):
+            _frame.Prefix.unpack(bad, capacity)

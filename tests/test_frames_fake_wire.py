@@ -176,7 +176,7 @@ def test_a_lying_prefix_is_a_header_error() -> None:
         (b"XXXX" + bytes(buf[4:]), "not a tensorcast frame"),
         (bytes(buf[:4]) + b"\x09" + bytes(buf[5:]), "frame version 9"),
         (bytes(buf[:5]) + b"\x09" + bytes(buf[6:]), "unknown frame kind"),
-        (bytes(20), "not a tensorcast frame"),
+        (bytes(64), "not a tensorcast frame"),
         (bytes(10), "no frame prefix"),
     ):
         with pytest.raises(HeaderError, match=match):

@@ -15,7 +15,7 @@ $(STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,dev]"
+	$(PY) -m pip install -q -e ".[test,dev,lightning]"
 	touch $(STAMP)
 
 venv: $(STAMP)

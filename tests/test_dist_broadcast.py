@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import gc
 import hashlib
 import pickle
 import struct
-import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -30,7 +29,8 @@ from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import init_device_mesh
 
 import tensorcast as tc
-from tensorcast import _codec, _mesh, _schema, _transport
+from tensorcast import _frame, _groups, _sender, _wire
+from tensorcast._frame import PREFIX_SIZE, Flags, Prefix, plan_frame
 
 TIMEOUT = 120.0
 
@@ -235,10 +235,9 @@ def large() -> dict[str, Any]:
     return {"audio": torch.randn(300_000, generator=g), "lens": torch.tensor([300_000])}
 
 
-def direct() -> dict[str, Any]:
-    """Leaves of 2 MiB and more travel from their own memory, each as its own broadcast:
-    contiguous, non-contiguous (copied, then sent), a bool mask of raw bytes, a complex
-    one; small leaves between them go inline in the first message."""
+def large_leaves() -> dict[str, Any]:
+    """Several leaves of megabytes: contiguous, non-contiguous (arrives contiguous), a bool
+    mask of raw bytes, a complex one, and small leaves between them."""
     g = torch.Generator().manual_seed(4)
     return {
         "audio": torch.randn(4, 150_000, generator=g),
@@ -251,8 +250,8 @@ def direct() -> dict[str, Any]:
     }
 
 
-def direct_and_large_rest() -> dict[str, Any]:
-    """A direct leaf, then 400 KB of small leaves: too much to go inline."""
+def large_leaf_and_rest() -> dict[str, Any]:
+    """A 4 MiB leaf, then 400 KB more."""
     g = torch.Generator().manual_seed(5)
     return {"audio": torch.randn(1 << 20, generator=g), "rest": torch.randn(100_000, generator=g)}
 
@@ -271,8 +270,8 @@ CASES: dict[str, Callable[[], Any]] = {
     "every_kind": every_kind,
     "large": large,
     "tiny_after_large": tiny,
-    "direct": direct,
-    "direct_and_large_rest": direct_and_large_rest,
+    "large_leaves": large_leaves,
+    "large_leaf_and_rest": large_leaf_and_rest,
     "big_header": big_header,
     "big_header_and_payload": big_header_and_payload,
     "none": lambda: None,
@@ -280,37 +279,52 @@ CASES: dict[str, Callable[[], Any]] = {
 }
 
 
-# (case, header messages, payload broadcasts): how each of these batches travels.
+# (case, head messages, payload messages): how each of these batches travels. Heads are
+# the first message and, when it did not fit, the header on its own (see ``_frame``).
 MESSAGES = [("tiny", 1, 0), ("large", 1, 1), ("big_header", 2, 0)]
 
 
 # -- helpers run inside the ranks ---------------------------------------------------------
 
 
-class CountBroadcasts:
-    """Counts the broadcasts tensorcast posts (``calls``: every one goes through
-    ``Channel._broadcasts``), and the operations this rank posts on process groups for
-    them (``ops``: how many ``broadcast``, ``send`` and ``recv``)."""
+class CountMessages:
+    """Counts the messages tensorcast moves while in a ``with``: ``log`` names each one
+    (``"head"`` or ``"payload"``: every message goes through ``GlooWire.head`` or
+    ``GlooWire.payload``), ``calls`` is how many; ``ops`` counts the operations this rank
+    posts on process groups for them (how many ``broadcast``, ``send`` and ``recv``)."""
 
     OPS = ("broadcast", "send", "recv")
+    BACKEND = distributed_c10d.ProcessGroupGloo.__mro__[1]  # the C++ Backend, which has them
 
-    def __init__(self) -> None:
-        self.calls = 0
+    def __init__(self, before_head: Callable[..., None] | None = None) -> None:
+        self.log: list[str] = []
         self.ops: dict[str, int] = {}
+        self._before_head = before_head  # sees every head before it travels
+
+    @property
+    def calls(self) -> int:
+        return len(self.log)
 
     @contextlib.contextmanager
-    def __call__(self) -> Iterator[CountBroadcasts]:
-        real = _transport.Channel._broadcasts
-        group_ops = {op: dist.ProcessGroup.__dict__[op] for op in self.OPS}  # descriptors
-        self.calls = 0
+    def __call__(self) -> Iterator[CountMessages]:
+        wire = {name: _wire.GlooWire.__dict__[name] for name in ("head", "payload")}
+        group_ops = {op: self.BACKEND.__dict__[op] for op in self.OPS}  # descriptors
+        self.log = []
         self.ops = dict.fromkeys(self.OPS, 0)
 
-        def counting(channel: Any, stages: list[Any], *args: Any, **kwargs: Any) -> Any:
-            self.calls += sum(len(stage.tensors) for stage in stages)
-            return real(channel, stages, *args, **kwargs)
+        def logged(name: str) -> Callable[..., Any]:
+            real = wire[name]
+
+            def call(w: Any, *args: Any) -> Any:
+                self.log.append(name)
+                if name == "head" and self._before_head is not None:
+                    self._before_head(w, *args)
+                return real(w, *args)
+
+            return call
 
         def counted(op: str) -> Callable[..., Any]:
-            original = getattr(dist.ProcessGroup, op)
+            original = getattr(self.BACKEND, op)
 
             def call(group: Any, *args: Any) -> Any:
                 self.ops[op] += 1
@@ -318,15 +332,22 @@ class CountBroadcasts:
 
             return call
 
-        _transport.Channel._broadcasts = counting  # type: ignore[method-assign]
+        for name in wire:
+            setattr(_wire.GlooWire, name, logged(name))
         for op in self.OPS:
-            setattr(dist.ProcessGroup, op, counted(op))
+            setattr(self.BACKEND, op, counted(op))
         try:
             yield self
         finally:
-            _transport.Channel._broadcasts = real  # type: ignore[method-assign]
+            for name, real in wire.items():
+                setattr(_wire.GlooWire, name, real)
             for op, descriptor in group_ops.items():
-                setattr(dist.ProcessGroup, op, descriptor)
+                setattr(self.BACKEND, op, descriptor)
+
+
+def tensorcast_groups() -> set[tuple[int, ...]]:
+    """The ranks of every group tensorcast made on this rank (it makes one per set)."""
+    return set(_groups.world()._groups)
 
 
 def group_count() -> int:
@@ -389,7 +410,7 @@ def expect_unsupported_everywhere(rank: int, src: int, send: Callable[[Any], Any
 
 
 def _rank_two(rank: int, world: int) -> tuple[dict[str, Any], dict[str, dict[str, int]]]:
-    counter = CountBroadcasts()
+    counter = CountMessages()
     found: dict[str, Any] = {}
     ops: dict[str, dict[str, int]] = {}  # this rank's, which differ between ranks
     kept: list[tuple[str, Any]] = []
@@ -403,8 +424,8 @@ def _rank_two(rank: int, world: int) -> tuple[dict[str, Any], dict[str, dict[str
             ops[f"{name}/{src}"] = counter.ops
             kept.append((name, out))
 
-    # Large leaves are sent from their own memory, but the source still gets its own
-    # copy: changing the input afterwards (a loader reusing its tensors) changes nothing.
+    # The source's own tree is made of its copy of the batch, not of the input: changing
+    # the input afterwards (a loader reusing its tensors) changes nothing.
     g = torch.Generator().manual_seed(6)
     weights = torch.randn(1 << 20, generator=g).requires_grad_()
     grid = torch.randn(1000, 1000, generator=g).t()
@@ -413,7 +434,7 @@ def _rank_two(rank: int, world: int) -> tuple[dict[str, Any], dict[str, dict[str
     with torch.no_grad():
         weights.zero_()
         grid.zero_()
-    check_same(out, want, "direct leaves, inputs changed afterwards")
+    check_same(out, want, "large leaves, inputs changed afterwards")
     assert not out["w"].requires_grad and out["grid"].is_contiguous()
 
     for device in ("cpu", torch.device("cpu")):
@@ -421,11 +442,22 @@ def _rank_two(rank: int, world: int) -> tuple[dict[str, Any], dict[str, dict[str
         check_same(out, large(), f"device={device!r}")
         assert all(t.device == torch.device("cpu") for t in tensors_of(out))
 
-    # 1-D ("cp",) mesh: the mesh's own group, created once.
+    # timeout= in seconds or as a timedelta; a bad one is refused before anything travels.
+    for timeout in (30, 30.0, datetime.timedelta(seconds=30)):
+        out = tc.broadcast(tiny() if rank == 0 else None, 0, timeout=timeout)
+        check_same(out, tiny(), f"timeout={timeout!r}")
+    for timeout in (0, -1.0, True, "30"):
+        with pytest.raises(ValueError, match="timeout"):
+            tc.broadcast(tiny() if rank == 0 else None, 0, timeout=timeout)  # type: ignore[arg-type]
+    check_same(tc.broadcast(tiny() if rank == 1 else None, 1), tiny(), "after bad timeouts")
+
+    # 1-D ("cp",) mesh: tensorcast's group over its ranks, created once (the same one
+    # tc.broadcast used on these ranks).
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     first = tc.broadcast_batch(tiny() if tc.is_dp_source_rank(mesh) else None, mesh)
     groups = group_count()
-    sub = _mesh.resolve_submesh(mesh, ("cp", "tp"))
+    made = tensorcast_groups()
+    assert made == {(0, 1)}, made
     for step in range(5):
         batch = {"step": step, "x": torch.full((3,), step)} if rank == 0 else None
         check_same(
@@ -434,23 +466,28 @@ def _rank_two(rank: int, world: int) -> tuple[dict[str, Any], dict[str, dict[str
             f"1-D mesh step {step}",
         )
     assert group_count() == groups, "broadcast_batch created process groups after the first call"
-    assert _mesh.resolve_submesh(mesh, ("cp", "tp")) is sub
+    assert tensorcast_groups() == made, "broadcast_batch made a group after the first call"
     check_same(first, tiny(), "1-D mesh first batch")
 
     # The pool hands a buffer out again only when nothing views it: all kept trees intact.
     for name, out in kept:
         check_same(out, CASES[name](), f"{name}, kept while later batches arrived")
 
-    # A group of its own, destroyed after use: its cached channel (and pooled buffers)
-    # go with it; a tree received on it stays intact.
+    # A caller's group only names the ranks: nothing travels on it, so destroying it
+    # leaves a tree received through it intact, and a new group over the same ranks uses
+    # the same tensorcast group.
     group = dist.new_group([0, 1])
     out = tc.broadcast(large() if rank == 0 else None, 0, group)
-    channel = weakref.ref(_transport.channel_for_group(group, 0))
     dist.destroy_process_group(group)
     del group
     gc.collect()
-    assert channel() is None, "a destroyed group's channel is still alive"
     check_same(out, large(), "a tree received on a group destroyed since")
+    again = dist.new_group([0, 1])
+    for src in (1, 0):
+        out = tc.broadcast(every_kind() if rank == src else None, src, again)
+        check_same(out, every_kind(), f"a new group over the same ranks, from {src}")
+    assert tensorcast_groups() == made, "a caller's group made a tensorcast group of its own"
+    dist.destroy_process_group(again)
     return found, ops
 
 
@@ -469,26 +506,30 @@ def _rank_four(rank: int, world: int) -> dict[str, Any]:
         outs.append(digest(out))
         if step == 0:
             created = group_count() - before
-            sub = _mesh.resolve_submesh(mesh, ("cp", "tp"))
+            made = tensorcast_groups()
     assert group_count() == before + created, "groups re-created after the first call"
     assert created <= 1
-    assert _mesh.resolve_submesh(mesh, ("cp", "tp")) is sub
-    assert sub.ranks == (0, 1, 2, 3) and sub.src == 0
+    assert tensorcast_groups() == made, "broadcast_batch made a group after the first call"
+    assert (0, 1, 2, 3) in made
     found["2d"] = outs
-    counter = CountBroadcasts()
+    counter = CountMessages()
     for name in ("tiny", "large"):
         with counter():
             out = tc.broadcast_batch(CASES[name]() if rank == 0 else None, mesh)
         check_same(out, CASES[name](), f"2-D mesh, {name}, counted")
         found[f"{name}_ops"] = counter.ops
 
-    # A second, equal mesh is another object: it gets its own groups, not the first's.
+    # A second, equal mesh is another object over the same ranks: it travels on the same
+    # tensorcast group (groups are made once per set of ranks, never cached by id()).
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
-    out = tc.broadcast_batch(tiny() if rank == 0 else None, other)
-    check_same(out, tiny(), "second mesh")
-    assert _mesh.resolve_submesh(other, ("cp", "tp")) is not sub
+    for _ in range(2):
+        out = tc.broadcast_batch(tiny() if rank == 0 else None, other)
+        check_same(out, tiny(), "second mesh")
+    assert tensorcast_groups() == made, "an equal mesh made a group of its own"
     del other
     gc.collect()
+    out = tc.broadcast_batch(large() if rank == 0 else None, mesh)
+    check_same(out, large(), "the first mesh after the second one")
 
     # ("dp", "cp") with the default axes: tp is absent, cp spans; one source per DP slot.
     dpcp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
@@ -543,17 +584,23 @@ def _rank_dp_slots(rank: int, world: int) -> list[tuple[int, int]]:
 
     seen = []
     groups = -1
+    made: set[tuple[int, ...]] = set()
     for step in range(4):
         out = tc.broadcast_batch(batch(step) if source else None, mesh)
         check_same(out, batch(step), f"dp slot {dp} step {step}")
         seen.append((out["dp"], out["step"]))
         if step == 0:
             groups = group_count()
+            made = tensorcast_groups()
     assert group_count() == groups, "groups re-created after the first call"
+    assert tensorcast_groups() == made, "broadcast_batch made a group after the first call"
+    slot = (0, 1, 2, 3) if dp == 0 else (4, 5, 6, 7)
+    assert slot in made, made
 
-    # The whole world is a group of 8, over HEADER_SENDS_MAX_RANKS: its header messages
-    # are broadcasts (gloo's tree), and the same frames arrive.
-    counter = CountBroadcasts()
+    # The whole world is a group of 8, over HEAD_SENDS_MAX_RANKS: its heads are
+    # broadcasts (gloo's tree), and the same frames arrive.
+    assert world > _wire.HEAD_SENDS_MAX_RANKS
+    counter = CountMessages()
     for name, headers, payloads in MESSAGES:
         with counter():
             out = tc.broadcast(CASES[name]() if rank == 0 else None, 0)
@@ -607,13 +654,13 @@ def test_broadcast_trees_of_every_kind_on_two_ranks(pool2: Any) -> None:
         assert calls[f"tiny/{src}"] == 1, "a tiny batch travels in one message"
         assert calls[f"tiny_after_large/{src}"] == 1
         assert calls[f"none/{src}"] == 1
-        assert calls[f"large/{src}"] == 2, "header message, then the >256 KiB payload"
+        assert calls[f"large/{src}"] == 2, "first message, then the >256 KiB payload"
         assert calls[f"big_header/{src}"] == 2, "a >256 KiB header spills into a second message"
         assert calls[f"big_header_and_payload/{src}"] >= 2
-        assert calls[f"direct/{src}"] == 5, "first message, then each leaf of >= 2 MiB"
-        assert calls[f"direct_and_large_rest/{src}"] == 3
-        # On gloo, header messages are one send to each receiver (the group's worker
-        # thread never sees them); payloads are broadcasts.
+        assert calls[f"large_leaves/{src}"] == 2, "first message, then the one payload"
+        assert calls[f"large_leaf_and_rest/{src}"] == 2
+        # On gloo, heads are one send to each receiver (the group's worker thread never
+        # sees them); payloads are broadcasts.
         source, receiver = (ops0, ops1) if src == 0 else (ops1, ops0)
         for name, headers, payloads in MESSAGES:
             key = f"{name}/{src}"
@@ -624,7 +671,7 @@ def test_broadcast_trees_of_every_kind_on_two_ranks(pool2: Any) -> None:
 def test_broadcast_on_meshes_and_groups_of_four(pool4: Any) -> None:
     results = pool4.run(_rank_four, timeout=TIMEOUT)
     assert all(r["2d"] == results[0]["2d"] for r in results)
-    # The source sends each receiver the header message itself; payloads are broadcasts.
+    # The source sends each receiver the head itself; payloads are broadcasts.
     for name, payloads in [("tiny", 0), ("large", 1)]:
         key = f"{name}_ops"
         assert results[0][key] == {"broadcast": payloads, "send": 3, "recv": 0}, name
@@ -649,9 +696,9 @@ def test_every_dp_slot_gets_its_own_source_batches(pool8: Any) -> None:
 
 
 def _steady_batch(step: int) -> Any:
-    """Batches whose header repeats for a while, then changes in ways a stale tree built
-    ahead would get wrong: a small value, a shape, a dtype, a bytes leaf, an ndarray; and
-    last, one structure whose small values change every step."""
+    """Batches whose header repeats for a while, then changes: a small value, a shape, a
+    dtype, a bytes leaf, an ndarray; and last, one structure whose small values change
+    every step."""
     phase = min(step // 4, 4)
     batch: dict[str, Any] = {
         "x": torch.full((3, 4), float(step)),
@@ -663,7 +710,7 @@ def _steady_batch(step: int) -> Any:
     elif phase == 2:
         batch["x"] = torch.full((3, 4), step, dtype=torch.int64)
     elif phase == 3:
-        batch["blob"] = bytes([step]) * 2000  # a copy by nature: nothing is built ahead
+        batch["blob"] = bytes([step]) * 2000
     elif phase == 4:
         batch["step"] = step
         batch["note"] = "n" * (step * 37 % 200)  # a header of a new length every step
@@ -673,96 +720,14 @@ def _steady_batch(step: int) -> Any:
 STEADY_STEPS = 32
 
 
-def _zero_outside_head_and_payload(channel: Any, prepared: Any) -> None:
-    """The source's first message holds its head and its inline payload; every other byte
-    is zero, whatever the frames before it wrote."""
-    frame, data = prepared.frame, prepared.first.numpy()
-    head = _transport._PREFIX.size + len(channel.description)
-    if not prepared.flags & _transport._SPILL:
-        head += len(frame.header)
-    at = end = len(data)
-    if prepared.flags & _transport._INLINE:
-        at = _transport._inline_at(len(data), frame.payload_len)
-        end = at + frame.payload_len
-    assert not data[head:at].any() and not data[end:].any(), "stale bytes in the first message"
-
-
-class _Guesses:
-    """``Channel._guess`` watched while in a ``with``: whether a guess is being made right
-    now, and whether each one built anything."""
-
-    def __init__(self) -> None:
-        self.active = False
-        self.built: list[bool] = []
-        self._real = _transport.Channel._guess
-
-    def __enter__(self) -> _Guesses:
-        real = self._real
-
-        def guess(channel: Any, *args: Any) -> Any:
-            self.active = True
-            try:
-                made = real(channel, *args)
-            finally:
-                self.active = False
-            self.built.append(made is not None)
-            return made
-
-        _transport.Channel._guess = guess  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        _transport.Channel._guess = self._real  # type: ignore[method-assign]
-
-
-def _rank_steady(rank: int, world: int) -> tuple[int, int]:
-    real_views, real_prepare = _codec.views, _transport.Channel._prepare
-    late = [0]  # views made after a frame of the last phase arrived
-
-    def views(*args: Any, **kwargs: Any) -> Any:
-        if not guesses.active and step >= 16:
-            late[0] += 1
-        return real_views(*args, **kwargs)
-
-    def prepare(channel: Any, frame: Any) -> Any:
-        prepared = real_prepare(channel, frame)
-        _zero_outside_head_and_payload(channel, prepared)
-        return prepared
-
-    _transport.Channel._prepare = prepare  # type: ignore[method-assign]
-    _codec.views = views
-    try:
-        with _Guesses() as guesses:
-            for step in range(STEADY_STEPS):
-                out = tc.broadcast(_steady_batch(step) if rank == 0 else None, 0)
-                check_same(out, _steady_batch(step), f"step {step}")
-    finally:
-        _transport.Channel._prepare = real_prepare  # type: ignore[method-assign]
-        _codec.views = real_views
-    return sum(guesses.built), late[0]
-
-
-def test_trees_built_ahead_match_what_arrives(pool2: Any) -> None:
-    """Receivers build the next tree before it arrives once structures repeat; whenever
-    the header changes (a shape, a dtype, a small value), what they return is what
-    arrived. When only small values change, the leaves built ahead are used."""
-    (source, _), (receiver, late) = pool2.run(_rank_steady, timeout=TIMEOUT)
-    assert source == 0
-    assert 12 <= receiver < STEADY_STEPS, "trees were built ahead in the repeating phases only"
-    # The last phase's 16 steps: the first two build nothing ahead (the structure is new);
-    # every later one uses the leaves built ahead, though its header's length changes.
-    assert late == 2, f"{late} of 16 steps made their views after the frame arrived"
-
-
 def _payload_batch(step: int) -> Any:
     """Batches whose payload follows the first message, with new small values every step:
-    a leaf that travels from its own memory (>= 2 MiB) and bytes between such leaves that
-    go inline; then one payload of 300 KB in one piece; then a shape that changes every
-    step."""
+    several megabytes with bytes between the large leaves; then one payload of 300 KB in
+    one tensor; then a shape that changes every step."""
     phase = min(step // 6, 2)
     if phase == 0:
         return {
-            "audio": torch.full((2, 300_000), float(step)),  # 2.4 MB: its own broadcast
+            "audio": torch.full((2, 300_000), float(step)),
             "lens": torch.tensor([step, 300_000]),
             "step": step,
             "id": "utt-" + "x" * (step * 7 % 30),  # a header of a new length every step
@@ -774,81 +739,105 @@ def _payload_batch(step: int) -> Any:
 PAYLOAD_STEPS = 16
 
 
-def _rank_steady_payload(rank: int, world: int) -> tuple[list[list[str]], list[int]]:
-    """What each step did, in order (the stages of each batch of broadcasts, posted
-    together; values read), and the steps that took a payload buffer while one taken
-    earlier in the step was still held."""
-    real_many, real_read = _transport.Channel._broadcasts, _schema.read_values
-    real_landing = _transport.Channel._landing
-    log: list[str] = []
-    taken: list[int] = []  # this step's payload buffers, by storage
-    held: list[int] = []
-
-    def busy(channel: Any, storage: int) -> bool:
-        """Whether anything but the pool still uses a pooled buffer (gloo's worker drops
-        its reference to a broadcast's tensor just after the wait returns: allow it that)."""
-        entry = channel.pool._by_storage.get(storage)
-        for _ in range(100):
-            if entry is None or entry.use_count() == entry.idle:
-                return False
-            time.sleep(0.001)
-        return True
-
-    def many(channel: Any, stages: Any, *args: Any) -> Any:
-        log.append("+".join(stage.what for stage in stages))
-        return real_many(channel, stages, *args)
-
-    def read(*args: Any) -> Any:
-        log.append("values")
-        return real_read(*args)
-
-    def landing(channel: Any, *args: Any) -> Any:
-        if any(busy(channel, storage) for storage in taken):
-            held.append(step)
-        made = real_landing(channel, *args)
-        taken.append(made[0].untyped_storage()._cdata)
-        return made
-
-    _transport.Channel._broadcasts = many  # type: ignore[method-assign]
-    _transport.Channel._landing = landing  # type: ignore[method-assign]
-    _schema.read_values = read
-    steps = []
-    try:
-        for step in range(PAYLOAD_STEPS):
-            log.clear()
-            taken.clear()
-            out = tc.broadcast(_payload_batch(step) if rank == 0 else None, 0)
-            check_same(out, _payload_batch(step), f"step {step}")
-            del out  # as a training loop drops the batch before it fetches the next
-            steps.append(list(log))
-    finally:
-        _transport.Channel._broadcasts = real_many  # type: ignore[method-assign]
-        _transport.Channel._landing = real_landing  # type: ignore[method-assign]
-        _schema.read_values = real_read
-    return steps, held
+def first_message_problems(first: torch.Tensor) -> list[str]:
+    """What is wrong with a source's first message: a byte that is not zero outside its
+    prefix, its header and its inline payload (the stale bytes of an earlier frame, or of
+    this process's memory, travelling to the peers)."""
+    data = first.numpy()
+    capacity = len(data)
+    prefix = Prefix.unpack(data.data, capacity)
+    plan = plan_frame(capacity, prefix.header_len, prefix.payload_len, inline_ok=True)
+    if plan.flags != prefix.flags & (Flags.INLINE | Flags.SPILL):
+        return [f"flags {prefix.flags!r} but the plan says {plan.flags!r}"]
+    head = PREFIX_SIZE + (0 if plan.spill else plan.header_len)
+    at = end = capacity
+    if plan.inline:
+        at, end = plan.payload_at, plan.payload_at + plan.payload_len
+    problems = []
+    if data[head:at].any():
+        problems.append(f"non-zero bytes between the head ({head}) and {at}")
+    if data[end:].any():
+        problems.append(f"non-zero bytes after the inline payload ({end} of {capacity})")
+    return problems
 
 
-def test_payloads_are_posted_with_the_first_message_once_their_layout_repeats(
-    pool2: Any,
-) -> None:
-    """A payload that follows the first message is received after the frame is read, until
-    its layout repeats; the source then promises the next frame's pieces, and receivers
-    post their receive together with the first message's. A frame that cannot keep the
-    promise (a new layout) sends zeros in those pieces, then its own payload; a layout
-    that changes every step is never promised."""
-    (source, _), (receiver, held) = pool2.run(_rank_steady_payload, timeout=TIMEOUT)
-    full = ["frame header", "batch buffer"]  # read, then received
-    posted = ["frame header+batch buffer"]  # received with the first message
-    missed = ["frame header+batch buffer", "batch buffer"]  # zeros, then its own
-    want = [full, full] + [posted] * 4  # a leaf of its own, the bytes between it inline
-    want += [missed, full] + [posted] * 4  # one piece of 300 KB
-    want += [missed] + [full] * 3  # a new shape every step
-    for name, steps in (("source", source), ("receiver", receiver)):
-        stages = [[stage for stage in log if stage != "values"] for log in steps]
-        assert stages == want, f"{name}: {stages}"
-    # The buffer of a promise that was not kept is let go of before the frame's own is
-    # taken: the pool can hand the same one out again.
-    assert held == [], f"steps {held} held two payload buffers at once"
+def _rank_changing(rank: int, world: int) -> tuple[list[list[str]], list[str]]:
+    """Every step's messages in order, and what was wrong with the source's first
+    messages, for batches whose header, then payload, change as they go."""
+    problems: list[str] = []
+    spilled = [False]  # the next head is the header of a frame that spilled it
+    where = [""]
+
+    def look(wire: Any, tensor: torch.Tensor, root: int, *args: Any) -> None:
+        if wire.rank != root:
+            return
+        if spilled[0]:
+            spilled[0] = False
+            return
+        spilled[0] = bool(Prefix.unpack(tensor.numpy().data, tensor.numel()).flags & Flags.SPILL)
+        problems.extend(f"{where[0]}: {p}" for p in first_message_problems(tensor))
+
+    counter = CountMessages(look)
+    steps = [(f"steady {i}", _steady_batch, i) for i in range(STEADY_STEPS)]
+    steps += [(f"payload {i}", _payload_batch, i) for i in range(PAYLOAD_STEPS)]
+    logs = []
+    for name, make, i in steps:
+        where[0] = name
+        with counter():
+            out = tc.broadcast(make(i) if rank == 0 else None, 0)
+        check_same(out, make(i), name)
+        del out  # as a training loop drops the batch before it fetches the next
+        logs.append(counter.log)
+    return logs, problems
+
+
+def test_batches_whose_header_or_payload_changes_arrive_as_sent(pool2: Any) -> None:
+    """Headers that repeat, then change (a shape, a dtype, a small value, a length), and
+    payloads that follow the first message: every rank returns what was sent, in the
+    messages the frame's plan says, and the source's first messages carry no stale bytes."""
+    (source, problems), (receiver, _) = pool2.run(_rank_changing, timeout=TIMEOUT)
+    assert source == receiver
+    assert source == [["head"]] * STEADY_STEPS + [["head", "payload"]] * PAYLOAD_STEPS
+    assert problems == []
+
+
+class _FakeGroup:
+    """What a ``Sender`` reads of its group: the transfer device and the capacity."""
+
+    def __init__(self) -> None:
+        self.wire = _wire.GlooWire.__new__(_wire.GlooWire)  # its device, never its gloo
+        self.capacity = _frame.INITIAL_CAPACITY
+
+
+def test_first_messages_carry_no_stale_bytes() -> None:
+    """Whatever the frames before it wrote (a longer header, a longer inline payload, a
+    payload whose end moved within its alignment, a spilled header), a first message is
+    zero outside its prefix, its header and its inline payload."""
+    group = _FakeGroup()
+    sender = _sender.Sender(group, 0)  # type: ignore[arg-type]
+    frames: list[tuple[str, Any]] = []
+    frames += [(f"steady {i}", _steady_batch(i)) for i in range(STEADY_STEPS)]
+    frames += [(f"payload {i}", _payload_batch(i)) for i in range(3)]
+    frames += [(f"every_kind {i}", every_kind()) for i in range(2)]
+    frames += [("big_header", big_header()), ("tiny", tiny())]
+    frames += [  # an inline payload whose last bytes stop short of where the last one's did
+        (f"tail {k}", {"tail": torch.full((64 - k,), 255, dtype=torch.uint8)}) for k in range(4)
+    ]
+    problems = []
+
+    def check(what: str, out: Any) -> None:
+        problems.extend(f"{what}: {p}" for p in first_message_problems(out.first))
+        group.capacity = out.plan.next_capacity  # what a sent frame does
+
+    for step, (name, tree) in enumerate(frames):  # batch after batch
+        check(name, sender.data(tree, _sender.Stamp(1, 0, step), None)[0])
+    for step, (name, tree) in enumerate(frames):  # with the end of a pass, or a failure
+        stamp = _sender.Stamp(1, 1, step)
+        check(f"{name}, pass 1", sender.data(tree, stamp, None)[0])
+        check(f"END after {name}", sender.end(stamp))
+        check(f"{name} after an END", sender.data(tree, stamp, None)[0])
+        check(f"ERROR after {name}", sender.error("x" * (step % 7), stamp))
+    assert problems == []
 
 
 def test_nothing_is_pickled_on_any_rank(pool4: Any) -> None:
@@ -856,17 +845,74 @@ def test_nothing_is_pickled_on_any_rank(pool4: Any) -> None:
     assert all(d == digests[0] for d in digests)
 
 
-def test_header_messages_are_sends_on_small_gloo_groups_only() -> None:
-    """The rule every rank applies alike (group size and backend are the same on all)."""
-    off, detail = dist.DebugLevel.OFF, dist.DebugLevel.DETAIL
-    most = _transport.HEADER_SENDS_MAX_RANKS
-    assert _transport.header_sends(True, 2, off)
-    assert _transport.header_sends(True, most, dist.DebugLevel.INFO)
-    assert not _transport.header_sends(True, most + 1, off), "large groups keep gloo's tree"
-    assert not _transport.header_sends(False, 2, off), "other backends keep broadcasts"
-    # DETAIL checks each collective's sequence number across ranks; a source's sends
-    # count one per receiver there, a receiver's one in all.
-    assert not _transport.header_sends(True, 2, detail)
+class _FakeGloo:
+    """The part of a gloo backend a ``GlooWire`` uses; records each operation and wait."""
+
+    class Work:
+        def __init__(self, log: list[Any], op: tuple[Any, ...]) -> None:
+            self.log, self.op = log, op
+
+        def wait(self, timeout: Any = None) -> bool:
+            self.log.append(("wait", self.op, timeout))
+            return True
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self.log: list[Any] = []
+
+    def size(self) -> int:
+        return self._size
+
+    def _work(self, *op: Any) -> Any:
+        self.log.append(op)
+        return self.Work(self.log, op)
+
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
+        return self._work("send", peer)
+
+    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
+        return self._work("recv", peer)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        return self._work("broadcast", opts.rootRank)
+
+
+def test_heads_are_sends_on_small_gloo_groups_only() -> None:
+    """The rule every rank applies alike (the group's size is the same on all): on groups
+    of up to ``HEAD_SENDS_MAX_RANKS`` the source sends each receiver its heads, one after
+    another; larger groups keep gloo's broadcast tree; payloads are always broadcasts.
+    Every operation is waited for, with the timeout."""
+    most = _wire.HEAD_SENDS_MAX_RANKS
+    assert most == 4
+    tensor = torch.zeros(8, dtype=torch.uint8)
+    timeout = datetime.timedelta(seconds=3)
+    for size in range(2, 2 * most + 1):
+        for rank in range(size):
+            for root in {0, 1, size - 1}:
+                gloo = _FakeGloo(size)
+                wire = _wire.GlooWire(gloo, rank)
+                assert wire.size == size and wire.device == torch.device("cpu")
+                wire.head(tensor, root, timeout)
+                heads = [op for op in gloo.log if op[0] != "wait"]
+                if size > most:
+                    assert heads == [("broadcast", root)], (size, rank, root)
+                elif rank == root:
+                    assert heads == [("send", p) for p in range(size) if p != root]
+                else:
+                    assert heads == [("recv", root)]
+                gloo.log.clear()
+                wire.payload(tensor, root, timeout)
+                assert gloo.log == [("broadcast", root), ("wait", ("broadcast", root), timeout)]
+                gloo.log.clear()
+
+
+def test_heads_wait_for_every_send_with_the_timeout() -> None:
+    gloo = _FakeGloo(4)
+    timeout = datetime.timedelta(seconds=3)
+    _wire.GlooWire(gloo, 0).head(torch.zeros(8, dtype=torch.uint8), 0, timeout)
+    sends = [("send", p) for p in (1, 2, 3)]
+    # Posted together, then waited for: a slow receiver does not hold up the sends after it.
+    assert gloo.log == sends + [("wait", op, timeout) for op in sends]
 
 
 def test_broadcast_batch_is_a_no_op_without_torch_distributed() -> None:

@@ -299,10 +299,12 @@ def counting_messages() -> Iterator[list[int]]:
     """Count the broadcasts and receives this rank posts, whoever calls them: on process
     groups (``dist.broadcast``, ``broadcast_object_list``) and on the gloo backends that
     tensorcast creates for its own groups and calls directly."""
-    classes = (dist.ProcessGroup, dist.ProcessGroupGloo)
-    saved = {
-        (cls, op): cls.__dict__[op] for cls in classes for op in ("broadcast", "recv")
-    }  # the raw descriptors
+    owners = {  # the classes that define the methods (a backend inherits them)
+        next(c for c in cls.__mro__ if op in c.__dict__) for cls in
+        (dist.ProcessGroup, dist.ProcessGroupGloo) for op in ("broadcast", "recv")
+    }
+    saved = {(cls, op): cls.__dict__[op] for cls in owners for op in ("broadcast", "recv")
+             if op in cls.__dict__}  # the raw descriptors
     count = [0]
 
     def counting(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,11 +1,10 @@
-"""From a DeviceMesh to the group a batch travels on, and its source rank.
+"""Mesh geometry: which ranks share a batch, which one is their source, which DP slot.
 
 Under TP/CP every rank of one ``(cp, tp)`` sub-mesh of a DP slot needs the same batch.
-The named axes that are present in the mesh with size > 1 are flattened into ONE
-process group per DP slot, whose first rank (coordinate 0 on every such axis) is the
-source. The groups are created once, by every rank together, and kept on the mesh
-object that owns them (never in a dict keyed by ``id()``); a mesh from a process group
-that was destroyed and re-initialised gets new groups.
+The named axes that are present in the mesh with size > 1 are flattened into ONE set of
+ranks per DP slot (:func:`submesh_rows`), whose first rank (coordinate 0 on every such
+axis) is the source. Nothing here makes a process group: tensorcast's own groups over
+those ranks are made in ``_groups``.
 
 # NOTE [ The per-axis mesh protocol ]
 Which rank is a source, and which DP slot a rank is in, is read from a mesh-like through
@@ -27,14 +26,10 @@ the rank map, about a thousand times the cost of ``get_coordinate()``).
 from __future__ import annotations
 
 import math
-import threading
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 try:
     from torch.distributed.device_mesh import DeviceMesh as _DeviceMesh
@@ -42,30 +37,13 @@ except ImportError:  # torch built without distributed support: only mesh-likes 
     _DeviceMesh = None  # type: ignore[assignment,misc]
 
 __all__ = [
-    "SubMesh",
     "dp_rank_and_size",
     "is_dp_source_rank",
     "normalize_axes",
     "present_axes",
-    "resolve_submesh",
     "spanning_axes",
     "submesh_rows",
 ]
-
-_ATTR = "_tensorcast_submeshes"
-_lock = threading.Lock()
-
-
-@dataclass(frozen=True, slots=True)
-class SubMesh:
-    """The flattened sub-mesh of this rank: its group and its source (a global rank)."""
-
-    group: dist.ProcessGroup
-    src: int
-    ranks: tuple[int, ...]
-    axes: tuple[str, ...]
-    world: weakref.ReferenceType[Any]
-
 
 def normalize_axes(axes: Sequence[str] | str) -> tuple[str, ...]:
     if isinstance(axes, str):
@@ -243,32 +221,3 @@ def submesh_rows(device_mesh: Any, spanning: tuple[str, ...]) -> list[tuple[int,
     size = math.prod(ranks.size(i) for i in keep)
     rows = ranks.permute(*rest, *keep).reshape(-1, size).tolist()
     return [tuple(int(r) for r in row) for row in rows]
-
-
-def resolve_submesh(device_mesh: Any, axes: Sequence[str] | str) -> SubMesh:
-    """The group spanning this rank's sub-mesh; created once per mesh, by every rank.
-
-    Must be called by every rank of the default group the first time (group creation is
-    collective); later calls return the cached groups without communicating.
-    """
-    spanning = spanning_axes(device_mesh, axes)
-    if not spanning:
-        raise ValueError(f"no axis of {normalize_axes(axes)} with size > 1 in the mesh")
-    world = dist.distributed_c10d._get_default_group()
-    with _lock:
-        cache: dict[tuple[str, ...], SubMesh] = device_mesh.__dict__.setdefault(_ATTR, {})
-        hit = cache.get(spanning)
-        if hit is not None and hit.world() is world:
-            return hit
-        rank = dist.get_rank()
-        rows = [list(r) for r in submesh_rows(device_mesh, spanning)]
-        mine = next((r for r in rows if rank in r), None)
-        if mine is None:
-            raise ValueError(f"rank {rank} is not part of the device mesh {device_mesh}")
-        if len(spanning) == 1:
-            group = device_mesh.get_group(spanning[0])  # the mesh already owns this group
-        else:
-            group, _ = dist.new_subgroups_by_enumeration(rows)
-        sub = SubMesh(group, mine[0], tuple(mine), spanning, weakref.ref(world))
-        cache[spanning] = sub
-        return sub

@@ -90,7 +90,10 @@ class World:
         self._agreed: dict[tuple[int, ...], int] = {}
         self._groups: dict[tuple[int, ...], Group] = {}
         self._lock = threading.Lock()
-        self.heartbeat = Heartbeat(self.store, self.rank, self.timeout.total_seconds())
+        default_ref = weakref.ref(default)
+        self.heartbeat = Heartbeat(
+            self.store, self.rank, self.timeout.total_seconds(), lambda: default_ref() is not None
+        )
         #: channels of ``tensorcast.broadcast``, by (group ranks, source)
         self.broadcast_channels: dict[tuple[tuple[int, ...], int], Any] = {}
 

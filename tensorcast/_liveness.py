@@ -14,9 +14,10 @@ mean the source is alive, and its busy time says for how long it has been inside
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,12 +31,14 @@ def _period(timeout_s: float) -> float:
 class Heartbeat:
     """The heartbeat of this rank while it is the source of any channel."""
 
-    def __init__(self, store: Any, rank: int, timeout_s: float) -> None:
+    def __init__(self, store: Any, rank: int, timeout_s: float, alive: Callable[[], bool]) -> None:
         self._store = store
         self._key = f"alive/{rank}"
         self._period = _period(timeout_s)
+        self._alive = alive  # False once the process group is gone: the thread leaves
         self._lock = threading.Lock()
         self._busy: dict[int, tuple[float, str]] = {}  # token -> (since, what)
+        self._tokens = itertools.count()
         self._beats = 0
         self._thread: threading.Thread | None = None
 
@@ -51,14 +54,14 @@ class Heartbeat:
     @contextmanager
     def busy(self, what: str) -> Iterator[None]:
         """Mark this rank busy with ``what`` (e.g. ``next(source)``) while inside."""
-        token = object()
         with self._lock:
-            self._busy[id(token)] = (time.monotonic(), what)
+            token = next(self._tokens)
+            self._busy[token] = (time.monotonic(), what)
         try:
             yield
         finally:
             with self._lock:
-                del self._busy[id(token)]
+                del self._busy[token]
 
     def _beat(self) -> None:
         now = time.monotonic()
@@ -69,6 +72,8 @@ class Heartbeat:
     def _run(self) -> None:
         while True:
             time.sleep(self._period)
+            if not self._alive():
+                return
             try:
                 with self._lock:
                     self._beat()

@@ -1,9 +1,9 @@
 """Tree <-> token list: the structural half of the codec.
 
-A batch tree is flattened, in preorder and without recursion (any nesting depth works),
-into a flat list of JSON-able *tokens* (its structure), the list of its small *values*,
-and the list of *buffer leaves* whose bytes go into the packed buffer. The rebuild walks
-the same tokens with an explicit stack.
+A batch tree is flattened (``_flatten``), in preorder and without recursion (any nesting
+depth works), into a flat list of JSON-able *tokens* (its structure), the list of its
+small *values*, and the list of *buffer leaves* whose bytes go into the packed buffer.
+The rebuild walks the same tokens with an explicit stack.
 
 The structure and the values are apart because batches of one loader repeat their
 structure while their values change (step numbers, ids): the structure is then laid
@@ -34,21 +34,23 @@ Nothing here knows about byte layouts or process groups.
 from __future__ import annotations
 
 import collections
-import functools
 import operator
 import struct
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from tensorcast import _registry
-from tensorcast._dtypes import CODE_OF_TORCH, NUMPY_CODES, numpy_code
-from tensorcast._errors import HeaderError, UnsupportedLeafError
+from tensorcast._dtypes import NUMPY_CODES
+from tensorcast._errors import HeaderError
+from tensorcast._flatten import INLINE_LIMIT, BufferLeaf, flatten
+from tensorcast._paths import Path, render_path
 
 __all__ = [
+    "INLINE_LIMIT",
     "BufferLeaf",
+    "Path",
     "Program",
     "compile_tokens",
     "decode_values",
@@ -57,376 +59,9 @@ __all__ = [
     "run",
 ]
 
-# Strings and bytes longer than this travel in the buffer, not in the header.
-INLINE_LIMIT = 1024
-
 _F64 = struct.Struct("<d")
 _U64 = struct.Struct("<Q")
-_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 _OrderedDict = collections.OrderedDict
-_Parameter = torch.nn.Parameter
-_STRIDED = torch.strided
-
-# A path is a chain of (parent, key, style) tuples; rendered only when someone asks.
-# style 0: [key]   style 1: .field   style 2: <codec name>
-Path = tuple[Any, ...] | None
-
-
-_MAX_PATH_PARTS = 64
-
-
-def render_path(path: Path, root: str = "") -> str:
-    """Render a path chain as ``root['audio'][2].field``.
-
-    Deep paths keep their last 64 parts (``root…(9,936 levels)…[0][0]``), so describing
-    a header never costs more than a bounded amount per leaf.
-    """
-    parts: list[str] = []
-    while path is not None and len(parts) < _MAX_PATH_PARTS:
-        path, key, style = path[0], path[1], path[2]
-        parts.append(f"[{key!r}]" if style == 0 else f".{key}" if style == 1 else f"<{key}>")
-    if path is not None:
-        # Chains built while compiling carry their depth; others are counted once.
-        if len(path) > 3:
-            hidden = path[3]
-        else:
-            hidden = 0
-            while path is not None:
-                path, hidden = path[0], hidden + 1
-        parts.append(f"…({hidden:,} levels)…")
-    return root + "".join(reversed(parts))
-
-
-# A buffer leaf, as flatten returns it: (kind, code, shape, data) where data is a
-# tensor, an ndarray, or bytes (str leaves already encoded as UTF-8).
-BufferLeaf = tuple[str, str, Any, Any]
-
-
-def _unsupported(obj: Any, path: Path, why: str = "") -> UnsupportedLeafError:
-    cls = type(obj)
-    where = render_path(path, "batch")
-    why = why or (
-        "register it with tensorcast.register_type (NamedTuple or dataclass) "
-        "or convert it to a tensor, array or plain value"
-    )
-    return UnsupportedLeafError(
-        f"unsupported leaf of type `{cls.__module__}.{cls.__qualname__}` at `{where}`; {why}"
-    )
-
-
-def _check_tensor(t: torch.Tensor, path: Path) -> str:
-    """The tensor's dtype code; raises for anything but a dense strided tensor with data."""
-    if type(t) is not torch.Tensor and type(t) is not _Parameter:
-        return _raise(
-            t,
-            path,
-            "tensor subclasses (DTensor, FakeTensor, ...) cannot travel; "
-            "send a plain tensor, e.g. dtensor.full_tensor() or .to_local()",
-        )
-    if t.layout is not _STRIDED:
-        return _raise(
-            t,
-            path,
-            f"only dense strided tensors travel, this one is {t.layout}; call .to_dense() first",
-        )
-    if t.is_nested:
-        return _raise(
-            t,
-            path,
-            "nested tensors cannot travel; send the padded tensor and "
-            "its lengths, or a list of tensors",
-        )
-    if t.is_quantized:
-        return _raise(
-            t, path, "quantized tensors cannot travel; send .int_repr() and the scale / zero point"
-        )
-    if t.is_meta:
-        return _raise(t, path, "meta tensors have no data to send")
-    code = CODE_OF_TORCH.get(t.dtype)
-    if code is not None:
-        return code
-    return _raise(t, path, f"dtype {t.dtype} is not in tensorcast's dtype table")
-
-
-def _raise(obj: Any, path: Path, why: str) -> str:
-    raise _unsupported(obj, path, why)
-
-
-def _encode_key(key: Any, container: Any) -> Any:
-    t = type(key)
-    if t is str or t is bool or key is None:
-        return key
-    if t is int:
-        return key if _I64_MIN <= key <= _I64_MAX else ["I", hex(key)]
-    raise _Fail(container, functools.partial(_bad_key, key))
-
-
-def _bad_key(key: Any, path: Path) -> None:
-    raise UnsupportedLeafError(
-        f"unsupported dict key of type `{type(key).__qualname__}` ({key!r}) in `"
-        f"{render_path(path, 'batch')}`; dict keys must be str, int, bool or None"
-    )
-
-
-def _encode_scalar(obj: np.generic) -> list[Any]:
-    if isinstance(obj, np.str_):
-        # str() of a numpy str drops trailing NULs; the str it is keeps them.
-        return ["S", "U", str.__str__(obj)]
-    if isinstance(obj, np.bytes_):
-        return ["S", "S", bytes(obj).hex()]
-    code = numpy_code(obj.dtype)
-    if code is None:
-        raise _Fail(
-            obj,
-            functools.partial(
-                _raise_unsupported_why, obj, f"numpy scalars of dtype {obj.dtype} cannot travel"
-            ),
-        )
-    return ["s", code, obj.tobytes().hex()]
-
-
-def _raise_unsupported_why(obj: Any, why: str, path: Path) -> None:
-    raise _unsupported(obj, path, why)
-
-
-class _Fail(Exception):
-    """Raised inside the walk; ``report(path)`` raises the real error once the path of
-    ``obj`` is known. The walk keeps no paths: they cost allocations on every node."""
-
-    def __init__(self, obj: Any, report: Any):
-        super().__init__()
-        self.obj = obj
-        self.report = report
-
-
-def flatten(tree: Any) -> tuple[list[Any], list[Any], list[BufferLeaf], bool]:
-    """Flatten ``tree`` into preorder tokens, its small values and its buffer leaves.
-
-    Returns:
-        ``(tokens, values, leaves, loose)``: ``loose`` is True when the tokens hold a
-        bool or int dict key, whose ``==`` cannot tell ``True`` from ``1``: such token
-        lists must not be compared to decide that two trees are alike. (Values compare
-        strictly: a bare value token is never an int.)
-
-    Raises:
-        UnsupportedLeafError: a leaf, key or container type cannot travel.
-        ValueError: the tree contains itself, or its tensors are on several devices.
-        RuntimeError: a dict changed size while it was being read.
-    """
-    codec_trees: dict[int, tuple[str, Any]] = {}
-    try:
-        return _walk(tree, codec_trees)
-    except _Fail as f:
-        fail = f
-    # Outside the except block, so the error does not chain the internal _Fail.
-    fail.report(_locate(tree, fail.obj, codec_trees))
-    raise AssertionError("unreachable: report() raises")
-
-
-def _locate(tree: Any, target: Any, codec_trees: dict[int, tuple[str, Any]]) -> Path:
-    """The path of ``target`` in ``tree`` (first occurrence in preorder), or None."""
-    stack: list[tuple[Any, Path]] = [(tree, None)]
-    seen: set[int] = set()
-    while stack:
-        obj, path = stack.pop()
-        if obj is target:
-            return path
-        t = type(obj)
-        if t is dict or t is _OrderedDict or t is list or t is tuple or id(obj) in codec_trees:
-            if id(obj) in seen:
-                continue
-            seen.add(id(obj))
-        if t is dict or t is _OrderedDict:
-            for k, v in reversed(list(obj.items())):
-                stack.append((v, (path, k, 0)))
-        elif t is list or t is tuple:
-            for i in range(len(obj) - 1, -1, -1):
-                stack.append((obj[i], (path, i, 0)))
-        elif id(obj) in codec_trees:
-            name, sub = codec_trees[id(obj)]
-            stack.append((sub, (path, name, 2)))
-        else:
-            entry = (
-                _registry.by_type(t) if not isinstance(obj, (torch.Tensor, np.ndarray)) else None
-            )
-            if entry is not None and entry.kind != "codec":
-                for name in reversed(entry.fields):
-                    stack.append((getattr(obj, name), (path, name, 1)))
-    return None
-
-
-def _walk(
-    tree: Any, codec_trees: dict[int, tuple[str, Any]]
-) -> tuple[list[Any], list[Any], list[BufferLeaf], bool]:
-    # The hot loop of the source: every name it uses is a local, and the common types are
-    # tested first. A batch of 200 small tensors spends most of its packing time here.
-    tokens: list[Any] = []
-    smalls: list[Any] = []  # the small values
-    leaves: list[BufferLeaf] = []
-    append, add_leaf, value = tokens.append, leaves.append, smalls.append
-    # A stack of objects; _EXIT followed by an id leaves a container (cycle detection).
-    stack: list[Any] = [tree]
-    pop, push, extend = stack.pop, stack.append, stack.extend
-    active: set[int] = set()
-    codes = CODE_OF_TORCH
-    tensor_t, param_t, strided, exit_t = torch.Tensor, _Parameter, _STRIDED, _Exit
-    n_leaves = 0
-    device: int | None = None  # get_device() of the first tensor: -1 for CPU
-    first_tensor: Any = None
-    loose = False
-    while stack:
-        obj = pop()
-        t = type(obj)
-        if t is tensor_t or t is param_t:
-            code = codes.get(obj.dtype)
-            if code is None or obj.layout is not strided or obj.is_nested or obj.is_meta:
-                raise _Fail(obj, functools.partial(_check_tensor, obj))
-            dev = obj.get_device()
-            if dev != device:
-                if device is not None:
-                    raise _Fail(obj, functools.partial(_mixed_devices, obj, first_tensor))
-                device, first_tensor = dev, obj
-            append(n_leaves)
-            n_leaves += 1
-            add_leaf(("tensor", code, obj.shape, obj))
-        elif t is dict or t is _OrderedDict:
-            key = id(obj)
-            if key in active:
-                raise _Fail(obj, _contains_itself)
-            # Keys, then each key's value: cheaper than listing items, and a key removed
-            # or added meanwhile (another thread) is seen below, never mispaired.
-            try:
-                keys = list(obj)
-                children = list(map(obj.__getitem__, keys))
-            except (RuntimeError, KeyError):
-                raise _Fail(obj, _changed) from None
-            if len(obj) != len(keys):
-                raise _Fail(obj, _changed)
-            for k in keys:
-                if type(k) is not str:  # rare: encode them, and note bool / int keys
-                    keys = [_encode_key(k, obj) for k in keys]
-                    loose = loose or any(type(k) is bool or type(k) is int for k in keys)
-                    break
-            append(["d" if t is dict else "o", len(keys), keys])
-            active.add(key)
-            push(key)
-            push(_EXIT)
-            extend(reversed(children))
-        elif t is exit_t:
-            active.discard(pop())
-        elif t is str:
-            if len(obj) <= INLINE_LIMIT:
-                append(None)
-                value(obj)
-            else:
-                append(n_leaves)
-                n_leaves += 1
-                data = obj.encode("utf-8", "surrogatepass")
-                add_leaf(("str", "U8", (len(data),), data))
-        elif t is int:
-            append(None)
-            value(["i", obj] if _I64_MIN <= obj <= _I64_MAX else ["I", hex(obj)])
-        elif t is list or t is tuple:
-            key = id(obj)
-            if key in active:
-                raise _Fail(obj, _contains_itself)
-            append(["l" if t is list else "t", len(obj)])
-            active.add(key)
-            push(key)
-            push(_EXIT)
-            extend(reversed(obj))
-        elif obj is None:
-            append(None)
-            value(None)
-        elif t is float:
-            append(None)
-            value(["f", _U64.unpack(_F64.pack(obj))[0]])
-        elif t is bool:
-            append(None)
-            value(obj)
-        elif t is np.ndarray:
-            code = numpy_code(obj.dtype)
-            if code is None:
-                raise _Fail(obj, functools.partial(_bad_array, obj))
-            append(n_leaves)
-            n_leaves += 1
-            add_leaf(("ndarray", code, obj.shape, obj))
-        elif t is bytes:
-            if len(obj) <= INLINE_LIMIT:
-                append(None)
-                value(["y", obj.hex()])
-            else:
-                append(n_leaves)
-                n_leaves += 1
-                add_leaf(("bytes", "U8", (len(obj),), obj))
-        elif t is complex:
-            append(None)
-            value(["c", _U64.unpack(_F64.pack(obj.real))[0], _U64.unpack(_F64.pack(obj.imag))[0]])
-        elif isinstance(obj, np.generic) and t.__module__ == "numpy":
-            append(None)
-            value(_encode_scalar(obj))
-        else:
-            entry = _registry.by_type(t)
-            if entry is None:
-                if isinstance(obj, torch.Tensor):
-                    raise _Fail(obj, functools.partial(_check_tensor, obj))
-                raise _Fail(obj, functools.partial(_raise_unsupported, obj))
-            key = id(obj)
-            if key in active:
-                raise _Fail(obj, _contains_itself)
-            active.add(key)
-            push(key)
-            push(_EXIT)
-            if entry.kind == "codec":
-                assert entry.to_tree is not None
-                append(["x", entry.name])
-                sub = entry.to_tree(obj)
-                codec_trees[key] = (entry.name, sub)  # for error paths inside it
-                push(sub)
-            else:
-                append(["r", entry.name, list(entry.fields)])
-                for name in reversed(entry.fields):
-                    push(getattr(obj, name))
-    return tokens, smalls, leaves, loose
-
-
-def _contains_itself(path: Path) -> None:
-    raise ValueError(f"the tree contains itself at `{render_path(path, 'batch')}`")
-
-
-def _changed(path: Path) -> None:
-    raise RuntimeError(
-        f"the dict at `{render_path(path, 'batch')}` changed while it was being packed "
-        f"(keys were added or removed); do not mutate a batch while it is being sent"
-    )
-
-
-def _mixed_devices(obj: torch.Tensor, first: torch.Tensor, path: Path) -> None:
-    raise ValueError(
-        f"tensors on mixed devices: `{render_path(path, 'batch')}` is on {obj.device} but an "
-        f"earlier tensor is on {first.device}; move the batch to one device before sending it"
-    )
-
-
-def _bad_array(obj: np.ndarray, path: Path) -> None:
-    raise _unsupported(
-        obj,
-        path,
-        f"numpy arrays of dtype {obj.dtype!s} cannot travel; use bool, int, uint, "
-        f"float or complex arrays in native byte order "
-        f"(e.g. arr.astype(arr.dtype.newbyteorder('=')))",
-    )
-
-
-def _raise_unsupported(obj: Any, path: Path) -> None:
-    raise _unsupported(obj, path)
-
-
-class _Exit:
-    """The marker that closes a container on the walk's stack."""
-
-
-_EXIT = _Exit()
 
 
 def _decode_key(key: Any) -> Any:

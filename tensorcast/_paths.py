@@ -1,0 +1,40 @@
+"""Where a leaf sits in a batch tree, as errors and :class:`~tensorcast.LeafSpec` say it.
+
+A path is a chain of ``(parent, key, style)`` tuples, built as the tree is read and
+rendered only when someone asks (an error, ``read_header``): rendering every leaf's path
+would cost allocations on every node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Path", "render_path"]
+
+# style 0: [key]   style 1: .field   style 2: <codec name>
+# Chains built while compiling a header carry their depth as a fourth item.
+Path = tuple[Any, ...] | None
+
+_MAX_PATH_PARTS = 64
+
+
+def render_path(path: Path, root: str = "") -> str:
+    """Render a path chain as ``root['audio'][2].field``.
+
+    Deep paths keep their last 64 parts (``root…(9,936 levels)…[0][0]``), so describing
+    a header never costs more than a bounded amount per leaf.
+    """
+    parts: list[str] = []
+    while path is not None and len(parts) < _MAX_PATH_PARTS:
+        path, key, style = path[0], path[1], path[2]
+        parts.append(f"[{key!r}]" if style == 0 else f".{key}" if style == 1 else f"<{key}>")
+    if path is not None:
+        # Chains built while compiling carry their depth; others are counted once.
+        if len(path) > 3:
+            hidden = path[3]
+        else:
+            hidden = 0
+            while path is not None:
+                path, hidden = path[0], hidden + 1
+        parts.append(f"…({hidden:,} levels)…")
+    return root + "".join(reversed(parts))

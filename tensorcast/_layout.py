@@ -1,0 +1,145 @@
+"""The second step of packing: a flattened batch's leaves placed in the buffer.
+
+Each leaf gets an offset aligned to ``align`` (or to its itemsize, when larger) after
+the one before it; the leaf table and the structure make the header's bytes up to the
+small values. A :class:`Layout` keeps both, so a next batch of the same structure reuses
+them and encodes its values alone.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+from tensorcast import _schema
+from tensorcast._dtypes import CODE_ITEMSIZE
+from tensorcast._flatten import BufferLeaf
+from tensorcast._views import ViewSpec
+
+__all__ = ["DEFAULT_ALIGN", "KIND", "Layout", "lay_out"]
+
+DEFAULT_ALIGN = 64
+
+#: a buffer leaf's (kind, code, shape), which with the alignment fixes its place
+KIND = operator.itemgetter(0, 1, 2)
+
+
+class Layout:
+    """A batch's structure laid out: the leaf table and the header's bytes up to the small
+    values, so a next batch of the same structure reuses them (and the views and gaps
+    worked out for it) and encodes its values alone."""
+
+    __slots__ = (
+        "_gaps",
+        "_last",
+        "_write_spec",
+        "align",
+        "comparable",
+        "has_gaps",
+        "kinds",
+        "nbytes",
+        "prefix",
+        "table",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        table: list[tuple[Any, ...]],
+        tokens: list[Any],
+        prefix: bytes,
+        comparable: bool,
+        kinds: list[tuple[str, str, Any]],
+        align: int,
+        nbytes: int,
+        has_gaps: bool,
+    ):
+        self.table = table
+        self.tokens = tokens
+        #: the header body up to the values (see _schema.structure_prefix)
+        self.prefix = prefix
+        #: False when ``==`` on the tokens could mistake True for 1 (see _flatten.flatten)
+        self.comparable = comparable
+        #: each leaf's (kind, code, shape), which with ``align`` fixes the table
+        self.kinds = kinds
+        self.align = align
+        self.nbytes = nbytes
+        #: whether alignment leaves gaps between leaves
+        self.has_gaps = has_gaps
+        self._write_spec: ViewSpec | None = None
+        self._gaps: list[tuple[int, int]] | None = None
+        self._last: tuple[list[Any], bytes] | None = None  # values -> header, last used
+
+    def header(self, values: list[Any]) -> bytes:
+        """The header of the batch of this structure with these small values.
+
+        A batch that repeats the last values gets the very same bytes object back.
+        """
+        last = self._last  # one read: another thread may replace it
+        if last is not None and last[0] == values:  # strict: no bare ints among values
+            return last[1]
+        header = _schema.encode(self.prefix, values)
+        self._last = (values, header)
+        return header
+
+    def write_spec(self) -> ViewSpec:
+        """The views leaves are written through (bool leaves as bytes)."""
+        if self._write_spec is None:
+            self._write_spec = ViewSpec(self.table, bool_as_bytes=True)
+        return self._write_spec
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """The ``(start, stop)`` byte ranges between leaves."""
+        if self._gaps is None:
+            self._gaps = []
+            end = 0
+            for _kind, _code, _shape, off, n in self.table:
+                if off > end:
+                    self._gaps.append((end, off))
+                end = off + n
+        return self._gaps
+
+
+_masks_by_align: dict[int, dict[str, int]] = {}
+
+
+def _align_masks(align: int) -> dict[str, int]:
+    """``code -> alignment - 1`` for every dtype code: a leaf is aligned to ``align`` or
+    to its itemsize, whichever is larger (both powers of two)."""
+    masks = _masks_by_align.get(align)
+    if masks is None:
+        masks = _masks_by_align[align] = {
+            code: max(align, itemsize) - 1 for code, itemsize in CODE_ITEMSIZE.items()
+        }
+    return masks
+
+
+def lay_out(
+    leaves: list[BufferLeaf],
+    kinds: list[tuple[str, str, Any]],
+    tokens: list[Any],
+    align: int,
+    comparable: bool,
+) -> Layout:
+    """Place every leaf at its aligned offset and encode the structure.
+
+    Raises:
+        ValueError: the buffer would be over the format's size limit.
+    """
+    table: list[tuple[Any, ...]] = []
+    masks = _align_masks(align)
+    end = 0
+    data_bytes = 0
+    for kind, code, shape, data in leaves:
+        off = (end + masks[code]) & ~masks[code]
+        size = len(data) if kind == "bytes" or kind == "str" else data.nbytes
+        table.append((kind, code, shape, off, size))
+        end = off + size
+        data_bytes += size
+    if end > _schema.MAX_BUFFER_BYTES:
+        raise ValueError(
+            f"the batch needs a {end}-byte buffer, over the {_schema.MAX_BUFFER_BYTES}-byte "
+            f"limit of the format; split it into smaller batches"
+        )
+    prefix = _schema.structure_prefix(end, align, table, tokens)
+    return Layout(table, tokens, prefix, comparable, kinds, align, end, data_bytes != end)

@@ -1,0 +1,211 @@
+"""The last steps of packing: a batch planned (flattened, laid out, its header encoded)
+and then written into any buffer large enough.
+
+A :class:`PackPlan` touches no buffer until :meth:`PackPlan.write`, so the caller picks
+the buffer (pooled, pinned, on a GPU) once it knows the size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from typing import Any
+
+import numpy as np
+import torch
+
+from tensorcast import _schema
+from tensorcast._flatten import BufferLeaf, flatten
+from tensorcast._layout import DEFAULT_ALIGN, KIND, Layout, lay_out
+
+__all__ = ["PackPlan", "plan"]
+
+_MEMSET_BELOW = 1 << 20
+_MEMSET_ABOVE_LEAVES = 64
+_CPU = torch.device("cpu")
+
+
+class PackPlan:
+    """A batch flattened and laid out, ready to be written into any large-enough buffer."""
+
+    __slots__ = ("header", "layout", "leaves", "nbytes")
+
+    def __init__(self, leaves: list[BufferLeaf], layout: Layout, header: bytes):
+        self.leaves = leaves
+        #: the leaves' places and the structure, reused by the next batch when it matches
+        self.layout = layout
+        self.header = header
+        self.nbytes = layout.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the batch's tensors (cpu when it has none). Asked only where it
+        matters (large or CUDA batches): a tiny batch's step does not pay for it."""
+        # flatten checked that every tensor shares the first one's device
+        return next((leaf[3].device for leaf in self.leaves if leaf[0] == "tensor"), _CPU)
+
+    def write(
+        self,
+        buffer: torch.Tensor,
+        defer: Container[int] = (),
+        later: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        views: list[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """Copy every leaf's bytes into ``buffer[:self.nbytes]`` at its offset.
+
+        Tensor leaves are copied by one batched ``_foreach_copy_`` into typed views of
+        the buffer: per-leaf Python work is what dominates batches of many small leaves.
+
+        Args:
+            buffer: at least ``nbytes`` bytes, on any device.
+            defer: indices of tensor leaves not to copy now: their ``(view, source)``
+                pairs go to ``later``, for the caller to copy when it suits it.
+            later: where deferred copies go.
+            views: what an earlier call returned for this layout and this very buffer
+                (the tensor views to write through), to save making them again.
+
+        Returns:
+            The typed views the tensor leaves were copied into, in leaf order: the
+            sender's own rebuilt tree can use them (see :meth:`values`).
+        """
+        layout = self.layout
+        spec = layout.write_spec()
+        leaves = self.leaves
+        host: np.ndarray | None = None  # the buffer's host view, made once if needed
+        # Alignment gaps are zeroed: the bytes are deterministic, and no stale memory of
+        # this process travels to the peers. Small or many-leaf buffers get one memset;
+        # large ones (where a second pass over the data would cost) get one per gap.
+        if layout.has_gaps:
+            if defer or (self.nbytes > _MEMSET_BELOW and len(leaves) <= _MEMSET_ABOVE_LEAVES):
+                host = _zero_each_gap(buffer, layout)
+            else:
+                buffer[: self.nbytes].zero_()
+        if views is None:
+            views = spec.tensor_views(buffer)
+        srcs = [leaves[i][3] for i in spec.tensor_index]
+        for j in spec.bools:
+            # As bytes: a bool copy would turn bytes other than 0 / 1 (masks made with
+            # .view(torch.bool)) into 1, and the bytes must arrive as they are.
+            srcs[j] = srcs[j].view(torch.uint8)
+        dsts = views
+        if defer:
+            dsts, srcs = _split_deferred(views, srcs, spec.tensor_index, defer, later)
+        if len(dsts) == 1:
+            dsts[0].copy_(srcs[0])
+        elif dsts:
+            torch._foreach_copy_(dsts, srcs)
+        if spec.others:
+            _write_others(buffer, spec.others, leaves, host)
+        return views
+
+    def values(self, buffer: torch.Tensor, tensor_views: list[torch.Tensor]) -> list[Any]:
+        """The leaf values the receivers will see, built from what :meth:`write` returned."""
+        spec = self.layout.write_spec()
+        out: list[Any] = list(tensor_views)
+        for j in spec.bools:
+            out[j] = out[j].view(torch.bool)  # written as bytes
+        if not spec.others:
+            return out
+        values = spec.placed(out, len(self.leaves))
+        host: np.ndarray | None = None
+        for i, (kind, _code, shape, off, _n) in spec.others:
+            data = self.leaves[i][3]
+            if kind == "bytes":
+                values[i] = data
+            elif kind == "str":
+                values[i] = data.decode("utf-8", "surrogatepass")
+            else:
+                if host is None:  # one holder view: it keeps the storage's use count up
+                    host = (
+                        buffer[:].numpy() if buffer.device.type == "cpu" else buffer.cpu().numpy()
+                    )
+                values[i] = host[off : off + data.nbytes].view(data.dtype).reshape(shape)
+        return values
+
+
+def _zero_each_gap(buffer: torch.Tensor, layout: Layout) -> np.ndarray | None:
+    """Zero the gaps between ``layout``'s leaves in ``buffer``, one by one; returns the
+    host view of ``buffer`` made for it, when it is on the CPU."""
+    host: np.ndarray | None = None
+    on_cpu = buffer.is_cpu
+    for start, stop in layout.gaps():
+        if on_cpu:
+            host = buffer.numpy() if host is None else host
+            host[start:stop] = 0
+        else:
+            buffer[start:stop].zero_()
+    return host
+
+
+def _split_deferred(
+    views: list[torch.Tensor],
+    srcs: list[torch.Tensor],
+    tensor_index: list[int],
+    defer: Container[int],
+    later: list[tuple[torch.Tensor, torch.Tensor]] | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The copies to make now, as ``(views, sources)``; the deferred leaves' pairs go to
+    ``later``."""
+    assert later is not None
+    dsts, now = [], []
+    for view, src, i in zip(views, srcs, tensor_index):
+        if i in defer:
+            later.append((view, src.detach()))  # copy_ would carry requires_grad
+        else:
+            dsts.append(view)
+            now.append(src)
+    return dsts, now
+
+
+def _write_others(
+    buffer: torch.Tensor,
+    others: list[tuple[int, Any]],
+    leaves: list[BufferLeaf],
+    host: np.ndarray | None,
+) -> None:
+    """Write the ndarray, bytes and str leaves; ``host``: the buffer's host view, if made."""
+    on_cpu = buffer.is_cpu
+    for i, (kind, _code, _shape, off, _n) in others:
+        data = leaves[i][3]
+        if kind == "ndarray":
+            src = data
+            n = data.nbytes
+        else:  # bytes / str, already encoded
+            src = np.frombuffer(data, dtype=np.uint8)
+            n = len(data)
+        if n == 0:
+            continue
+        if on_cpu:
+            host = buffer.numpy() if host is None else host
+            host[off : off + n].view(src.dtype).reshape(src.shape)[...] = src
+        else:
+            staged = torch.empty(n, dtype=torch.uint8)
+            staged.numpy().view(src.dtype).reshape(src.shape)[...] = src
+            buffer[off : off + n].copy_(staged)
+
+
+def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = None) -> PackPlan:
+    """Flatten ``tree`` and lay its leaves out; no buffer is touched yet.
+
+    Raises:
+        UnsupportedLeafError: a leaf, key or container cannot travel.
+        ValueError: bad ``align``, tensors on more than one device, a cyclic tree.
+    """
+    if type(align) is not int or not 1 <= align <= _schema.MAX_ALIGN or align & (align - 1):
+        raise ValueError(f"align must be a power of two in [1, {_schema.MAX_ALIGN}], got {align!r}")
+    tokens, values, leaves, loose = flatten(tree)
+    # A leaf's (kind, code, shape) fixes its size, so equal kinds and tokens mean an equal
+    # layout: steady state compares them instead of laying the leaves out, and encodes
+    # only the small values.
+    kinds = list(map(KIND, leaves))
+    if (
+        previous is not None
+        and previous.comparable
+        and not loose
+        and previous.align == align
+        and previous.tokens == tokens
+        and previous.kinds == kinds
+    ):
+        layout = previous
+    else:
+        layout = lay_out(leaves, kinds, tokens, align, not loose)
+    return PackPlan(leaves, layout, layout.header(values))

@@ -1,0 +1,145 @@
+"""A buffer seen as one layout's leaves: typed tensor views, host arrays, bytes, str.
+
+A :class:`ViewSpec` is worked out once per distinct leaf table; the receiver's
+:func:`views` and the sender's write (``_plan``) both go through one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tensorcast import _schema
+from tensorcast._dtypes import CODE_ITEMSIZE, numpy_dtype, torch_dtype
+from tensorcast._errors import HeaderError
+from tensorcast._pool import BufferPool
+
+__all__ = ["ViewSpec", "view_spec", "views"]
+
+_MAX_ITEMSIZE = max(CODE_ITEMSIZE.values())
+
+_strides_cache: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = _strides_cache.get(shape)
+    if strides is None:
+        acc = 1
+        out = []
+        for d in reversed(shape):
+            out.append(acc)
+            acc *= d if d > 1 else 1
+        strides = tuple(reversed(out))
+        if len(_strides_cache) > 4096:
+            _strides_cache.clear()
+        _strides_cache[shape] = strides
+    return strides
+
+
+class ViewSpec:
+    """How to view a buffer as one layout's leaves; computed once per distinct layout.
+
+    ``specs`` has one ``(code, shape, strides, element offset)`` per tensor leaf, in leaf
+    order, so making the views is one comprehension of ``as_strided`` calls: with many
+    small leaves, that is most of a receiver's work.
+    """
+
+    __slots__ = ("bools", "codes", "others", "specs", "tensor_index")
+
+    def __init__(self, table: Sequence[Sequence[Any]], bool_as_bytes: bool = False):
+        self.specs: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
+        self.codes: dict[str, int] = {}  # code -> itemsize, for the typed bases
+        self.tensor_index: list[int] = []  # the leaf index of each spec
+        self.bools: list[int] = []  # positions in specs of bool leaves
+        self.others: list[tuple[int, Any]] = []  # (leaf index, row) of the other leaves
+        for i, row in enumerate(table):
+            kind, code, shape, off = row[0], row[1], row[2], row[3]
+            if kind != "tensor":
+                self.others.append((i, row))
+                continue
+            if code == "BOOL":
+                self.bools.append(len(self.specs))
+                if bool_as_bytes:
+                    code = "U8"
+            isz = CODE_ITEMSIZE[code]
+            self.codes[code] = isz
+            shape_t = tuple(shape)
+            self.specs.append((code, shape_t, _contiguous_strides(shape_t), off // isz))
+            self.tensor_index.append(i)
+
+    def placed(self, tensors: list[Any], count: int) -> list[Any]:
+        """``tensors`` (one per spec) at their leaf indices in a list of ``count`` leaves;
+        the other leaves' places are None, for the caller to fill."""
+        values: list[Any] = [None] * count
+        for i, value in zip(self.tensor_index, tensors):
+            values[i] = value
+        return values
+
+    def tensor_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Every tensor leaf's typed view of ``buffer``, in leaf order."""
+        total = buffer.numel()
+        base_offset = buffer.storage_offset()  # as_strided offsets count from the storage
+        bases = {
+            code: buffer[: total - total % isz].view(torch_dtype(code))
+            for code, isz in self.codes.items()
+        }
+        as_strided = torch.as_strided
+        if not base_offset:
+            return [as_strided(bases[c], sh, st, o) for c, sh, st, o in self.specs]
+        shift = {code: base_offset // isz for code, isz in self.codes.items()}
+        return [as_strided(bases[c], sh, st, o + shift[c]) for c, sh, st, o in self.specs]
+
+    def pooled_views(self, buffer: torch.Tensor, pool: BufferPool | None) -> list[torch.Tensor]:
+        """:meth:`tensor_views`, as fresh tensors on views ``pool`` keeps for ``buffer``
+        when it came from there (see ``BufferPool.views``)."""
+        if pool is None:
+            return self.tensor_views(buffer)
+        return pool.views(buffer, (self, buffer.storage_offset()), self.tensor_views)
+
+
+def view_spec(decoded: _schema.Decoded) -> ViewSpec:
+    """The view spec of ``decoded``'s leaf table, made once per structure."""
+    structure = decoded.structure
+    if structure.view_specs is None:
+        structure.view_specs = ViewSpec(structure.leaves)
+    return structure.view_specs
+
+
+def views(
+    decoded: _schema.Decoded, buffer: torch.Tensor, pool: BufferPool | None = None
+) -> list[Any]:
+    """The buffer leaves of ``decoded`` as views into ``buffer`` (ndarrays: CPU views).
+
+    ``pool``: the pool ``buffer`` came from, which keeps the views it was last made for.
+    """
+    if buffer.storage_offset() % _MAX_ITEMSIZE:
+        buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
+    spec = view_spec(decoded)
+    tensors = spec.pooled_views(buffer, pool)
+    if not spec.others:
+        return tensors
+    values = spec.placed(tensors, len(decoded.leaves))
+    host: np.ndarray | None = None
+    on_cpu = buffer.device.type == "cpu"
+    for i, (kind, code, shape, off, n) in spec.others:
+        if on_cpu:
+            if host is None:
+                # One holder view for all host leaves: it keeps the storage's use count up
+                # while any array views it, so a pooled buffer is not reused under them.
+                host = buffer[:].numpy()
+            piece = host[off : off + n]
+        else:
+            piece = buffer[off : off + n].cpu().numpy()
+        if kind == "ndarray":
+            values[i] = piece.view(numpy_dtype(code)).reshape(shape)
+        elif kind == "bytes":
+            values[i] = piece.tobytes()
+        else:
+            try:
+                values[i] = piece.tobytes().decode("utf-8", "surrogatepass")
+            except UnicodeDecodeError as e:
+                raise HeaderError(f"a str leaf holds invalid UTF-8: {e}") from None
+    return values

@@ -1,13 +1,9 @@
-"""The header: framing, the leaf table, and its validation.
+"""The header: its body, the leaf table, and their validation.
 
-Layout of a header (all integers little-endian)::
+A header is framed (magic, version, flags, length: see ``_framing``) around a body of
+ASCII JSON (see ``_json``)::
 
-    offset  size  field
-    0       4     magic  b"TCST"
-    4       2     format version (u16), currently 2
-    6       2     flags (u16), must be 0 in version 2
-    8       4     body length in bytes (u32), at most MAX_HEADER_BYTES
-    12      n     body: ASCII JSON  [nbytes, align, leaves, tokens, values]
+    [nbytes, align, leaves, tokens, values]
 
 ``leaves`` is the leaf table, in buffer order: ``[kind, dtype_code, shape, offset, nbytes]``
 with kind one of ``"tensor" "ndarray" "bytes" "str"``; ``tokens`` is the tree's structure
@@ -24,21 +20,31 @@ read by parsing its values alone (see :func:`decode`).
 from __future__ import annotations
 
 import functools
-import json
-import json.scanner
 import math
-import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tensorcast import _json
 from tensorcast._dtypes import CODE_ITEMSIZE, NUMPY_CODES
-from tensorcast._errors import HeaderError
+from tensorcast._framing import (
+    FORMAT_VERSION,
+    MAGIC,
+    MAX_HEADER_BYTES,
+    PREFIX,
+    PREFIX_BYTES,
+    SUPPORTED_VERSIONS,
+    unframe,
+)
+from tensorcast._framing import invalid as _fail
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAGIC",
+    "MAX_ALIGN",
     "MAX_BUFFER_BYTES",
     "MAX_HEADER_BYTES",
+    "PREFIX_BYTES",
+    "SUPPORTED_VERSIONS",
     "Decoded",
     "LeafSpec",
     "Schema",
@@ -50,71 +56,15 @@ __all__ = [
     "values_at",
 ]
 
-MAGIC = b"TCST"
-FORMAT_VERSION = 2
-SUPPORTED_VERSIONS = (2,)
-_PREFIX = struct.Struct("<4sHHI")
-PREFIX_BYTES = _PREFIX.size
-MAX_HEADER_BYTES = 64 << 20  # 64 MiB of JSON; long strings and bytes go to the buffer
 MAX_BUFFER_BYTES = 1 << 44  # 16 TiB: far above any batch, far below int64 overflow
 MAX_NDIM = 64
 MAX_ALIGN = 1 << 16
 KINDS = ("tensor", "ndarray", "bytes", "str")
 
-_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, check_circular=False).encode
-
-
-def _values_encoder() -> Callable[[list[Any]], str]:
-    """``_dumps`` for the small values, which are encoded on every step: the C encoder
-    made once instead of per call (``JSONEncoder.encode`` builds one each time, which
-    right after a barrier costs a step 15-20 us). Checked against ``_dumps`` here; any
-    Python without it, or with another signature, gets ``_dumps`` itself."""
-    make = getattr(json.encoder, "c_make_encoder", None)
-    if make is None:
-        return _dumps
-
-    def unsupported(obj: Any) -> Any:
-        raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
-
-    try:
-        chunks = make(
-            None,  # markers: the values hold no cycles
-            unsupported,  # default
-            json.encoder.encode_basestring_ascii,
-            None,  # indent
-            ":",  # key separator
-            ",",  # item separator
-            False,  # sort_keys
-            False,  # skipkeys
-            True,  # allow_nan
-        )
-        sample: list[Any] = [
-            ["i", -(1 << 63)],
-            ["f", 1 << 64],
-            'a\u00e9\\"',
-            None,
-            True,
-            False,
-            [[]],
-        ]
-        if "".join(chunks(sample, 0)) != _dumps(sample):
-            return _dumps
-    except (TypeError, ValueError):
-        return _dumps
-
-    def encode(values: list[Any]) -> str:
-        return "".join(chunks(values, 0))
-
-    return encode
-
-
+_dumps = _json.dumps
+_scan = _json.scan
+_values_encoder = _json.values_encoder
 _encode_values = _values_encoder()
-
-# One JSON value from the start of a string: what json.loads does without its
-# whitespace skipping (this library writes none) and its Python-level wrappers.
-_scan: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(
-    json.JSONDecoder()  # type: ignore[arg-type]  # typeshed types it as its own class
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,8 +128,8 @@ class Structure:
         self.tokens = tokens
         #: the body's bytes up to the values, when they are what encode() writes
         self.prefix: bytes | None = None
-        self.program: Any = None  # _tree.Program, compiled on first use
-        self.view_specs: Any = None  # _codec.ViewSpec, made on first use
+        self.program: Any = None  # _build.Program, compiled on first use
+        self.view_specs: Any = None  # _views.ViewSpec, made on first use
         #: the transport's cut of the payload for a direct-leaf size (see _transport)
         self.segments: tuple[int, list[tuple[int, int, int]]] | None = None
 
@@ -227,11 +177,7 @@ def encode(prefix: bytes, values: list[Any]) -> bytes:
             f"limit: the tree has too many leaves or containers; batch small values into "
             f"tensors"
         )
-    return _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body)) + body
-
-
-def _fail(what: str) -> HeaderError:
-    return HeaderError(f"invalid tensorcast header: {what}")
+    return PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body)) + body
 
 
 def decode(header: bytes | bytearray | memoryview) -> Decoded:
@@ -263,28 +209,7 @@ _RECENT_MAX_BYTES = 1 << 20
 
 
 def _decode(header: bytes | bytearray | memoryview) -> Decoded:
-    if len(header) < PREFIX_BYTES:
-        raise _fail(f"{len(header)} bytes is shorter than the {PREFIX_BYTES}-byte prefix")
-    magic, version, flags, length = _PREFIX.unpack_from(header)
-    if magic != MAGIC:
-        raise _fail(
-            f"bad magic {bytes(magic)!r}, expected {MAGIC!r}; this is not a tensorcast header"
-        )
-    if version not in SUPPORTED_VERSIONS:
-        raise HeaderError(
-            f"unknown tensorcast format version {version}. Available versions: "
-            f"{list(SUPPORTED_VERSIONS)}; upgrade tensorcast on the ranks that cannot read it"
-        )
-    if flags != 0:
-        raise _fail(f"unknown flags 0x{flags:04x} for version {version}")
-    if length > MAX_HEADER_BYTES:
-        raise _fail(f"body length {length} is over the {MAX_HEADER_BYTES}-byte limit")
-    if len(header) != PREFIX_BYTES + length:
-        raise _fail(
-            f"the prefix says the body has {length} bytes but {len(header) - PREFIX_BYTES} follow "
-            f"(truncated or padded header)"
-        )
-    raw = bytes(header[PREFIX_BYTES:])
+    raw = unframe(header)
     for known in _recent:  # a structure validated before: parse the values alone
         at = _values_start(known, raw, 0)
         if at is not None:
@@ -326,7 +251,7 @@ def values_at(structure: Structure, header: bytes) -> int | None:
     Such a header is ``structure``'s leaves and tokens for sure, whatever its values: the
     caller may act on the sizes they give before it reads the values.
     """
-    if len(header) < PREFIX_BYTES or header[:PREFIX_BYTES] != _PREFIX.pack(
+    if len(header) < PREFIX_BYTES or header[:PREFIX_BYTES] != PREFIX.pack(
         MAGIC, FORMAT_VERSION, 0, len(header) - PREFIX_BYTES
     ):
         return None

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tensorcast import _groups, _mesh
-from tensorcast._channel import Channel, open_channel, raise_for, to_timedelta
+from tensorcast._channel import Channel, group_ranks, open_channel, raise_for, to_timedelta
 from tensorcast._codec import Packed, resolve_device, unpack
 
 __all__ = ["broadcast", "broadcast_batch", "mesh_channel", "unpack_if_packed"]
@@ -74,15 +74,7 @@ def broadcast(
             "BroadcastingDataLoader are no-ops without it)"
         )
     wait = to_timedelta(timeout)
-    ranks = tuple(sorted(dist.get_process_group_ranks(group))) if group is not None else None
-    if ranks is None:
-        ranks = tuple(range(dist.get_world_size()))
-    if src not in ranks:
-        raise ValueError(
-            f"src={src} is not a rank of the group (global ranks {list(ranks)}); src is a "
-            f"global rank, as in torch.distributed.broadcast"
-        )
-    channel = _broadcast_channel(ranks, src)
+    channel = _broadcast_channel(group_ranks(group, src), src)
     dev = resolve_device(device)
     lane = channel.group.lane
     if channel.is_source:

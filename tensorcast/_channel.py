@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tensorcast import _groups, _schema
 from tensorcast._errors import SourceError
@@ -27,7 +28,21 @@ from tensorcast._liveness import diagnose
 from tensorcast._receiver import Receiver
 from tensorcast._sender import Outgoing, Sender, Stamp
 
-__all__ = ["Channel", "open_channel", "raise_for", "to_timedelta"]
+__all__ = ["Channel", "group_ranks", "open_channel", "raise_for", "to_timedelta"]
+
+
+def group_ranks(group: Any, src: int) -> tuple[int, ...]:
+    """The global ranks of ``group`` (None: every rank), sorted; ``src`` must be one."""
+    if group is None:
+        ranks = tuple(range(dist.get_world_size()))
+    else:
+        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+    if src not in ranks:
+        raise ValueError(
+            f"src={src} is not a rank of the group (global ranks {list(ranks)}); src is a "
+            f"global rank, as in torch.distributed.broadcast"
+        )
+    return ranks
 
 
 def to_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from tensorcast import _mesh
 from tensorcast._broadcast import mesh_channel, unpack_if_packed
-from tensorcast._channel import Channel, open_channel, to_timedelta
+from tensorcast._channel import Channel, group_ranks, open_channel, to_timedelta
 from tensorcast._codec import resolve_device
 from tensorcast._pass import Pass, stateful
 
@@ -96,39 +96,33 @@ class BroadcastingDataLoader:
         self._deferred: BaseException | None = None  # raised by a pass that was let go
         self._length: int | None = None
         self._warned = False
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        wait = to_timedelta(timeout)
-        setup = {"prefetch": prefetch, "verify": verify}
+        if dist.is_available() and dist.is_initialized():
+            self._open(device_mesh, group, src, to_timedelta(timeout), verify)
+
+    def _open(
+        self,
+        device_mesh: Any,
+        group: dist.ProcessGroup | None,
+        src: int | None,
+        timeout: datetime.timedelta | None,
+        verify: bool,
+    ) -> None:
+        """Agree with the peers and open the channel; stays a no-op where nothing spans."""
+        setup = {"prefetch": self.prefetch, "verify": verify}
+        source = self.source
         extra = {"length": _length(source)} if source is not None else {}
-        if group is not None:
-            ranks = tuple(sorted(dist.get_process_group_ranks(group)))
-            if src not in ranks:
-                raise ValueError(
-                    f"src={src} is not a rank of the group (global ranks {list(ranks)}); src "
-                    f"is a global rank, as in torch.distributed.broadcast"
-                )
+        what = "BroadcastingDataLoader"
+        if group is not None and src is not None:
+            ranks = group_ranks(group, src)
             if len(ranks) == 1:
                 return
+            setup["src"] = src
             self._channel, extras = open_channel(
-                ranks,
-                ranks,
-                src,
-                "BroadcastingDataLoader",
-                {**setup, "src": src},
-                extra=extra,
-                timeout=wait,
-                verify=verify,
+                ranks, ranks, src, what, setup, extra=extra, timeout=timeout, verify=verify
             )
         elif _mesh.spanning_axes(device_mesh, self.axes):
             self._channel, extras = mesh_channel(
-                device_mesh,
-                self.axes,
-                "BroadcastingDataLoader",
-                setup,
-                extra=extra,
-                timeout=wait,
-                verify=verify,
+                device_mesh, self.axes, what, setup, extra=extra, timeout=timeout, verify=verify
             )
         else:
             return

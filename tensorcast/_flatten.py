@@ -84,7 +84,7 @@ _EXIT = _Exit()
 # NOTE [ The walk ]
 # _walk is the source's hot loop: a batch of 200 small tensors spends most of its packing
 # time in it. Every name it uses is a local and the common types are tested first; rarer
-# ones leave the loop, one call each (_walk_other). A container is opened by pushing its
+# ones leave the loop, one call each (_walk_other, and _read_dict for a dict). A container is opened by pushing its
 # id, the _EXIT marker and its children: popping the marker closes it, and a container met
 # again while it is open is a cycle. A dict is read as its keys, then each key's value:
 # cheaper than listing items, and a key removed or added meanwhile (another thread) is
@@ -92,7 +92,6 @@ _EXIT = _Exit()
 
 
 def _walk(tree: Any, codec_trees: dict[int, tuple[str, Any]]) -> Flat:
-    # See NOTE [ The walk ].
     tokens: list[Any] = []
     smalls: list[Any] = []  # the small values
     leaves: list[BufferLeaf] = []
@@ -118,55 +117,35 @@ def _walk(tree: Any, codec_trees: dict[int, tuple[str, Any]]) -> Flat:
                 device = dev
             append(len(leaves))
             add_leaf(("tensor", code, obj.shape, obj))
-        elif t is dict or t is _OrderedDict:
+        elif t is dict or t is _OrderedDict or t is list or t is tuple:
             key = id(obj)
             if key in active:
                 raise Fail(obj, contains_itself)
-            try:
-                keys = list(obj)
-                children = list(map(obj.__getitem__, keys))
-            except (RuntimeError, KeyError):
-                raise Fail(obj, changed) from None
-            if len(obj) != len(keys):
-                raise Fail(obj, changed)
-            for k in keys:
-                if type(k) is not str:  # rare: encode them, and note bool / int keys
-                    keys, loose = _encode_keys(keys, obj, loose)
-                    break
-            append(["d" if t is dict else "o", len(keys), keys])
+            if t is list or t is tuple:
+                append(["l" if t is list else "t", len(obj)])
+                children = obj
+            else:
+                keys, children = _read_dict(obj)
+                for k in keys:
+                    if type(k) is not str:  # rare: encode them, and note bool / int keys
+                        keys, loose = _encode_keys(keys, obj, loose)
+                        break
+                append(["d" if t is dict else "o", len(keys), keys])
             active.add(key)
             push(key)
             push(_EXIT)
             extend(reversed(children))
         elif t is exit_t:
             active.discard(pop())
-        elif t is str and len(obj) <= INLINE_LIMIT:
+        elif (t is str and len(obj) <= INLINE_LIMIT) or obj is None or t is bool:
             append(None)
             value(obj)
         elif t is int:
             append(None)
             value(["i", obj] if _I64_MIN <= obj <= _I64_MAX else ["I", hex(obj)])
-        elif t is list or t is tuple:
-            key = id(obj)
-            if key in active:
-                raise Fail(obj, contains_itself)
-            append(["l" if t is list else "t", len(obj)])
-            active.add(key)
-            push(key)
-            push(_EXIT)
-            extend(reversed(obj))
-        elif obj is None or t is bool:
-            append(None)
-            value(obj)
         elif t is float:
             append(None)
             value(["f", _U64.unpack(_F64.pack(obj))[0]])
-        elif t is np.ndarray:
-            code = numpy_code(obj.dtype)
-            if code is None:
-                raise Fail(obj, functools.partial(bad_array, obj))
-            append(len(leaves))
-            add_leaf(("ndarray", code, obj.shape, obj))
         else:
             _walk_other(obj, t, tokens, smalls, leaves, stack, active, codec_trees)
     return tokens, smalls, leaves, loose
@@ -182,9 +161,15 @@ def _walk_other(
     active: set[int],
     codec_trees: dict[int, tuple[str, Any]],
 ) -> None:
-    """The walk's step for the types it meets less often: long strings, bytes, complex
-    and numpy scalars, registered types; anything else cannot travel."""
-    if t is str:  # longer than INLINE_LIMIT
+    """The walk's step for the types it meets less often: ndarrays, long strings, bytes,
+    complex and numpy scalars, registered types; anything else cannot travel."""
+    if t is np.ndarray:
+        code = numpy_code(obj.dtype)
+        if code is None:
+            raise Fail(obj, functools.partial(bad_array, obj))
+        tokens.append(len(leaves))
+        leaves.append(("ndarray", code, obj.shape, obj))
+    elif t is str:  # longer than INLINE_LIMIT
         data = obj.encode("utf-8", "surrogatepass")
         tokens.append(len(leaves))
         leaves.append(("str", "U8", (len(data),), data))
@@ -225,6 +210,18 @@ def _walk_other(
             tokens.append(["r", entry.name, list(entry.fields)])
             for name in reversed(entry.fields):
                 stack.append(getattr(obj, name))
+
+
+def _read_dict(obj: Any) -> tuple[list[Any], list[Any]]:
+    """A dict's keys, then each key's value (see NOTE [ The walk ])."""
+    try:
+        keys = list(obj)
+        children = list(map(obj.__getitem__, keys))
+    except (RuntimeError, KeyError):
+        raise Fail(obj, changed) from None
+    if len(obj) != len(keys):
+        raise Fail(obj, changed)
+    return keys, children
 
 
 def _mixed_devices(obj: torch.Tensor, leaves: list[BufferLeaf]) -> Fail:

@@ -7,11 +7,11 @@ over the sub-mesh, see NOTE [ One ordered lane ])::
     receivers:                    receive frame <---/ -> rebuild tree
     every rank: yield the rebuilt tree; END frame -> StopIteration together
 
-``prefetch=k`` keeps k steps submitted ahead of the consumer: ``iter()`` submits k, and
-each ``next()`` takes the oldest and submits one more. Submissions happen only there, on
-the caller's thread, so every rank runs the same steps in the same order; a loop broken
-on every rank after the same batch leaves exactly k steps to finish, which every rank
-finishes before the loop's next use (their batches are dropped). ``state_dict()`` then
+``prefetch=k`` keeps k steps submitted ahead of the consumer: the pass's first ``next()``
+submits k (``iter()`` itself does nothing yet), and each ``next()`` takes the oldest and
+submits one more. Submissions happen only there, on the caller's thread, so every rank
+runs the same steps in the same order; a loop broken on every rank after the same batch
+leaves exactly k steps, which every rank finishes right then (their batches are dropped). ``state_dict()`` then
 describes the position after the last batch *yielded*, from a snapshot taken right after
 that batch was pulled from the source.
 
@@ -20,6 +20,7 @@ This module knows nothing of byte layouts (``_codec``) or frames (``_frame``).
 
 from __future__ import annotations
 
+import copy
 import datetime
 import warnings
 import weakref
@@ -219,7 +220,9 @@ class BroadcastingDataLoader:
                 )
             return {}
         if self._state is not None:
-            return self._state  # type: ignore[no-any-return]
+            # A copy: a sampler's load_state_dict may consume the dict it is given (lhotse's
+            # do), and this snapshot must describe the position for every later call too.
+            return copy.deepcopy(self._state)  # type: ignore[no-any-return]
         return target.state_dict()  # type: ignore[no-any-return]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -228,7 +231,7 @@ class BroadcastingDataLoader:
         self._state = None
         target = stateful(self.source) if self.is_source else None
         if target is not None and hasattr(target, "load_state_dict"):
-            target.load_state_dict(state_dict)
+            target.load_state_dict(copy.deepcopy(state_dict))  # the caller's stays whole
 
     def __repr__(self) -> str:
         if self._channel is None:

@@ -144,15 +144,27 @@ class Pass:
 
     def __init__(self, loader: BroadcastingDataLoader, channel: Channel, index: int) -> None:
         self._loader = loader
+        self._channel = channel
+        self._index = index
         self._lane = channel.group.lane
         self._depth = loader.prefetch
         self._pending: collections.deque[Job[Any]] = collections.deque()
-        self._finished = False
+        self._started = self._finished = False
         steps = self._steps = _Steps(channel, loader.device, loader.source, self._depth)
         self._step = steps.source if channel.is_source else steps.receiver
+
+    def _start(self) -> None:
+        """The pass's first ``next()``: ``iter(source)`` and the first ``prefetch`` steps.
+
+        Not at ``iter()``: frameworks make an iterator only to check that one can be made
+        (Lightning does) and drop it, and a source's iterator may consume a restored
+        state (lhotse's samplers do) or pull batches ahead.
+        """
+        self._started = True
+        steps, loader, channel, index = self._steps, self._loader, self._channel, self._index
         if channel.is_source:
-            # iter(source) on the caller's thread, as a plain loop would call it; a failure
-            # is announced to the receivers by the first step.
+            # On the caller's thread, as a plain loop would call it; a failure is announced
+            # to the receivers by the first step.
             try:
                 steps.source_iter = iter(loader.source)  # type: ignore[arg-type]
                 if steps.stateful is not None:  # the position before the first batch
@@ -169,6 +181,8 @@ class Pass:
     def __next__(self) -> Any:
         if self._finished:
             raise StopIteration
+        if not self._started:
+            self._start()
         if not self._depth and not self._pending:
             return self._hand_out(self._lane.run(self._step), None)
         if not self._pending:

@@ -354,3 +354,54 @@ def _rank_deferred_failure(rank: int, world: int) -> str:
 def test_a_failure_after_a_break_is_raised_not_swallowed(pool2: Any) -> None:
     for r in pool2.run(_rank_deferred_failure, timeout=TIMEOUT):
         assert "sending a frame failed" in r or "failed" in r, r
+
+
+class Counter:
+    """A stateful source whose load_state_dict consumes its argument, as lhotse's do."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.pos, self.iters = n, 0, 0
+
+    def __iter__(self) -> Any:
+        self.iters += 1
+        while self.pos < self.n:
+            self.pos += 1
+            yield batch(self.pos - 1, 5)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state.pop("pos")
+
+
+def _rank_dropped_iterator_and_state_copies(rank: int, world: int) -> dict[str, Any]:
+    source = Counter(N) if rank == 0 else None
+    loader = tc.BroadcastingDataLoader(source, group=dist.group.WORLD, src=0, prefetch=2)
+    it = iter(loader)  # a framework checking that an iterator can be made, then dropping it
+    del it
+    got = []
+    for step, b in enumerate(loader):
+        got.append(b["name"])
+        if step == 1:
+            break
+    state = loader.state_dict()
+    fresh = Counter(N) if rank == 0 else None
+    again = tc.BroadcastingDataLoader(fresh, group=dist.group.WORLD, src=0, prefetch=2)
+    again.load_state_dict(state)  # empties what it is given, on the source
+    got += names(list(again))
+    return {
+        "got": got,
+        "iters": source.iters if source else None,
+        "state after": loader.state_dict(),
+        "state given": state,
+    }
+
+
+def test_a_dropped_iterator_pulls_nothing_and_state_dicts_are_copies(pool2: Any) -> None:
+    src, receiver = pool2.run(_rank_dropped_iterator_and_state_copies, timeout=TIMEOUT)
+    want = [f"5-{i}" for i in range(N)]
+    assert src["got"] == receiver["got"] == want
+    assert src["iters"] == 1, "iter() without next() must not start the source"
+    assert src["state after"] == src["state given"] == {"pos": 2}
+    assert receiver["state after"] == {}

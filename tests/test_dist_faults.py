@@ -1,8 +1,12 @@
 """Reliability: peers that die, ranks that disagree, corrupted bytes, bad input on the source.
 
-Real processes on real gloo groups (the shared pools), nothing mocked. A rank dies by
+Real processes on real gloo groups (the shared pools). A bad link or a lying source is a
+hook around ``GlooWire.head`` / ``GlooWire.payload`` on one rank, changing bytes just
+before they leave or just after they arrive; nothing else is mocked. A rank dies by
 SIGKILL to itself, which kills a pool process; each death forces a re-spawn, so the
 lethal scenarios are one test each and everything non-lethal is grouped into few calls.
+Scenarios that break tensorcast's group on purpose run on a default group of their own
+(``_in_a_new_process_group``), so that they leave nothing broken for the next call.
 
 Every failure is timed inside the rank (``time.monotonic``) from the last batch that rank
 received, and must come within the channel's timeout plus ``MARGIN`` (the margin absorbs
@@ -11,13 +15,16 @@ a loaded machine; it is not a performance check).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import hashlib
 import itertools
 import os
 import signal
+import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,16 +32,18 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from rankpool import Died, RankPool
+from rankpool import Died, RankPool, _init
 from test_codec import assert_same, tensor_bytes
+from torch.distributed.device_mesh import init_device_mesh
 
 import tensorcast as tc
-from tensorcast import _codec, _schema, _transport
+from tensorcast import _codec, _frame, _schema, _wire
+from tensorcast._frame import FRAMES_VERSION, PREFIX_SIZE, Flags, Prefix, plan_frame
 
 TIMEOUT = 5.0  # the channel's timeout in the fault scenarios, seconds
 MARGIN = 30.0  # slack for a loaded 2-core machine
 CALL_TIMEOUT = 180.0  # pool.run's hard limit: a hang fails the test, never blocks it
-LATE = 2.0  # how long a source waits before it sends what an out-of-step receiver awaits
+LATE = 2.0  # how long a rank that is late to a setup keeps the others waiting, seconds
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -340,8 +349,8 @@ def _check_views(got: dict[str, Any]) -> None:
 
 class _ReusingSource:
     """A loader that yields ONE dict object, mutated in place for every step (containers
-    and tensor data), as loaders with preallocated buffers do. Its 4 MiB tensor travels
-    from its own memory: the source's kept batches must not change with it."""
+    and tensor data), as loaders with preallocated buffers do, with a 4 MiB tensor among
+    them: the source's kept batches must not change with it."""
 
     steps = 6
 
@@ -391,61 +400,254 @@ def _mutated_after_next(rank: int, world: int, prefetch: int) -> list[str]:
     return [tree_digest(b) for b in kept]
 
 
-# -- rank functions: desync, setup mismatch, integrity -------------------------------
+# -- rank functions: setups that disagree, frames out of step, integrity -------------
+
+PG_TIMEOUT = 60.0  # the pool's process group timeout (RankPool's default)
 
 
-class _CorruptingChannel(_transport.Channel):
-    """A receiver channel that flips one payload byte after it arrives: a bad link.
-
-    It corrupts what the collective delivered, after the source computed its CRC, so the
-    check sees exactly what a flaky interconnect would produce.
-    """
-
-    def _broadcasts(self, stages: list[Any], *args: Any) -> None:
-        super()._broadcasts(stages, *args)
-        if self.is_source:
-            return
-        for stage in stages:
-            self._flip(stage.tensors, stage.what)
-
-    def _flip(self, tensors: list[torch.Tensor], what: str) -> None:
-        if what == "batch buffer":
-            for tensor in tensors:
-                tensor[tensor.numel() // 2] ^= 0x5A
-        elif what == "frame header":
-            (tensor,) = tensors
-            fields = _transport._PREFIX.unpack_from(tensor.numpy(), 0)
-            flags, payload_len = fields[2], fields[8]
-            if flags & _transport._INLINE and not flags & _transport._DIRECT and payload_len:
-                at = _transport._inline_at(tensor.numel(), payload_len)
-                tensor[at + payload_len // 2] ^= 0x5A
+def _new_process_group(rank: int, world: int) -> None:
+    """Replace the default group with a new one over a new store, so that tensorcast's
+    state for it (agreements, groups, channels) starts empty, whatever earlier calls on
+    this pool left behind."""
+    name: list[Any] = [f"tensorcast-tests-{uuid.uuid4().hex}"] if rank == 0 else [None]
+    dist.broadcast_object_list(name, src=0)  # the test's own traffic: pickling is fine
+    dist.destroy_process_group()
+    _init(rank, world, os.path.join(tempfile.gettempdir(), name[0]), PG_TIMEOUT)
 
 
-@_fresh_group_on_failure
-def _desync_and_integrity(rank: int, world: int) -> dict[str, Any]:
+def _in_a_new_process_group(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` on a new default group and tear it down after, whatever happened: the
+    scenarios that break tensorcast's group on purpose leave nothing for the next call."""
+
+    @functools.wraps(fn)
+    def run(rank: int, world: int, *args: Any) -> Any:
+        _new_process_group(rank, world)
+        try:
+            return fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+            # Free tensorcast's groups of this default group here, not in some thread of
+            # the next call: gloo waits for a pending operation when its group is freed.
+            gc.collect()
+
+    return run
+
+
+@contextlib.contextmanager
+def _wire_hook(
+    name: str, after: Callable[..., None] | None = None, before: Callable[..., None] | None = None
+) -> Iterator[None]:
+    """Run ``before(wire, tensor, root)`` / ``after(...)`` around every ``GlooWire.<name>``
+    on this rank (``name`` is ``"head"`` or ``"payload"``)."""
+    real = _wire.GlooWire.__dict__[name]
+
+    def call(wire: Any, tensor: torch.Tensor, root: int, timeout: Any) -> None:
+        if before is not None:
+            before(wire, tensor, root)
+        real(wire, tensor, root, timeout)
+        if after is not None:
+            after(wire, tensor, root)
+
+    setattr(_wire.GlooWire, name, call)
+    try:
+        yield
+    finally:
+        setattr(_wire.GlooWire, name, real)
+
+
+def _is_first_message(tensor: torch.Tensor) -> bool:
+    """A head that starts a frame (a spilled header starts with the schema's magic)."""
+    return tensor.numel() >= PREFIX_SIZE and bytes(tensor[:4].numpy()) == b"TCFR"
+
+
+def _prefix_fields(tensor: torch.Tensor) -> dict[str, Any]:
+    return dict(zip(_PREFIX_FIELDS, _frame._STRUCT.unpack_from(tensor.numpy(), 0), strict=True))
+
+
+def _rewrite_prefix(tensor: torch.Tensor, **fields: Any) -> None:
+    """Set fields of a first message's prefix in place: what a lying source would send."""
+    values = {**_prefix_fields(tensor), **fields}
+    _frame._STRUCT.pack_into(tensor.numpy(), 0, *(values[f] for f in _PREFIX_FIELDS))
+
+
+_PREFIX_FIELDS = (
+    "magic",
+    "version",
+    "kind",
+    "flags",
+    "channel",
+    "pass_index",
+    "step",
+    "header_len",
+    "payload_len",
+    "next_capacity",
+    "crc",
+)
+
+
+def _flip_inline_payload(wire: Any, tensor: torch.Tensor, root: int) -> None:
+    """A bad link, on a receiver: one byte of a payload that travelled inline flipped in
+    the first message after it arrived (after the source computed its CRC, so the check
+    sees what a flaky interconnect would produce)."""
+    if wire.rank == root or not _is_first_message(tensor):
+        return
+    fields = _prefix_fields(tensor)
+    if fields["flags"] & Flags.INLINE and fields["payload_len"]:
+        plan = plan_frame(
+            tensor.numel(), fields["header_len"], fields["payload_len"], inline_ok=True
+        )
+        tensor[plan.payload_at + plan.payload_len // 2] ^= 0x5A
+
+
+def _flip_payload(wire: Any, tensor: torch.Tensor, root: int) -> None:
+    """The same for a payload that travelled in a message of its own."""
+    if wire.rank != root and tensor.numel():
+        tensor[tensor.numel() // 2] ^= 0x5A
+
+
+@contextlib.contextmanager
+def _bad_link() -> Iterator[None]:
+    with _wire_hook("head", after=_flip_inline_payload), _wire_hook("payload", after=_flip_payload):
+        yield
+
+
+@_in_a_new_process_group
+def _setups_that_disagree(rank: int, world: int) -> dict[str, Any]:
+    """Ranks that build the same loader (or broadcast) with other arguments all raise
+    DesyncError when they build it, naming both sides; then they are still in step."""
     out: dict[str, Any] = {}
     group = dist.group.WORLD
+    want = [good_batch(0, s) for s in range(3)]
 
-    # 1. Setup mismatch: the two ranks disagree on the axes (as with different meshes).
-    axes = ("cp", "tp") if rank == 0 else ("tp",)
-    ch = _transport.Channel(group, 0, axes=axes, timeout=TIMEOUT)
-    if rank == 0:
-        ch.send_batch(good_batch(0, 0))
-    else:
+    def desync(key: str, build: Callable[[], Any]) -> None:
+        start = time.monotonic()
         with pytest.raises(tc.DesyncError) as info:
-            ch.recv()
-        msg = str(info.value)
-        assert "axes=['cp', 'tp']" in msg and "axes=['tp']" in msg, msg
-        out["fingerprint"] = msg
-        # The channel is out of step with its source now: it says so at once, and posts
-        # no collective that would pair with someone else's.
-        with pytest.raises(tc.PeerError, match=r"failed earlier.*source's setup differs"):
-            ch.recv()
+            build()
+        assert time.monotonic() - start < TIMEOUT + MARGIN, key
+        out[key] = str(info.value)
 
-    # 2. A loader restarted on one rank mid-epoch. prefetch=0 keeps the number of
-    # collectives each rank posts exact, so the group stays usable afterwards.
+    def in_step(what: str) -> None:
+        loader = tc.BroadcastingDataLoader(
+            want if rank == 0 else None, group=group, src=0, timeout=TIMEOUT
+        )
+        got = list(loader)
+        assert len(got) == len(want), what
+        for a, b in zip(got, want, strict=True):
+            assert_same(a, b, what)
+
+    in_step("before")  # makes tensorcast's group over both ranks
+    desync(
+        "prefetch",
+        lambda: tc.BroadcastingDataLoader(
+            want if rank == 0 else None, group=group, src=0, prefetch=1 + rank, timeout=TIMEOUT
+        ),
+    )
+    desync(
+        "src",  # each rank thinks it is the source
+        lambda: tc.BroadcastingDataLoader(want, group=group, src=rank, timeout=TIMEOUT),
+    )
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("cp", "tp"))
+    axes = ("cp", "tp") if rank == 0 else ("tp",)  # both span the same ranks
+    desync(
+        "axes",
+        lambda: tc.BroadcastingDataLoader(
+            want if rank == 0 else None, mesh, axes=axes, timeout=TIMEOUT
+        ),
+    )
+    real_format = _schema.FORMAT_VERSION
+    if rank == 1:
+        _schema.FORMAT_VERSION = real_format + 1  # a rank with another tensorcast
+    try:
+        desync("format", lambda: tc.BroadcastingDataLoader(want if rank == 0 else None, mesh))
+    finally:
+        _schema.FORMAT_VERSION = real_format
+    in_step("after the loaders that disagreed")
+    # tc.broadcast from a source the ranks disagree on, the first time each is used.
+    desync("broadcast_src", lambda: tc.broadcast(good_batch(0, 0), rank))
+    # A rank that does not come: the one that waits names it, within its timeout; the
+    # late one finds the other's setup and goes on (it must not use what it built).
+    if rank == 1:
+        desync(
+            "missing",
+            lambda: tc.BroadcastingDataLoader(None, group=group, src=0, timeout=LATE),
+        )
+    else:
+        time.sleep(2 * LATE)
+        late = tc.BroadcastingDataLoader(want, group=group, src=0, timeout=TIMEOUT)
+        del late
+    dist.barrier()
+    in_step("after a rank that did not come")
+    return out
+
+
+@_in_a_new_process_group
+def _integrity(rank: int, world: int) -> dict[str, Any]:
+    """verify=True carries a CRC32 and checks it, inline, in a message of its own and over
+    megabytes; bytes corrupted in transit are caught with it, delivered silently without."""
+    out: dict[str, Any] = {}
+    group = dist.group.WORLD
+    batches = [
+        good_batch(2, 0),  # inline in the first message
+        {"big": torch.arange(1 << 17, dtype=torch.float32)},  # 512 KiB: a message of its own
+        {"large": torch.arange(1 << 20, dtype=torch.float32), "after": torch.arange(3)},
+        {"nothing": None, "empty": torch.empty(0, 3)},  # no payload bytes at all
+    ]
+    repeated = [b for b in batches for _ in range(3)]
+    for prefetch in (0, 2):
+        loader = tc.BroadcastingDataLoader(
+            repeated if rank == 0 else None, group=group, src=0, prefetch=prefetch,
+            timeout=TIMEOUT, verify=True,
+        )  # fmt: skip
+        got = list(loader)
+        assert len(got) == len(repeated)
+        for a, b in zip(got, repeated, strict=True):
+            assert_same(a, b, f"verify=True, prefetch={prefetch}")
+
+    # A message of its own, inline, megabytes: should a receiver break its channel on the
+    # way, the source is left with no payload it cannot send.
+    corrupted = [batches[1], batches[0], batches[2]]
+    # Without verify, corruption in transit goes unseen: the receiver's tree differs.
+    loader = tc.BroadcastingDataLoader(
+        corrupted if rank == 0 else None, group=group, src=0, prefetch=0, timeout=TIMEOUT
+    )
+    with _bad_link():
+        got = list(loader)
+    assert len(got) == len(corrupted)
+    for a, b in zip(got, corrupted, strict=True):
+        if rank == 0:
+            assert_same(a, b, "the source's own tree")
+        else:
+            assert tree_digest(a) != tree_digest(b), "the corruption did not reach the tree"
+    dist.barrier()
+
+    # With verify, each corrupted batch is an error on the receiver, of that batch alone:
+    # the next one is received (and fails its check too).
+    loader = tc.BroadcastingDataLoader(
+        corrupted if rank == 0 else None, group=group, src=0, prefetch=0, timeout=TIMEOUT,
+        verify=True,
+    )  # fmt: skip
+    it = iter(loader)
+    with _bad_link():
+        for step, want in enumerate(corrupted):
+            if rank == 0:
+                assert_same(next(it), want, f"the source's own batch {step}")
+            else:
+                with pytest.raises(tc.TensorcastError, match="CRC32") as info:
+                    next(it)
+                out.setdefault("crc", []).append(f"{type(info.value).__name__}: {info.value}")
+    dist.barrier()
+    return out
+
+
+@_in_a_new_process_group
+def _out_of_step(rank: int, world: int) -> dict[str, Any]:
+    """A loader restarted on one rank mid-epoch: the receiver, handed a frame of the
+    source's old pass, raises DesyncError at once and its channel refuses any further use."""
+    out: dict[str, Any] = {}
     source = _Passes([[lambda s=s: good_batch(1, s) for s in range(4)]]) if rank == 0 else None
-    loader = tc.BroadcastingDataLoader(source, group=group, src=0, prefetch=0, timeout=TIMEOUT)
+    loader = tc.BroadcastingDataLoader(
+        source, group=dist.group.WORLD, src=0, prefetch=0, timeout=TIMEOUT
+    )
     it = iter(loader)
     for step in range(3):
         assert_same(next(it), good_batch(1, step))
@@ -458,144 +660,100 @@ def _desync_and_integrity(rank: int, world: int) -> dict[str, Any]:
             next(restarted)
         assert time.monotonic() - start < TIMEOUT + MARGIN
         msg = str(info.value)
-        assert "expected pass 2 step 0" in msg and "sent pass 1 step 3" in msg, msg
+        assert "pass 2 step 0" in msg and "got channel" in msg and "pass 1 step 3" in msg, msg
         out["restart"] = msg
-    dist.barrier()  # nobody is left inside a collective
-
-    # 2b. The same with a promised payload outstanding (see the transport's docstring): the
-    # source starts a new pass, the receiver, which has posted the promised pieces with
-    # the first message, says so at once instead of waiting for pieces never sent.
-    ch = _transport.Channel(group, 0, timeout=TIMEOUT)
-    for step in range(3):
-        want = payload_batch(step)
-        got = ch.send_batch(want) if rank == 0 else _transport.raise_for(*ch.recv(), 0)
-        assert_same(got, want)
-    if rank == 0:
-        promise = ch._promise
-        assert promise is not None
-        ch.start_pass(1)
-        ch.send_batch(good_batch(2, 0))
-        time.sleep(LATE)  # then the pieces the receiver posted, so the group stays in step
-        for piece in ch._void(promise):
-            dist.broadcast(piece, 0, group=group)
-    else:
         start = time.monotonic()
-        with pytest.raises(tc.DesyncError) as info:
-            ch.recv()
-        assert time.monotonic() - start < LATE / 2, "it waited for the promised pieces"
-        msg = str(info.value)
-        assert "expected pass 0 step 3" in msg and "sent pass 1 step 0" in msg, msg
-        with pytest.raises(tc.PeerError, match="failed earlier"):
-            ch.recv()  # at once, without taking a buffer for the promise
+        with pytest.raises(tc.PeerError, match="failed earlier") as info:
+            next(restarted)  # at once, without waiting on the group
+        assert time.monotonic() - start < LATE
+        out["after"] = str(info.value)
     dist.barrier()
-
-    # 3. verify=True: a CRC32 travels and is checked, inline, in a second message, and
-    # over a payload whose large leaves travel from their own memory.
-    batches = [
-        good_batch(2, 0),
-        {"big": torch.arange(1 << 17, dtype=torch.float32)},
-        {"direct": torch.arange(1 << 20, dtype=torch.float32), "after": torch.arange(3)},
-        {"nothing": None, "empty": torch.empty(0, 3)},
-    ]
-    ch = _transport.Channel(group, 0, timeout=TIMEOUT, verify=True)
-    for want in [b for b in batches for _ in range(3)]:  # repeats: promised payloads too
-        got = ch.send_batch(want) if rank == 0 else _transport.raise_for(*ch.recv(), 0)
-        assert_same(got, want)
-
-    # 4. Corruption in transit: caught with verify=True, delivered silently without it.
-    for verify in (True, False):
-        cls = _transport.Channel if rank == 0 else _CorruptingChannel
-        ch = cls(group, 0, timeout=TIMEOUT, verify=verify)
-        for want in batches[:3]:  # inline, a second message, direct leaves
-            if rank == 0:
-                ch.send_batch(want)
-            elif verify:
-                with pytest.raises(tc.PeerError, match="CRC32") as info:
-                    ch.recv()
-                out.setdefault("crc", []).append(str(info.value))
-            else:
-                got = _transport.raise_for(*ch.recv(), 0)
-                assert tree_digest(got) != tree_digest(want)
-    dist.barrier()
-
-    # 5. A source whose header keeps a known structure but lies in its small values: the
-    # receiver, reading the values alone, still validates them. With a payload that follows
-    # the first message (300 KB), the receiver has posted its receive before it reads the
-    # values: it still receives the payload, so the group stays in step, then raises.
-    for key, size in (("lying_values", 4), ("lying_values_payload", 75_000)):
-        cls = _LyingValuesChannel if rank == 0 else _transport.Channel
-        ch = cls(group, 0, timeout=TIMEOUT)
-        for step in range(4):
-            want = {"x": torch.full((size,), float(step)), "n": 1000 + step}
-            if rank == 0:
-                ch.send_batch(want)
-            elif step < 3:
-                assert_same(_transport.raise_for(*ch.recv(), 0), want)
-            else:
-                with pytest.raises(tc.HeaderError, match="invalid value token") as info:
-                    ch.recv()
-                out[key] = str(info.value)
-                with pytest.raises(tc.PeerError, match="failed earlier"):
-                    ch.recv()
-        dist.barrier()
-
-    # 6. Frames that break the rules of promised payloads (see the transport's docstring).
-    # The source has nothing left to send when its receiver raises: the frame travels
-    # inline, and the pieces promised for it were posted with its first message.
-    def small(step: int) -> dict[str, Any]:
-        return good_batch(6, step)
-
-    # (what the receiver raises, the flags it finds in frame 2, frames 0 and 1, frame 2)
-    for key, flags, make, last in (
-        ("promise_inline", _transport._NEXT, small, "data"),
-        ("posted_unpromised", _transport._POSTED, small, "data"),
-        ("promise_at_end", _transport._NEXT, small, "end"),
-        ("posted_other_layout", _transport._POSTED, payload_batch, "data"),
-    ):
-        cls = _transport.Channel if rank == 0 else _FlagTamperingChannel
-        ch = cls(group, 0, timeout=TIMEOUT)
-        for step in range(3):
-            want = make(step) if step < 2 else good_batch(6, step)
-            if rank != 0 and step < 2:
-                assert_same(_transport.raise_for(*ch.recv(), 0), want)
-            elif rank != 0:
-                ch.tamper = flags  # type: ignore[attr-defined]
-                with pytest.raises(tc.HeaderError) as info:
-                    ch.recv()
-                out[key] = str(info.value)
-            elif last == "end" and step == 2:
-                ch.send(ch.end_frame())
-            else:
-                ch.send_batch(want)
-        dist.barrier()
     return out
 
 
-class _FlagTamperingChannel(_transport.Channel):
-    """A receiver that sets ``tamper`` flags in the next first message it receives."""
-
-    tamper = 0
-
-    def _broadcasts(self, stages: list[Any], *args: Any) -> None:
-        super()._broadcasts(stages, *args)
-        tensors, what = stages[0].tensors, stages[0].what
-        if what == "frame header" and self.tamper:
-            tensors[0][5] |= self.tamper  # the prefix's flags byte
-            self.tamper = 0
+def _lie_in_values(wire: Any, tensor: torch.Tensor, root: int) -> None:
+    """On the source: the fourth frame's header says a bare 1234567890 where the structure
+    has its one small value (valid JSON of the right length, not a valid value)."""
+    if wire.rank != root or not _is_first_message(tensor):
+        return
+    if _prefix_fields(tensor)["step"] == 3:
+        data = tensor.numpy()
+        at = data.tobytes().index(b'[["i",1003]]')
+        data[at : at + 12] = np.frombuffer(b"[1234567890]", np.uint8)
 
 
-class _LyingValuesChannel(_transport.Channel):
-    """A source whose fourth frame's header says a bare 1234567890 where the structure
-    has its one small value: valid JSON of the right length, not a valid value."""
+def _tamper_on_receiver(change: dict[str, Any]) -> Callable[..., None]:
+    """On the receiver: the first message of step 3 rewritten after it arrived."""
 
-    def _prepare(self, frame: _transport.Frame) -> Any:
-        prepared = super()._prepare(frame)
-        if self.step == 3:
-            host = prepared.first.numpy()
-            data = host.tobytes()
-            at = data.index(b'[["i",1003]]')
-            host[at : at + 12] = np.frombuffer(b"[1234567890]", np.uint8)
-        return prepared
+    def tamper(wire: Any, tensor: torch.Tensor, root: int) -> None:
+        if wire.rank == root or not _is_first_message(tensor):
+            return
+        if _prefix_fields(tensor)["step"] == 3:
+            _rewrite_prefix(tensor, **change)
+
+    return tamper
+
+
+# name -> (floats in each batch, hook: (where, the hook), what the receiver's error says)
+LIES: dict[str, tuple[int, tuple[str, Callable[..., None]], str]] = {
+    "lying values": (4, ("before", _lie_in_values), "invalid value token"),
+    # With a payload that follows the first message, the receiver refuses the frame before
+    # it takes the payload.
+    "lying values, payload": (75_000, ("before", _lie_in_values), "invalid value token"),
+    # An inline frame whose flags say its payload follows: the cut is checked.
+    "cut flags": (4, ("after", _tamper_on_receiver({"flags": 0})), "the frame is cut as"),
+    # A payload of 1 TiB announced (in a message of its own) for an empty buffer: refused
+    # before any allocation.
+    "absurd payload size": (
+        0,
+        ("after", _tamper_on_receiver({"payload_len": 1 << 40, "flags": 0})),
+        "a 0-byte buffer but the frame carries 1099511627776 bytes",
+    ),
+    "unknown kind": (4, ("after", _tamper_on_receiver({"kind": 7})), "unknown frame kind 7"),
+    "other version": (
+        4,
+        ("after", _tamper_on_receiver({"version": FRAMES_VERSION + 1})),
+        f"speaks frames v{FRAMES_VERSION}",
+    ),
+}
+
+
+@_in_a_new_process_group
+def _lying_frame(rank: int, world: int, name: str) -> dict[str, Any]:
+    """Frames 0-2 arrive; frame 3 lies (on the source) or is garbled (on the receiver):
+    the receiver raises HeaderError. Then the source sends frame 4: a receiver that could
+    not read frame 3 to its end refuses it at once (PeerError: its channel cannot be
+    trusted); one that read it whole may take frame 4 instead. No rank hangs."""
+    size, (where, hook), _ = LIES[name]
+    out: dict[str, Any] = {}
+    wanted = [{"x": torch.full((size,), float(step)), "n": 1000 + step} for step in range(5)]
+    with _wire_hook("head", **{where: hook}):
+        for step, want in enumerate(wanted):
+            start = time.monotonic()
+            if rank == 0:
+                try:
+                    assert_same(tc.broadcast(want, 0, timeout=TIMEOUT), want)
+                except tc.PeerError as e:  # the receiver left before it took the payload
+                    assert step >= 3, f"step {step}: {e}"
+                    out.setdefault("source", []).append(str(e))
+            elif step < 3:
+                assert_same(tc.broadcast(None, 0, timeout=TIMEOUT), want)
+            elif step == 3:
+                with pytest.raises(tc.HeaderError) as info:
+                    tc.broadcast(None, 0, timeout=TIMEOUT)
+                out["error"] = str(info.value)
+            else:
+                try:
+                    got = tc.broadcast(None, 0, timeout=TIMEOUT)
+                except tc.PeerError as e:
+                    assert "failed earlier" in str(e), str(e)
+                    assert time.monotonic() - start < LATE, "a broken channel refuses at once"
+                    out["after"] = "refused"
+                else:
+                    assert_same(got, want, "the frame after the one refused")
+                    out["after"] = "received"
+            assert time.monotonic() - start < TIMEOUT + MARGIN, f"step {step}"
+    return out
 
 
 # -- rank functions: deaths ----------------------------------------------------------
@@ -699,18 +857,19 @@ def test_offsets_past_2_and_4_gib_are_exact() -> None:
     for spec, view in zip(schema.leaves[:4], leaves, strict=True):
         assert view.storage_offset() * view.element_size() == spec.offset
         assert view.numel() * view.element_size() == spec.nbytes
-    # The frame prefix carries such sizes without truncation.
-    fields = (b"TCFR", 1, 0, 0, 1, 2, 3, 4, schema.nbytes, 4096, 0, 2 << 20)
-    assert _transport._PREFIX.unpack(_transport._PREFIX.pack(*fields)) == fields
-    # ... and cuts it into the same pieces on both sides: each large leaf its own piece.
-    g2, g4 = ((o, o + n) for _, o, n in want[1:3])
-    assert _transport._segments(decoded.leaves, schema.nbytes, 2 << 20) == [
-        (0, g2[0], -1),
-        (*g2, 1),
-        (g2[1], g4[0], -1),
-        (*g4, 2),
-        (g4[1], schema.nbytes, -1),
-    ]
+    # The frame prefix carries such sizes without truncation...
+    capacity = _frame.INITIAL_CAPACITY
+    cut = plan_frame(capacity, len(plan.header), schema.nbytes, inline_ok=True)
+    prefix = Prefix(
+        _frame.Kind.DATA, cut.flags, 1, 2, 3, len(plan.header), schema.nbytes,
+        cut.next_capacity, 0xFFFFFFFF,
+    )  # fmt: skip
+    first = bytearray(capacity)
+    prefix.pack_into(first)
+    assert Prefix.unpack(first, capacity) == prefix
+    # ... and the plan sends the payload whole, in one message of its own after the first.
+    assert cut.separate_payload and not cut.inline and cut.payload_len == schema.nbytes
+    assert capacity <= cut.next_capacity <= _frame.MAX_CAPACITY
 
 
 def test_mutation_while_packing_is_detected_locally() -> None:
@@ -764,20 +923,51 @@ def test_batch_mutated_after_next_is_not_corrupted(pool2: RankPool) -> None:
         assert src == recv
 
 
-def test_desync_setup_mismatch_and_integrity(pool2: RankPool) -> None:
-    _, recv = pool2.run(_desync_and_integrity, timeout=CALL_TIMEOUT)
-    assert "source:" in recv["fingerprint"] and "this rank:" in recv["fingerprint"]
-    assert len(recv["crc"]) == 3
-    assert "1234567890" in recv["lying_values"]
-    assert "promises a payload it cannot have" in recv["promise_inline"]
-    assert "promised no payload" in recv["posted_unpromised"]
-    assert "END or ERROR frame with a payload" in recv["promise_at_end"]
-    assert "not the one the frame before it promised" in recv["posted_other_layout"]
+def test_setups_that_disagree_raise_desync_error_on_every_rank(pool2: RankPool) -> None:
+    results = pool2.run(_setups_that_disagree, timeout=CALL_TIMEOUT)
+    for rank, (me, other) in enumerate(((0, 1), (1, 0))):
+        out = results[rank]
+        mine = {"prefetch": 1 + me, "src": me, "format": tc.FORMAT_VERSION + me}
+        theirs = {"prefetch": 1 + other, "src": other, "format": tc.FORMAT_VERSION + other}
+        for key in ("prefetch", "src", "format"):
+            side = f"{key}={mine[key]} on rank {me}, {theirs[key]} on rank {other}"
+            assert side in out[key], (rank, out[key])
+        assert "BroadcastingDataLoader" in out["prefetch"]
+        axes = ["['cp', 'tp'] on rank 0", "['tp'] on rank 1"]
+        assert "axes=" in out["axes"] and all(a in out["axes"] for a in axes), out["axes"]
+        side = f"src={me} on rank {me}, {other} on rank {other}"
+        assert "tensorcast.broadcast" in out["broadcast_src"] and side in out["broadcast_src"]
+    missing = results[1]["missing"]
+    assert "rank(s) [0] did not set up" in missing and f"within {LATE:g} s" in missing, missing
+
+
+def test_integrity_checks_and_corruption_in_transit(pool2: RankPool) -> None:
+    """verify=True round trips; a bad link corrupts bytes silently without it, and every
+    corrupted batch (inline, in a message of its own, megabytes) fails its CRC32 with it."""
+    _, recv = pool2.run(_integrity, timeout=CALL_TIMEOUT)
+    assert len(recv["crc"]) == 3, recv["crc"]
+
+
+def test_a_receiver_out_of_step_raises_desync_error(pool2: RankPool) -> None:
+    _, recv = pool2.run(_out_of_step, timeout=CALL_TIMEOUT)
+    assert "the ranks did not use their loaders" in recv["restart"]
+    assert "DesyncError" in recv["after"]  # what broke the channel, named
+
+
+@pytest.mark.parametrize("name", list(LIES))
+def test_lying_or_garbled_frames_raise_header_error(pool2: RankPool, name: str) -> None:
+    _, recv = pool2.run(_lying_frame, name, timeout=CALL_TIMEOUT)
+    assert LIES[name][2] in recv["error"], recv["error"]
+    if name.startswith("lying values"):
+        assert "1234567890" in recv["error"]
+    else:  # the frame could not be read to its end: the channel is broken on this rank
+        assert recv["after"] == "refused", recv
 
 
 def test_source_death_fails_every_receiver(pool2: RankPool) -> None:
     results = pool2.run(_die_at, 0, 3, (), timeout=CALL_TIMEOUT, allow_death=True)
-    _check_survivors(results, 0, {1: "the source rank 0 stopped answering"})
+    _check_survivors(results, 0, {1: "waiting for the source rank 0"})
+    assert "the source rank 0 is gone" in results[1]["message"], results[1]["message"]
 
 
 def test_receiver_death_fails_source_and_other_receivers(pool4: RankPool) -> None:
@@ -785,5 +975,9 @@ def test_receiver_death_fails_source_and_other_receivers(pool4: RankPool) -> Non
     _check_survivors(
         results,
         3,
-        {0: "a receiver rank stopped answering", 1: "stopped answering", 2: "stopped answering"},
+        {
+            0: "sending a frame failed: a receiver died",
+            1: "waiting for the source rank 0",
+            2: "waiting for the source rank 0",
+        },
     )

@@ -15,6 +15,7 @@ import gc
 import hashlib
 import pickle
 import struct
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -805,7 +806,7 @@ class _FakeGroup:
     """What a ``Sender`` reads of its group: the transfer device and the capacity."""
 
     def __init__(self) -> None:
-        self.wire = _wire.GlooWire.__new__(_wire.GlooWire)  # its device, never its gloo
+        self.wire = types.SimpleNamespace(device=torch.device("cpu"))
         self.capacity = _frame.INITIAL_CAPACITY
 
 

@@ -208,8 +208,8 @@ def _rank_lockstep(rank: int, world: int) -> None:
         pre = tc.BroadcastingDataLoader(packed if source else None, mesh, prefetch=prefetch)
         check(list(pre), want, f"pre-packed source, prefetch={prefetch}")
 
-        # Item 7: every rank learns the source's length when the loader is built (a
-        # receiver's own source, here Untouchable's 99, is not asked), and a source
+        # Item 7: every rank learns the source's length when the loader is built (what a
+        # receiver was handed, here Untouchable with its 99, does not count), and a source
         # without one is a TypeError on every rank.
         assert len(sized) == N and len(empty) == 0 and len(pre) == N
         for loader in (stream, once):

@@ -88,10 +88,9 @@ class Channel:
         self._receiver: Receiver | None = None
         if self.is_source:
             self._sender = Sender(group, root, verify=verify)
-            world.heartbeat.start()
+            world.heartbeat.start(self.timeout.total_seconds())
         else:
-            seconds = self.timeout.total_seconds()
-            self._receiver = Receiver(group, root, src, lambda: diagnose(world.store, src, seconds))
+            self._receiver = Receiver(group, root, src, lambda: diagnose(world.store, src))
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -164,9 +163,13 @@ class Channel:
         self.group.lane.check()
         if self._receiver is None:
             raise RuntimeError(f"rank {self.src} is the source of this channel")
-        got = self._receiver.recv(self._stamp(), device, timeout or self.timeout)
-        self.step += 1
-        return got
+        try:
+            return self._receiver.recv(self._stamp(), device, timeout or self.timeout)
+        finally:
+            # A frame refused once it was read whole (a bad CRC, bad values) was still
+            # this step's: the stream goes on in step. A broken lane has no next step.
+            if self.group.lane.broken is None:
+                self.step += 1
 
 
 def raise_for(kind: Kind, value: Any, src: int) -> Any:

@@ -4,11 +4,12 @@ A receiver waiting for a frame cannot tell from the collective alone why nothing
 the source may be gone, or alive and stuck in its own iterator (DataLoader workers that
 start, slow storage). A source rank keeps one key in the store fresh while it is alive::
 
-    alive/<global rank> = "<beats> <busy seconds> <what it is busy with>"
+    alive/<global rank> = "<beats> <period> <busy seconds> <what it is busy with>"
 
-written every ``period`` seconds by a daemon thread (a store write, not a collective).
-A receiver whose wait failed reads the key twice, ``period`` apart: beats that moved
-mean the source is alive, and its busy time says for how long it has been inside
+written every ``period`` seconds (at most one; less for a channel with a shorter
+timeout) by a daemon thread: a store write, not a collective. A receiver whose wait
+failed reads the key twice, one and a half of the source's periods apart: beats that
+moved mean the source is alive, and its busy time says for how long it has been inside
 ``next()``; beats that did not move (or no key) mean it is gone.
 """
 
@@ -25,7 +26,7 @@ __all__ = ["Heartbeat", "diagnose"]
 
 
 def _period(timeout_s: float) -> float:
-    return min(5.0, max(0.2, timeout_s / 8))
+    return min(1.0, max(0.1, timeout_s / 8))
 
 
 class Heartbeat:
@@ -42,8 +43,10 @@ class Heartbeat:
         self._beats = 0
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
+    def start(self, timeout_s: float) -> None:
+        """Beat (from now on) often enough for a channel that waits ``timeout_s``."""
         with self._lock:
+            self._period = min(self._period, _period(timeout_s))
             if self._thread is None:
                 self._beat()
                 self._thread = threading.Thread(
@@ -67,7 +70,7 @@ class Heartbeat:
         now = time.monotonic()
         since, what = min(self._busy.values(), default=(now, "nothing"))
         self._beats += 1
-        self._store.set(self._key, f"{self._beats} {now - since:.1f} {what}")
+        self._store.set(self._key, f"{self._beats} {self._period} {now - since:.1f} {what}")
 
     def _run(self) -> None:
         while True:
@@ -81,21 +84,20 @@ class Heartbeat:
                 return  # the store is gone with its process group: nothing to tell
 
 
-def diagnose(store: Any, src: int, timeout_s: float) -> str:
+def diagnose(store: Any, src: int) -> str:
     """What the source's heartbeat says, for a receiver's error message."""
     key = f"alive/{src}"
-    period = _period(timeout_s)
 
     def read() -> list[str] | None:
         try:
             if not store.check([key]):
                 return None
-            return store.get(key).decode().split(" ", 2)
+            return store.get(key).decode().split(" ", 3)
         except RuntimeError:
             return None
 
     first = read()
-    time.sleep(1.5 * period)
+    time.sleep(1.5 * (float(first[1]) if first is not None else 1.0))
     second = read()
     if first is None or second is None:
         return f"the source rank {src} never sent a heartbeat (it died, or never started)"
@@ -104,7 +106,7 @@ def diagnose(store: Any, src: int, timeout_s: float) -> str:
             f"the source rank {src} is gone: its heartbeat stopped (it died, or its "
             f"process is frozen)"
         )
-    busy_s, what = float(second[1]), second[2]
+    busy_s, what = float(second[2]), second[3]
     if what == "nothing":
         return (
             f"the source rank {src} is alive and not busy: it is waiting elsewhere (do all "

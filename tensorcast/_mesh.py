@@ -45,6 +45,7 @@ __all__ = [
     "submesh_rows",
 ]
 
+
 def normalize_axes(axes: Sequence[str] | str) -> tuple[str, ...]:
     if isinstance(axes, str):
         return (axes,)

@@ -82,7 +82,7 @@ class Sender:
         self._pool = BufferPool()
         self._layout: _codec.Layout | None = None  # the last batch's, reused when it repeats
         self._first: torch.Tensor | None = None  # this rank's first message, reused
-        self._written = (0, 0)  # the last first message's head end and inline start
+        self._written = (0, 0, 0)  # the last first message's head end, inline start and end
 
     # -- phase 1: everything that can fail ---------------------------------------------
 
@@ -167,16 +167,22 @@ class Sender:
         payload zero: no stale memory of this process travels to the peers."""
         first = self._first
         head_end = PREFIX_SIZE + (0 if plan.spill else plan.header_len)
-        inline_at = plan.payload_at if plan.inline else plan.capacity
+        start, end = (
+            (plan.payload_at, plan.payload_at + plan.payload_len)
+            if plan.inline
+            else (plan.capacity, plan.capacity)
+        )
         if first is None or first.numel() != plan.capacity:
             first = self._first = torch.zeros(plan.capacity, dtype=torch.uint8)
-        else:
-            last_head, last_inline = self._written
+        else:  # clear what the last frame wrote where this one writes nothing
+            last_head, last_start, last_end = self._written
             if last_head > head_end:
                 first[head_end:last_head] = 0
-            if last_inline < inline_at:
-                first[last_inline:inline_at] = 0
-        self._written = (head_end, inline_at)
+            if last_start < start:
+                first[last_start : min(start, last_end)] = 0
+            if last_end > end:
+                first[max(end, last_start) : last_end] = 0
+        self._written = (head_end, start, end)
         return first
 
     # -- phase 2: the collectives --------------------------------------------------------

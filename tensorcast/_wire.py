@@ -39,6 +39,12 @@ __all__ = ["HEAD_SENDS_MAX_RANKS", "GlooWire", "NcclWire", "Wire"]
 #: The largest group whose heads the source sends each receiver itself.
 HEAD_SENDS_MAX_RANKS = 4
 _TAG = 0  # the group is tensorcast's own: no other traffic to tell apart
+# Backends aborted after a failure, kept for the life of the process: abort() does not
+# cancel a collective already queued on gloo's worker thread, and a backend's destructor
+# waits for it, up to the group's timeout, in whatever thread drops the last reference
+# (often the garbage collector's, in the middle of unrelated work). A broken group is
+# rare and ends a job; keeping it costs its sockets, never a stall.
+_ABORTED: list[Any] = []
 
 
 class Wire(Protocol):
@@ -103,6 +109,7 @@ class GlooWire:
         self._gloo.broadcast([tensor], self._opts(root)).wait(timeout)
 
     def abort(self) -> None:
+        _ABORTED.append(self._gloo)
         self._gloo.abort()
 
 
@@ -123,5 +130,6 @@ class NcclWire(GlooWire):
         self._nccl.broadcast([tensor], self._opts(root)).wait()
 
     def abort(self) -> None:
+        _ABORTED.append(self._nccl)
         super().abort()
         self._nccl.abort()

@@ -405,3 +405,26 @@ def test_a_dropped_iterator_pulls_nothing_and_state_dicts_are_copies(pool2: Any)
     assert src["iters"] == 1, "iter() without next() must not start the source"
     assert src["state after"] == src["state given"] == {"pos": 2}
     assert receiver["state after"] == {}
+
+
+def _rank_short_loader_timeout(rank: int, world: int) -> str:
+    """A loader's own timeout, far below the process group's: the source still beats
+    often enough for a receiver to tell that it is alive."""
+    try:
+        loader = tc.BroadcastingDataLoader(
+            Slow(3.0) if rank == 0 else None,
+            group=dist.group.WORLD,
+            src=0,
+            prefetch=0,
+            timeout=1.0,
+        )
+        with pytest.raises(tc.PeerError) as info:
+            list(loader)
+        return str(info.value)
+    finally:
+        dist.destroy_process_group()  # the broken channel goes with it; the pool makes anew
+
+
+def test_a_slow_source_is_alive_whatever_the_loaders_timeout(pool2: Any) -> None:
+    _, receiver = pool2.run(_rank_short_loader_timeout, timeout=TIMEOUT)
+    assert "alive but slow" in receiver and "next(source)" in receiver, receiver

@@ -136,10 +136,6 @@ class BroadcastingDataLoader:
             )
         self._length = told["length"]
 
-    @property
-    def _noop(self) -> bool:
-        return self._channel is None
-
     # -- iteration -----------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:

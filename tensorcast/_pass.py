@@ -7,14 +7,14 @@ learns of the end from the same frame, so all of them skip alike.
 
 What a step hands back to the consumer:
 
-    ==========  ==============================  =====================================
-    result      source                          receivers
-    ==========  ==============================  =====================================
-    ``_Item``   the batch was sent              a batch arrived
-    ``_END``    the source is exhausted         an END frame arrived
-    ``_Failure``  the source raised: that very  an ERROR frame arrived: ``SourceError``
-                exception
-    ==========  ==============================  =====================================
+    ============  ================================  ====================================
+    result        source                            receivers
+    ============  ================================  ====================================
+    ``_Item``     the batch was sent                a batch arrived
+    ``_END``      the source is exhausted           an END frame arrived
+    ``_Failure``  the source raised: that very      an ERROR frame arrived: a
+                  exception, raised again there     ``SourceError``
+    ============  ================================  ====================================
 
 A job's own exception (``PeerError``, ``DesyncError``, ``HeaderError``) is raised to
 the consumer as it is.

@@ -72,7 +72,7 @@ class Receiver:
             group.lane.break_(e)
             raise
         try:
-            prefix, header, payload = self._rest(first, capacity, expect, timeout)
+            prefix, header, decoded, payload = self._rest(first, capacity, expect, timeout)
         except (TensorcastError, RuntimeError) as e:
             group.lane.break_(e)
             if isinstance(e, TensorcastError):
@@ -87,14 +87,13 @@ class Receiver:
         group.capacity = prefix.next_capacity
         if prefix.kind == Kind.END:
             return Kind.END, None
-        if prefix.kind == Kind.ERROR or payload is None:
+        if prefix.kind == Kind.ERROR or decoded is None or payload is None:
             return Kind.ERROR, header.decode("utf-8", "replace")
         if prefix.flags & Flags.CRC and crc32(payload) != prefix.crc:
             raise HeaderError(
                 f"step {expect.step}: the payload's CRC32 does not match the source's: the "
                 f"bytes were corrupted in transit"
             )
-        decoded = _schema.decode(header)
         if device is not None and device != payload.device:
             return Kind.DATA, _codec.rebuild(decoded, _codec.copy_to_device(payload, device))
         pool = self._frames if prefix.flags & Flags.INLINE else self._pool
@@ -102,7 +101,7 @@ class Receiver:
 
     def _rest(
         self, first: torch.Tensor, capacity: int, expect: Stamp, timeout: datetime.timedelta
-    ) -> tuple[Prefix, bytes, torch.Tensor | None]:
+    ) -> tuple[Prefix, bytes, _schema.Decoded | None, torch.Tensor | None]:
         """Validate the first message and take what follows it."""
         group, wire = self._group, self._group.wire
         host = first.numpy()
@@ -132,7 +131,7 @@ class Receiver:
         else:
             header = host[PREFIX_SIZE : PREFIX_SIZE + prefix.header_len].tobytes()
         if prefix.kind != Kind.DATA:
-            return prefix, header, None
+            return prefix, header, None, None
         decoded = _schema.decode(header)  # validated before its sizes allocate anything
         if decoded.nbytes != prefix.payload_len:
             raise HeaderError(
@@ -141,8 +140,8 @@ class Receiver:
             )
         n = prefix.payload_len
         if plan.inline:
-            return prefix, header, first[plan.payload_at : plan.payload_at + n]
+            return prefix, header, decoded, first[plan.payload_at : plan.payload_at + n]
         payload = self._pool.take(n, wire.device)
         if n:
             wire.payload(payload, self._root, timeout)
-        return prefix, header, payload
+        return prefix, header, decoded, payload

@@ -111,6 +111,12 @@ class Sender:
     def _packed(self, tree: Any) -> tuple[bytes, torch.Tensor, Any]:
         plan = _codec.plan(tree, previous=self._layout)
         self._layout = plan.layout  # no tensors: it keeps no batch alive
+        if self._device.type == "cuda" and plan.device.type == "cpu":
+            # Packed on the host into pinned memory, then one asynchronous copy to the GPU.
+            staging = torch.empty(plan.nbytes, dtype=torch.uint8, pin_memory=True)
+            plan.write(staging)
+            payload = _codec.copy_to_device(staging, self._device)
+            return plan.header, payload, _codec.rebuild(_schema.decode(plan.header), payload)
         payload = self._pool.take(plan.nbytes, self._device)
         views = plan.layout.write_spec().pooled_views(payload, self._pool)
         views = plan.write(payload, views=views)

@@ -22,6 +22,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from tensorcast import _codec, _schema
@@ -82,6 +83,8 @@ class Sender:
         self._pool = BufferPool()
         self._layout: _codec.Layout | None = None  # the last batch's, reused when it repeats
         self._first: torch.Tensor | None = None  # this rank's first message, reused
+        self._host: np.ndarray = np.empty(0, np.uint8)  # and a numpy view of it
+        self._inline_ok = self._device.type == "cpu"
         self._written = (0, 0, 0)  # the last first message's head end, inline start and end
 
     # -- phase 1: everything that can fail ---------------------------------------------
@@ -137,16 +140,13 @@ class Sender:
         self, kind: Kind, header: bytes, payload: torch.Tensor | None, stamp: Stamp
     ) -> Outgoing:
         n = 0 if payload is None else payload.numel()
-        plan = plan_frame(
-            self._group.capacity, len(header), n, inline_ok=self._device.type == "cpu"
-        )
+        plan = plan_frame(self._group.capacity, len(header), n, inline_ok=self._inline_ok)
         flags = plan.flags
         crc = 0
         if self._verify and payload is not None:
             flags |= Flags.CRC
             crc = crc32(payload)
-        first = self._first_message(plan)
-        host = first.numpy()
+        first, host = self._first_message(plan)
         Prefix(
             kind,
             flags,
@@ -165,31 +165,33 @@ class Sender:
             host[PREFIX_SIZE : PREFIX_SIZE + len(header)] = memoryview(header)
         separate = payload if plan.separate_payload else None
         if plan.inline and payload is not None and n:
-            first[plan.payload_at : plan.payload_at + n].copy_(payload)
+            at = plan.payload_at
+            host[at : at + n] = payload.numpy()  # the host's copy: no tensor op for a few bytes
         return Outgoing(plan, first, spilled, separate)
 
-    def _first_message(self, plan: FramePlan) -> torch.Tensor:
-        """This rank's first message, with every byte but the new head and inline
-        payload zero: no stale memory of this process travels to the peers."""
-        first = self._first
+    def _first_message(self, plan: FramePlan) -> tuple[torch.Tensor, np.ndarray]:
+        """This rank's first message (and a numpy view of it), with every byte but the new
+        head and inline payload zero: no stale memory of this process travels."""
         head_end = PREFIX_SIZE + (0 if plan.spill else plan.header_len)
         start, end = (
             (plan.payload_at, plan.payload_at + plan.payload_len)
             if plan.inline
             else (plan.capacity, plan.capacity)
         )
-        if first is None or first.numel() != plan.capacity:
-            first = self._first = torch.zeros(plan.capacity, dtype=torch.uint8)
+        if self._first is None or self._first.numel() != plan.capacity:
+            self._first = torch.zeros(plan.capacity, dtype=torch.uint8)
+            self._host = self._first.numpy()
         else:  # clear what the last frame wrote where this one writes nothing
+            host = self._host
             last_head, last_start, last_end = self._written
             if last_head > head_end:
-                first[head_end:last_head] = 0
+                host[head_end:last_head] = 0
             if last_start < start:
-                first[last_start : min(start, last_end)] = 0
+                host[last_start : min(start, last_end)] = 0
             if last_end > end:
-                first[max(end, last_start) : last_end] = 0
+                host[max(end, last_start) : last_end] = 0
         self._written = (head_end, start, end)
-        return first
+        return self._first, self._host
 
     # -- phase 2: the collectives --------------------------------------------------------
 

@@ -2,7 +2,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+HASH   := $(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(HASH)
+# The benchmarks' extra (matplotlib for their charts), on top of what the tests need.
+BENCH_STAMP := $(VENV)/.installed-bench-$(HASH)
 # torch 2.13.0: the CPU build on these machines; a newer torch pulls a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
@@ -17,6 +20,10 @@ $(STAMP):
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test,dev,lightning]"
 	touch $(STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"
+	touch $(BENCH_STAMP)
 
 venv: $(STAMP)
 
@@ -34,11 +41,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check tensorcast
 	$(VENV)/bin/mypy
 
-bench: $(STAMP)
-	$(PY) benchmarks/bench_broadcast.py --json bench-results/broadcast.json
+bench: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_broadcast.py --json bench-results/broadcast.json --png bench-results/broadcast.png
 
-bench-lhotse: $(STAMP)
-	$(PY) benchmarks/bench_lhotse.py --compare
+bench-lhotse: $(BENCH_STAMP)
+	$(PY) benchmarks/bench_lhotse.py --compare --json bench-results/lhotse.json --png bench-results/lhotse.png
 
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py

@@ -30,6 +30,7 @@ method alone, after warm-up), messages per batch a receiver takes, and the overl
     python benchmarks/bench_broadcast.py --quick
     python benchmarks/bench_broadcast.py --world-sizes 2 --json bench-results/broadcast.json
     python benchmarks/bench_broadcast.py --profile --workloads many_small,tiny
+    python benchmarks/bench_broadcast.py --from-json bench-results/broadcast.json --png chart.png
 """
 
 from __future__ import annotations
@@ -635,35 +636,79 @@ def format_profile(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# How the chart names and colours each method: tensorcast in blues, the peers apart.
+_CHART = {
+    "tc.broadcast": ("tc.broadcast", "#08519c"),
+    "tc.loader": ("tc.loader", "#3182bd"),
+    "tc.loader+packed": ("tc.loader + packed_collate", "#9ecae1"),
+    "pickled_packet": ("pickled packet (NeMo)", "#e6550d"),
+    "object_list": ("broadcast_object_list", "#a50f15"),
+    "per_tensor": ("one broadcast per tensor", "#969696"),
+}
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.0f} {unit}"
+    return f"{nbytes} B"
+
+
 def write_png(report: dict[str, Any], path: str) -> bool:
-    """A bar chart of every method's ratio to the floor; False when matplotlib is missing."""
+    """A chart of each method's median time per batch over the floor's, per workload, one
+    panel per world size, on a log scale; False when matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter
     except ImportError:
         return False
     runs = [run for run in report["runs"] if run.get("workloads")]
     if not runs:
         return False
-    workloads = [wl["workload"] for wl in runs[0]["workloads"]]
-    fig, axes = plt.subplots(len(runs), len(workloads), squeeze=False,
-                             figsize=(3.2 * len(workloads), 3.2 * len(runs)), sharey=True)
-    for i, run in enumerate(runs):
-        for j, wl in enumerate(run["workloads"]):
-            ax = axes[i][j]
-            rows = [r for r in wl["rows"] if r["x_floor"] is not None]
-            names = [r["method"] for r in rows]
-            colors = ["tab:blue" if n.startswith("tc.") else "tab:gray" for n in names]
-            ax.bar(range(len(rows)), [r["x_floor"] for r in rows], color=colors)
-            ax.set_yscale("log")
-            ax.axhline(1.0, color="black", linewidth=0.8)
-            ax.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=7)
-            ax.set_title(f"{wl['workload']}, {run['world_size']} ranks", fontsize=9)
-            if j == 0:
-                ax.set_ylabel("median time / floor (log)")
-    fig.tight_layout()
+    fig, axes = plt.subplots(1, len(runs), squeeze=False, sharey=True,
+                             figsize=(6.4 * len(runs), 4.6))
+    drawn: dict[str, Any] = {}
+    for ax, run in zip(axes[0], runs):
+        workloads = run["workloads"]
+        methods = [m for m in _CHART if any(r["method"] == m for wl in workloads
+                                             for r in wl["rows"])]
+        width = 0.8 / max(1, len(methods))
+        for k, method in enumerate(methods):
+            label, color = _CHART[method]
+            for j, wl in enumerate(workloads):
+                row = next((r for r in wl["rows"] if r["method"] == method), None)
+                if row is None or row["x_floor"] is None:
+                    continue
+                x = j - 0.4 + width * (k + 0.5)
+                drawn[label] = ax.bar(x, row["x_floor"], width, color=color, label=label)
+                ax.annotate(f"{row['x_floor']:.2f}" if row["x_floor"] < 10 else
+                            f"{row['x_floor']:.0f}", (x, row["x_floor"]), xytext=(0, 2),
+                            textcoords="offset points", ha="center", va="bottom",
+                            fontsize=6, rotation=90)
+        floor = ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+        drawn["floor: one broadcast of the same bytes"] = floor
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+        ticks = [f"{wl['workload']}\n{_size(wl['nbytes'])}" for wl in workloads]
+        ax.set_xticks(range(len(workloads)), ticks, fontsize=8)
+        ax.set_title(f"world size {run['world_size']}", fontsize=10)
+        ax.grid(axis="y", which="major", linewidth=0.4, alpha=0.5)
+    axes[0][0].set_ylabel("median time per batch / floor (log scale)", fontsize=9)
+    top = max(r["x_floor"] for run in runs for wl in run["workloads"] for r in wl["rows"]
+              if r["x_floor"] is not None)
+    for ax in axes[0]:
+        ax.set_ylim(0.5, top * 3)
+    fig.legend(list(drawn.values()), list(drawn), loc="upper center", ncol=4, fontsize=8,
+               frameon=False)
+    note = (f"{report.get('command', '')}; torch {report.get('torch', '?')}, gloo on loopback, "
+            f"{report.get('cpu_count', '?')} cores; interleaved iterations, the slowest rank")
+    if report.get("date"):
+        note = f"{report['date']}: {note}"
+    fig.text(0.5, 0.01, note, ha="center", fontsize=7, color="#555555")
+    fig.tight_layout(rect=(0, 0.04, 1, 0.88))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -705,7 +750,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="send one unchanging batch (default: new small values every iteration)")
     p.add_argument("--json", metavar="PATH", help="write every figure, with raw times, here")
     p.add_argument("--png", metavar="PATH",
-                   help="bar chart (needs matplotlib; default: next to --json)")
+                   help="bar chart (needs matplotlib; default: next to --json or --from-json)")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="run nothing: print the tables of a report saved with --json and "
+                        "draw its chart")
     p.add_argument("--quick", action="store_true", help="a fast smoke run (under a minute)")
     p.add_argument("--profile", action="store_true",
                    help="instead of comparing, cProfile tc.broadcast on the source and a receiver "
@@ -741,13 +789,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{opt.replace('_', '-')} must be at least {0 if opt == 'warmup' else 1}")
     if args.timeout is None:
         args.timeout = 180.0 if args.quick else 900.0
-    if args.png is None and args.json:
-        args.png = str(Path(args.json).with_suffix(".png"))
+    if args.png is None and (args.json or args.from_json):
+        args.png = str(Path(args.json or args.from_json).with_suffix(".png"))
     return args
+
+
+def redraw(path: str, png: str) -> int:
+    """The tables and the chart of a saved report; nothing is run."""
+    report = json.loads(Path(path).read_text())
+    if "date" not in report:  # the day the report was written
+        stamp = Path(path).stat().st_mtime
+        written = datetime.datetime.fromtimestamp(stamp, datetime.timezone.utc)
+        report["date"] = written.date().isoformat()
+    print(f"$ {report.get('command', '?')}  ({report['date']}, from {path})")
+    print(format_tables(report))
+    print(format_targets(report))
+    if write_png(report, png):
+        print(f"\nwrote {png}")
+        return 0
+    print("no chart: matplotlib is not installed (pip install 'tensorcast[bench]')")
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        return redraw(args.from_json, args.png)
     # Inherited by the spawned ranks: loopback only, one thread each (the ranks share the cores).
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ["OMP_NUM_THREADS"] = "1"

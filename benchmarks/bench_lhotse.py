@@ -23,7 +23,7 @@ the ratios. A batch's time is the slowest rank's; figures are medians over batch
 rounds. Every baseline's output is checked against the batch tensorcast delivered.
 
     python benchmarks/bench_lhotse.py --demo            # what `make demo` runs, ~1 minute
-    python benchmarks/bench_lhotse.py --compare --json bench-results/lhotse.json
+    python benchmarks/bench_lhotse.py --compare --json bench-results/lhotse.json --png lhotse.png
     python benchmarks/bench_lhotse.py --dp 1 --cp 2 --tp 2 --storage flac --cuts
 """
 
@@ -429,6 +429,68 @@ def report(cfg: dict[str, Any], s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_METHOD_LABELS = {
+    "tensorcast": ("tc.broadcast", "#08519c"),
+    "pickled_packet": ("pickled packet (NeMo)", "#e6550d"),
+    "object_list": ("broadcast_object_list", "#a50f15"),
+    "floor": ("floor: one broadcast\nof the same bytes", "#404040"),
+}
+
+
+def _hours_per_second(results: list[dict[str, Any]], name: str) -> float:
+    """Audio hours per second through one method on the compared batches: their audio over
+    the time the slowest rank took, summed over slots, rounds and batches."""
+    audio = {r["dp_rank"]: r["audio_seconds"] for r in results if r["source"]}
+    worst: dict[tuple[int, int], tuple[int, float]] = {}
+    for r in results:
+        for k, (i, dt) in enumerate(r["compare"]["times"][name]):
+            key = (r["dp_rank"], k)
+            worst[key] = (i, max(worst.get(key, (i, 0.0))[1], dt))
+    seconds = sum(dt for _, dt in worst.values())
+    hours = sum(audio[slot][i] for (slot, _), (i, _) in worst.items()) / 3600
+    return hours / seconds
+
+
+def write_png(cfg: dict[str, Any], s: dict[str, Any], results: list[dict[str, Any]],
+              path: Path) -> bool:
+    """A bar chart of audio hours per second: the loader's whole epoch, and each method of
+    ``--compare`` on the same batches; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter
+    except ImportError:
+        return False
+    bars = [("BroadcastingDataLoader,\nwhole epoch", s["audio_hours_per_second"], "#9ecae1")]
+    if "compare_median_s" in s:
+        for name, (label, color) in _METHOD_LABELS.items():
+            bars.append((label, _hours_per_second(results, name), color))
+    fig, ax = plt.subplots(figsize=(1.6 * len(bars) + 2.4, 4.2))
+    xs = range(len(bars))
+    ax.bar(xs, [b[1] for b in bars], color=[b[2] for b in bars])
+    for x, (_, value, _) in zip(xs, bars):
+        ax.annotate(f"{value:.3g}", (x, value), xytext=(0, 2), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), [b[0] for b in bars], fontsize=8)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_ylabel("hours of audio per second (log scale)", fontsize=9)
+    ax.set_title(f"lhotse batches to their (cp, tp) peers: dp={cfg['dp']} cp={cfg['cp']} "
+                 f"tp={cfg['tp']}, median {s['mb_per_batch_median']:.1f} MB a batch",
+                 fontsize=9)
+    ax.grid(axis="y", which="major", linewidth=0.4, alpha=0.5)
+    fig.text(0.5, 0.01, "whole epoch: DataLoader workers decode, collate and pack, then the "
+             "loader broadcasts; the others: one batch's transfer alone, slowest rank",
+             ha="center", fontsize=7, color="#555555")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -459,6 +521,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="overall limit in seconds; the ranks are killed past it")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--png", type=Path, default=None,
+                   help="draw audio hours per second per method here (needs matplotlib)")
     args = p.parse_args(argv)
     if args.demo:  # light: two DP slots, each a 2x2 (cp, tp) sub-mesh; a short corpus
         args.dp, args.cp, args.tp = 2, 2, 2
@@ -478,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     # Inherited by the spawned ranks: loopback only, one thread each (the ranks share the cores).
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    cfg = {k: v for k, v in vars(args).items() if k not in ("json", "demo")}
+    cfg = {k: v for k, v in vars(args).items() if k not in ("json", "demo", "png")}
     cfg["pg_timeout"] = min(180.0, args.timeout)
     world = args.dp * args.cp * args.tp
     print(f"tensorcast + lhotse: {world} ranks (dp={args.dp} cp={args.cp} tp={args.tp}), "
@@ -503,6 +567,11 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(), "torch": torch.__version__,
         }, indent=1))
         print(f"wrote {args.json}")
+    if args.png is not None:
+        if write_png(cfg, summary, results, args.png):
+            print(f"wrote {args.png}")
+        else:
+            print("no chart: matplotlib is not installed (pip install 'tensorcast[bench]')")
     ok = summary["identical_within_slots"] and summary["different_across_slots"]
     return 0 if ok else 1
 

@@ -28,10 +28,10 @@ checkpoint in a fresh Trainer, model and datamodule. What Lightning 2.x does wit
   rank 0 only and every rank loads that file, so the sampler's state must not depend on the
   DP slot: here it is (epoch, samples yielded), equal on every slot (lhotse's samplers drop
   their rank on load for the same reason). It holds the epoch because Lightning calls
-  ``iter()`` before ``set_epoch`` in a run's first epoch, and the loader (``prefetch=1``)
-  starts drawing at ``iter()``. A restored position serves the next pass only: Lightning
-  also calls ``iter()`` once on anything that is not a ``DataLoader``, to check that it is
-  iterable, and drops that iterator (a pass that has drawn one batch).
+  ``iter()`` before ``set_epoch`` in a run's first epoch. Lightning also calls ``iter()``
+  once on anything that is not a ``DataLoader``, to check that it is iterable, and drops
+  that iterator: the loader draws nothing until a pass's first ``next()``, so that costs
+  no batch.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from tensorcast._mesh import dp_rank_and_size, is_dp_source_rank
 from tensorcast._registry import register_type
 from tensorcast._schema import FORMAT_VERSION, LeafSpec, Schema
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "FORMAT_VERSION",

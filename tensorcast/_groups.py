@@ -143,7 +143,7 @@ class World:
                 f"{timeout.total_seconds():g} s; every rank of {list(scope)} must build it "
                 f"together, in the same order as its other tensorcast loaders ({e})"
             ) from None
-        theirs = {r: json.loads(v) for r, v in zip(scope, self.store.multi_get(keys))}
+        theirs = {r: json.loads(self.store.get(k)) for r, k in zip(scope, keys)}
         for r, other in theirs.items():
             if other["setup"] != setup:
                 raise DesyncError(

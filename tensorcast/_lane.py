@@ -4,7 +4,7 @@
 Collectives match by order. tensorcast's traffic runs on process groups that it owns
 (see ``_groups``), one per set of ranks, and every transfer on such a group is a *job*
 in one FIFO, run by one worker thread. Jobs are submitted only from the caller's thread,
-at points that are the same on every rank (``iter()`` and ``next()`` of a loader, a
+at points that are the same on every rank (a loader's ``next()``, a
 ``tensorcast.broadcast`` call), so every rank runs the same jobs in the same order,
 whatever mix of loaders, prefetch depths, early breaks and broadcasts the caller makes,
 and whatever the model does on its own groups in between. A loader's ``prefetch=k`` is

@@ -68,6 +68,14 @@ class Wire(Protocol):
         ...
 
 
+def _abort(backend: Any) -> None:
+    """Abort a backend where torch can (older gloo backends cannot: their peers then
+    fail at their own timeout instead of at once)."""
+    abort = getattr(backend, "abort", None)
+    if abort is not None:
+        abort()
+
+
 def _broadcast_options(root: int) -> Any:
     opts = dist.BroadcastOptions()
     opts.rootRank = root
@@ -110,7 +118,7 @@ class GlooWire:
 
     def abort(self) -> None:
         _ABORTED.append(self._gloo)
-        self._gloo.abort()
+        _abort(self._gloo)
 
 
 class NcclWire(GlooWire):
@@ -132,4 +140,4 @@ class NcclWire(GlooWire):
     def abort(self) -> None:
         _ABORTED.append(self._nccl)
         super().abort()
-        self._nccl.abort()
+        _abort(self._nccl)

@@ -42,6 +42,9 @@ from tensorcast._pool import BufferPool
 
 __all__ = ["Outgoing", "Sender", "Stamp", "crc32"]
 
+# A pre-packed buffer up to this size is copied into a pooled one (see Sender._prepacked).
+_COPY_BELOW = 1 << 20
+
 
 @dataclass(frozen=True, slots=True)
 class Stamp:
@@ -132,6 +135,12 @@ class Sender:
         payload = batch.buffer
         if payload.device != self._device:
             payload = _codec.copy_to_device(payload, self._device)
+        elif payload.numel() <= _COPY_BELOW and payload.is_cpu:
+            # Views of a pooled buffer are kept and handed out again as detached copies,
+            # while a buffer of the caller's needs each view made anew (a microsecond or
+            # two a leaf): for a small batch of many leaves the copy is far cheaper.
+            copy = self._pool.take(payload.numel(), self._device).copy_(payload)
+            return batch.header, copy, _codec.rebuild(decoded, copy, pool=self._pool)
         elif payload.is_inference():
             payload = payload.clone()  # this rank's tree must not be made of inference tensors
         return batch.header, payload, _codec.rebuild(decoded, payload)

@@ -48,6 +48,7 @@ __all__ = [
     "INITIAL_CAPACITY",
     "MAX_CAPACITY",
     "MAX_ERROR_BYTES",
+    "PREFIX_FIELDS",
     "PREFIX_SIZE",
     "Flags",
     "FramePlan",
@@ -66,8 +67,20 @@ MAX_ERROR_BYTES = 64 << 10
 MAX_HEADER_BYTES = 64 << 20
 PAYLOAD_ALIGN = 64
 _MAGIC = b"TCFR"
-# magic, version, kind, flags, channel, pass, step, header_len, payload_len,
-# next_capacity, crc32
+#: The prefix's fields, in the order ``_STRUCT`` packs them (see docs/format.md).
+PREFIX_FIELDS = (
+    "magic",
+    "version",
+    "kind",
+    "flags",
+    "channel",
+    "pass_index",
+    "step",
+    "header_len",
+    "payload_len",
+    "next_capacity",
+    "crc",
+)
 _STRUCT = struct.Struct("<4sBBHIIQIQII")
 PREFIX_SIZE = _STRUCT.size
 

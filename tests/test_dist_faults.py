@@ -461,28 +461,15 @@ def _is_first_message(tensor: torch.Tensor) -> bool:
 
 
 def _prefix_fields(tensor: torch.Tensor) -> dict[str, Any]:
-    return dict(zip(_PREFIX_FIELDS, _frame._STRUCT.unpack_from(tensor.numpy(), 0), strict=True))
+    return dict(
+        zip(_frame.PREFIX_FIELDS, _frame._STRUCT.unpack_from(tensor.numpy(), 0), strict=True)
+    )
 
 
 def _rewrite_prefix(tensor: torch.Tensor, **fields: Any) -> None:
     """Set fields of a first message's prefix in place: what a lying source would send."""
     values = {**_prefix_fields(tensor), **fields}
-    _frame._STRUCT.pack_into(tensor.numpy(), 0, *(values[f] for f in _PREFIX_FIELDS))
-
-
-_PREFIX_FIELDS = (
-    "magic",
-    "version",
-    "kind",
-    "flags",
-    "channel",
-    "pass_index",
-    "step",
-    "header_len",
-    "payload_len",
-    "next_capacity",
-    "crc",
-)
+    _frame._STRUCT.pack_into(tensor.numpy(), 0, *(values[f] for f in _frame.PREFIX_FIELDS))
 
 
 def _flip_inline_payload(wire: Any, tensor: torch.Tensor, root: int) -> None:

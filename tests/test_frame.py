@@ -201,20 +201,6 @@ def test_plans_carry_every_byte_once(
 
 # -- Prefix ------------------------------------------------------------------------------
 
-_FIELDS = (
-    "magic",
-    "version",
-    "kind",
-    "flags",
-    "channel",
-    "pass_index",
-    "step",
-    "header_len",
-    "payload_len",
-    "next_capacity",
-    "crc",
-)
-
 
 def raw(**fields: Any) -> bytes:
     """A prefix's bytes with any field set to anything, valid or not."""
@@ -232,7 +218,7 @@ def raw(**fields: Any) -> bytes:
         "crc": 0,
     }
     values.update(fields)
-    return _frame._STRUCT.pack(*(values[f] for f in _FIELDS))
+    return _frame._STRUCT.pack(*(values[f] for f in _frame.PREFIX_FIELDS))
 
 
 def test_prefix_round_trip_keeps_large_sizes_exact() -> None:

@@ -25,6 +25,7 @@ import datetime
 import hashlib
 import json
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -138,6 +139,7 @@ class World:
             self.store.wait(keys, timeout)
         except RuntimeError as e:
             missing = [r for r, k in zip(scope, keys) if not self.store.check([k])]
+            self.store.set(base + "abandoned", str(self.rank))  # for a rank that comes late
             raise DesyncError(
                 f"rank {self.rank}: rank(s) {missing} did not set up {what} within "
                 f"{timeout.total_seconds():g} s; every rank of {list(scope)} must build it "
@@ -151,8 +153,33 @@ class World:
                     f"{_differences(setup, other['setup'], self.rank, r)}. Every rank must "
                     f"build it with the same arguments"
                 )
+        self._ready(base, scope, what, timeout)
         digest = hashlib.blake2b(base.encode(), digest_size=4).digest()
         return int.from_bytes(digest, "little"), {r: v["extra"] for r, v in theirs.items()}
+
+    def _ready(
+        self, base: str, scope: tuple[int, ...], what: str, timeout: datetime.timedelta
+    ) -> None:
+        """The agreement's second round: every rank says it agreed, so that none goes on to
+        make groups with a rank that gave up waiting for the first (it says so instead)."""
+        self.store.set(base + f"ready/{self.rank}", "1")
+        ready = [base + f"ready/{r}" for r in scope]
+        abandoned = base + "abandoned"
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not self.store.check(ready):
+            if self.store.check([abandoned]):
+                who = self.store.get(abandoned).decode()
+                raise DesyncError(
+                    f"rank {self.rank}: rank {who} gave up waiting for the others to set up "
+                    f"{what} (it came first, and the others did not within the timeout)"
+                )
+            if time.monotonic() > deadline:
+                missing = [r for r, k in zip(scope, ready) if not self.store.check([k])]
+                raise DesyncError(
+                    f"rank {self.rank}: rank(s) {missing} agreed on {what} but did not "
+                    f"confirm within {timeout.total_seconds():g} s"
+                )
+            time.sleep(0.002)
 
     # -- groups ----------------------------------------------------------------------
 

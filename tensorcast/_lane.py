@@ -101,7 +101,7 @@ class Lane:
 
     def submit(self, fn: Callable[[], T]) -> Job[T]:
         """Queue ``fn`` behind every job submitted before it; it runs on the worker."""
-        if threading.get_ident() in (self._inline, self._worker_id):
+        if self.on_lane_thread():
             raise RuntimeError(
                 "tensorcast was called from inside a loader's source iterator on the same "
                 "ranks; a source must not broadcast or iterate another BroadcastingDataLoader"
@@ -117,6 +117,15 @@ class Lane:
             else:
                 self._cond.notify()
         return job
+
+    def idle(self) -> bool:
+        """Whether nothing is queued or running (a job submitted now would run at once)."""
+        with self._cond:
+            return not self._jobs and not self._running
+
+    def on_lane_thread(self) -> bool:
+        """Whether the calling thread is running one of this lane's jobs."""
+        return threading.get_ident() in (self._inline, self._worker_id)
 
     def run(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` in its turn and return its result.

@@ -34,6 +34,7 @@ from tensorcast import _mesh
 from tensorcast._broadcast import mesh_channel, unpack_if_packed
 from tensorcast._channel import Channel, group_ranks, open_channel, to_timedelta
 from tensorcast._codec import resolve_device
+from tensorcast._lane import Job
 from tensorcast._pass import Pass, stateful
 
 __all__ = ["BroadcastingDataLoader"]
@@ -95,6 +96,7 @@ class BroadcastingDataLoader:
         self._active: weakref.ReferenceType[Pass] | None = None
         self._state: Any = None  # the snapshot after the last batch yielded (prefetch > 0)
         self._deferred: BaseException | None = None  # raised by a pass that was let go
+        self._orphans: list[Job[Any]] = []  # steps of a pass freed on a lane thread
         self._length: int | None = None
         self._warned = False
         if dist.is_available() and dist.is_initialized():
@@ -154,6 +156,14 @@ class BroadcastingDataLoader:
         active = self._active() if self._active is not None else None
         if active is not None:
             active.close()
+        orphans, self._orphans = self._orphans, []
+        for job in orphans:  # see Pass.__del__
+            try:
+                job.result()
+            except Exception as e:
+                broken = self._channel is not None and self._channel.group.lane.broken
+                if broken and self._deferred is None:
+                    self._deferred = e
         error, self._deferred = self._deferred, None
         if error is not None:
             raise error

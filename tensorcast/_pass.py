@@ -183,7 +183,7 @@ class Pass:
             raise StopIteration
         if not self._started:
             self._start()
-        if not self._depth and not self._pending:
+        if not self._depth and not self._pending and self._lane.idle():
             return self._hand_out(self._lane.run(self._step), None)
         if not self._pending:
             self._pending.append(self._lane.submit(self._step))
@@ -193,15 +193,20 @@ class Pass:
         except BaseException as e:
             if job.done and job.error is e:  # the step's own failure, raised once
                 self._pending.popleft()
+                if self._lane.broken is None:  # a step refused on this rank only (a bad CRC):
+                    self._refill()  # submit what every other rank submits at this next()
             raise  # else a signal interrupted the wait: the step stays, to wait on again
         return self._hand_out(item, job)
+
+    def _refill(self, extra: int = 0) -> None:
+        while len(self._pending) < self._depth + extra:
+            self._pending.append(self._lane.submit(self._step))
 
     def _hand_out(self, item: Any, job: Job[Any] | None) -> Any:
         # Until the step leaves the queue, an interruption hands out the same batch on the
         # next call: a caught Ctrl-C never skips a batch on one rank only.
         if isinstance(item, _Item):
-            while len(self._pending) < self._depth + (job is not None):
-                self._pending.append(self._lane.submit(self._step))
+            self._refill(job is not None)
             if item.state is not None:
                 self._loader._state = item.state
             if job is not None:
@@ -233,7 +238,13 @@ class Pass:
     def __del__(self) -> None:
         # A `for ... break` drops the pass: finish its steps now, so that no collective is
         # left pending, and keep a failure for the loader's next use (it cannot be raised
-        # from here).
+        # from here). Freed on a lane thread (the garbage collector runs anywhere), waiting
+        # would wait on itself: the loader then finishes the steps at its next use.
+        if self._lane.on_lane_thread():
+            self._loader._orphans.extend(self._pending)
+            self._pending.clear()
+            self._finished = True
+            return
         try:
             self.close()
         except Exception as e:

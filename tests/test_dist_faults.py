@@ -552,7 +552,7 @@ def _setups_that_disagree(rank: int, world: int) -> dict[str, Any]:
     # tc.broadcast from a source the ranks disagree on, the first time each is used.
     desync("broadcast_src", lambda: tc.broadcast(good_batch(0, 0), rank))
     # A rank that does not come: the one that waits names it, within its timeout; the
-    # late one finds the other's setup and goes on (it must not use what it built).
+    # late one is told at once that the other gave up (it makes no group).
     if rank == 1:
         desync(
             "missing",
@@ -560,8 +560,7 @@ def _setups_that_disagree(rank: int, world: int) -> dict[str, Any]:
         )
     else:
         time.sleep(2 * LATE)
-        late = tc.BroadcastingDataLoader(want, group=group, src=0, timeout=TIMEOUT)
-        del late
+        desync("late", lambda: tc.BroadcastingDataLoader(want, group=group, src=0, timeout=TIMEOUT))
     dist.barrier()
     in_step("after a rank that did not come")
     return out
@@ -926,6 +925,7 @@ def test_setups_that_disagree_raise_desync_error_on_every_rank(pool2: RankPool) 
         assert "tensorcast.broadcast" in out["broadcast_src"] and side in out["broadcast_src"]
     missing = results[1]["missing"]
     assert "rank(s) [0] did not set up" in missing and f"within {LATE:g} s" in missing, missing
+    assert "rank 1 gave up waiting" in results[0]["late"], results[0]["late"]
 
 
 def test_integrity_checks_and_corruption_in_transit(pool2: RankPool) -> None:

@@ -428,3 +428,22 @@ def _rank_short_loader_timeout(rank: int, world: int) -> str:
 def test_a_slow_source_is_alive_whatever_the_loaders_timeout(pool2: Any) -> None:
     _, receiver = pool2.run(_rank_short_loader_timeout, timeout=TIMEOUT)
     assert "alive but slow" in receiver and "next(source)" in receiver, receiver
+
+
+def _rank_late_arrival(rank: int, world: int) -> tuple[str, float]:
+    """Rank 1 builds its loader after rank 0 gave up waiting: both raise DesyncError, and
+    the late one does so at once instead of waiting in group creation."""
+    if rank == 1:
+        time.sleep(3.0)
+    start = time.monotonic()
+    with pytest.raises(tc.DesyncError) as info:
+        tc.BroadcastingDataLoader(
+            Source(N, 0) if rank == 0 else None, group=dist.group.WORLD, src=0, timeout=1.5
+        )
+    return str(info.value), time.monotonic() - start
+
+
+def test_a_rank_that_comes_after_the_others_gave_up_is_told_at_once(pool2: Any) -> None:
+    (first, _), (late, took) = pool2.run(_rank_late_arrival, timeout=TIMEOUT)
+    assert "did not set up" in first, first
+    assert "gave up waiting" in late and took < 1.0, (late, took)

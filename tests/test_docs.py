@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import traceback
 import types
@@ -31,13 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from subprocs import LAUNCHER_ENV, run_killable
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TIMEOUT = 180.0
 OPTIONAL = ("lhotse", "lightning")  # extras: a block that imports one needs it installed
-_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
-
 _FENCE = re.compile(r"^```python\s*$")
 _MARK = re.compile(r"^<!--\s*doc-test:\s*(?P<body>.*?)\s*-->\s*$")
 _RANKS = re.compile(r"^(?P<kind>ranks|torchrun)=(?P<n>\d+)$")
@@ -133,7 +130,7 @@ def _rank_block(rank: int, world: int, name: str, code: str) -> None:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + path if path else "")
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
@@ -141,23 +138,7 @@ def _env() -> dict[str, str]:
 
 
 def _run(args: list[str], cwd: Path) -> tuple[int, str]:
-    """Run ``args`` within ``TIMEOUT`` seconds; killed with every process it started."""
-    proc = subprocess.Popen(
-        args,
-        cwd=cwd,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(args)} did not finish within {TIMEOUT}s:\n{out[-6000:]}")
-    return proc.returncode, out
+    return run_killable(args, cwd, _env(), TIMEOUT)
 
 
 _PLAIN_RUNNER = f"""

@@ -8,12 +8,11 @@ assertions read the summary lines the examples print on rank 0.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from subprocs import LAUNCHER_ENV, run_killable
 
 pytestmark = pytest.mark.dist  # multi-process, like the rank-pool tests
 
@@ -26,31 +25,15 @@ TORCHRUN = [
     "4",
 ]
 TIMEOUT = 240.0
-# What an outer launcher may have set; the examples' launchers pick their own free ports.
-_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
 
 
 def run(args: list[str], cwd: Path) -> str:
     """Run ``args`` to the end within ``TIMEOUT`` seconds; its output, checked for rc 0."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
     env.pop("TENSORCAST_LIGHTNING_EXAMPLE_DIR", None)
-    proc = subprocess.Popen(
-        args,
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # one process group: the launcher and every rank it starts
-    )
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(args)} did not finish within {TIMEOUT}s:\n{out[-6000:]}")
-    assert proc.returncode == 0, f"{' '.join(args)} exited with {proc.returncode}:\n{out[-6000:]}"
+    rc, out = run_killable(args, cwd, env, TIMEOUT)
+    assert rc == 0, f"{' '.join(args)} exited with {rc}:\n{out[-6000:]}"
     return out
 
 

@@ -41,6 +41,7 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
 
+from tensorcast import _framing
 from tensorcast._errors import HeaderError
 
 __all__ = [
@@ -63,8 +64,9 @@ INITIAL_CAPACITY = 4096
 #: The largest first message: larger payloads always follow in a message of their own.
 MAX_CAPACITY = 256 << 10
 MAX_ERROR_BYTES = 64 << 10
-#: A header larger than this is refused before anything is allocated for it.
-MAX_HEADER_BYTES = 64 << 20
+#: A header larger than this is refused before anything is allocated for it: the
+#: header format's own limit on its body, with the header's framing.
+MAX_HEADER_BYTES = _framing.PREFIX_BYTES + _framing.MAX_HEADER_BYTES
 PAYLOAD_ALIGN = 64
 _MAGIC = b"TCFR"
 #: The prefix's fields, in the order ``_STRUCT`` packs them (see docs/format.md).

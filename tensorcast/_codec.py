@@ -24,7 +24,7 @@ from tensorcast._errors import HeaderError
 from tensorcast._layout import DEFAULT_ALIGN, Layout
 from tensorcast._paths import render_path
 from tensorcast._plan import PackPlan, plan
-from tensorcast._pool import BufferPool
+from tensorcast._pool import KeepsViews
 from tensorcast._schema import LeafSpec, Schema
 from tensorcast._values import decode_values
 from tensorcast._views import ViewSpec, view_spec, views
@@ -130,6 +130,13 @@ def pack(
 
 
 def _check_buffer(buffer: Any, nbytes: int) -> None:
+    if (
+        type(buffer) is torch.Tensor
+        and buffer.dtype is _UINT8
+        and buffer.shape == (nbytes,)
+        and buffer.is_contiguous()
+    ):
+        return  # the common case in as few calls as can tell it: a batch pays for each
     if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
         raise TypeError(
             f"the buffer must be a 1-D torch.uint8 tensor, got "
@@ -142,6 +149,9 @@ def _check_buffer(buffer: Any, nbytes: int) -> None:
         raise HeaderError(
             f"the header describes a {nbytes}-byte buffer but the buffer has {buffer.numel()}"
         )
+
+
+_UINT8 = torch.uint8
 
 
 @overload
@@ -189,7 +199,7 @@ def rebuild(
     decoded: _schema.Decoded,
     buffer: torch.Tensor,
     values: list[Any] | None = None,
-    pool: BufferPool | None = None,
+    pool: KeepsViews | None = None,
 ) -> Any:
     """The tree of a decoded header, its leaves viewing ``buffer`` (or ``values``)."""
     program, consts = compiled(decoded)

@@ -37,6 +37,7 @@ for another loader. Nothing here communicates.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
@@ -104,6 +105,11 @@ class Flags(IntFlag):
     CRC = 4  # ``crc`` is the CRC32 of the payload
 
 
+# Every valid kind and flag combination, by value: a prefix is read without calling enum.
+_KINDS = {int(k): k for k in Kind}
+_FLAGS = {f: Flags(f) for f in range(int(Flags.INLINE | Flags.SPILL | Flags.CRC) + 1)}
+
+
 @dataclass(frozen=True, slots=True)
 class Prefix:
     """The fixed-size start of every first message."""
@@ -154,9 +160,9 @@ class Prefix:
                 f"frame version {version} from the source, but this rank speaks frames "
                 f"v{FRAMES_VERSION}: install the same tensorcast version on every rank"
             )
-        if kind not in Kind._value2member_map_:
+        if kind not in _KINDS:
             raise HeaderError(f"unknown frame kind {kind}; known kinds: {[k.value for k in Kind]}")
-        if flags & ~int(Flags.INLINE | Flags.SPILL | Flags.CRC):
+        if flags not in _FLAGS:
             raise HeaderError(f"unknown frame flags {flags:#x}")
         if hlen > MAX_HEADER_BYTES:
             raise HeaderError(f"a {hlen}-byte header is over the {MAX_HEADER_BYTES}-byte limit")
@@ -166,7 +172,7 @@ class Prefix:
             raise HeaderError(f"a {Kind(kind).name} frame with a header or payload")
         if kind == Kind.ERROR and hlen > MAX_ERROR_BYTES:
             raise HeaderError(f"an error message of {hlen} bytes is over the limit")
-        return cls(Kind(kind), Flags(flags), channel, pass_index, step, hlen, plen, nxt, crc)
+        return cls(_KINDS[kind], _FLAGS[flags], channel, pass_index, step, hlen, plen, nxt, crc)
 
 
 def _align_up(n: int, a: int = PAYLOAD_ALIGN) -> int:
@@ -179,25 +185,23 @@ def _pow2_at_least(n: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class FramePlan:
-    """How one frame is cut into messages; a pure function of four numbers."""
+    """How one frame is cut into messages; a pure function of four numbers.
+
+    Attributes:
+        inline: the payload ends the first message, at ``payload_at``.
+        spill: the header follows the first message alone.
+        flags: the two above as the prefix carries them.
+        next_capacity: the next first message's size.
+    """
 
     capacity: int
     header_len: int
     payload_len: int
-    inline: bool  # the payload ends the first message
-    spill: bool  # the header follows the first message alone
+    inline: bool
+    spill: bool
     next_capacity: int
-
-    @property
-    def flags(self) -> Flags:
-        return (Flags.INLINE if self.inline else Flags.NONE) | (
-            Flags.SPILL if self.spill else Flags.NONE
-        )
-
-    @property
-    def payload_at(self) -> int:
-        """Where an inline payload starts in the first message."""
-        return self.capacity - _align_up(self.payload_len)
+    flags: Flags
+    payload_at: int
 
     @property
     def separate_payload(self) -> bool:
@@ -205,6 +209,7 @@ class FramePlan:
         return self.payload_len > 0 and not self.inline
 
 
+@functools.lru_cache(maxsize=256)  # pure, and a repeating batch asks the same thing
 def plan_frame(capacity: int, header_len: int, payload_len: int, *, inline_ok: bool) -> FramePlan:
     """Cut a frame: the header inline unless it does not fit, the payload inline when it
     fits after the header (and the transfer device is the host), else on its own.
@@ -220,4 +225,8 @@ def plan_frame(capacity: int, header_len: int, payload_len: int, *, inline_ok: b
     if want > MAX_CAPACITY:
         want = head if head <= MAX_CAPACITY else 0
     next_capacity = max(capacity, _pow2_at_least(want)) if want else capacity
-    return FramePlan(capacity, header_len, payload_len, inline, spill, next_capacity)
+    flags = (Flags.INLINE if inline else Flags.NONE) | (Flags.SPILL if spill else Flags.NONE)
+    payload_at = capacity - _align_up(payload_len)  # where an inline payload starts
+    return FramePlan(
+        capacity, header_len, payload_len, inline, spill, next_capacity, flags, payload_at
+    )

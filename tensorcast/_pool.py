@@ -12,6 +12,13 @@ view costs microseconds (``as_strided``), detaching one a fraction of that, so a
 many small leaves that repeats its layout gets each leaf as a ``detach()`` of a kept
 view: a fresh tensor on the same bytes. The kept views hold references to the storage
 too; the idle count includes them, so they never make a buffer look busy.
+
+A :class:`FramePool` keeps the first messages of frames the same way (see ``_frame``):
+host buffers of exactly the frame's capacity, each with its numpy view, the inline
+payload's slice and the views of its leaves kept across frames. Between two steps a
+small batch's path runs cold (the model's own work has evicted it from the CPU's
+caches), and there every tensor operation costs tens of microseconds, so a repeating
+small batch reuses what its last frame made and pays one ``detach()`` a leaf.
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable
+from typing import Protocol
 
+import numpy as np
 import torch
 
-__all__ = ["BufferPool"]
+__all__ = ["BufferPool", "FramePool", "KeepsViews", "Message"]
 
 _MIN_CAPACITY = 4096
 _LARGE = 1 << 20
@@ -43,10 +52,10 @@ class _Entry:
         "capacity",
         "cdata",
         "idle",
+        "kept",
+        "kept_key",
         "last_used",
         "storage",
-        "views",
-        "views_key",
     )
 
     def __init__(self, buffer: torch.Tensor, now: int):
@@ -56,11 +65,40 @@ class _Entry:
         self.storage = buffer.untyped_storage()
         self.cdata = self.storage._cdata
         self.idle = self.use_count()
-        self.views_key: Hashable = None
-        self.views: list[torch.Tensor] = []  # detached: each holds one storage reference
+        self.kept_key: Hashable = None
+        self.kept: list[torch.Tensor] = []  # detached views: each holds a storage reference
 
     def use_count(self) -> int:
         return int(torch._C._storage_Use_Count(self.cdata))
+
+    def is_idle(self) -> bool:
+        """Whether nothing but this entry holds the buffer's storage."""
+        return _use_count(self.cdata) == self.idle
+
+    def views(
+        self,
+        buffer: torch.Tensor,
+        key: Hashable,
+        make: Callable[[torch.Tensor], list[torch.Tensor]],
+    ) -> list[torch.Tensor]:
+        """Fresh tensors on the views ``make(buffer)`` returned the last time ``key`` was
+        asked; ``buffer`` views this entry's storage."""
+        if self.kept_key != key:
+            made = [v.detach() for v in make(buffer)]
+            self.idle += len(made) - len(self.kept)
+            self.kept, self.kept_key = made, key
+        return list(map(_detach, self.kept))
+
+
+class KeepsViews(Protocol):
+    """What keeps the views of the buffers it hands out (see :meth:`BufferPool.views`)."""
+
+    def views(
+        self,
+        buffer: torch.Tensor,
+        key: Hashable,
+        make: Callable[[torch.Tensor], list[torch.Tensor]],
+    ) -> list[torch.Tensor]: ...
 
 
 def _capacity(nbytes: int) -> int:
@@ -106,9 +144,7 @@ class BufferPool:
                     capacity = entry.capacity
                     if nbytes <= capacity <= limit:
                         fits = True
-                        if (best is None or capacity < best.capacity) and (
-                            entry.use_count() == entry.idle
-                        ):
+                        if (best is None or capacity < best.capacity) and entry.is_idle():
                             best = entry
                 if best is not None:
                     best.last_used = self._takes
@@ -137,12 +173,7 @@ class BufferPool:
         if entry is None:
             return make(buffer)
         with self._lock:
-            if entry.views_key != key:
-                made = [v.detach() for v in make(buffer)]
-                entry.idle += len(made) - len(entry.views)
-                entry.views, entry.views_key = made, key
-            kept = entry.views
-        return list(map(_detach, kept))
+            return entry.views(buffer, key, make)
 
     def _allocate(
         self, entries: list[_Entry], nbytes: int, device: torch.device, pinned: bool
@@ -154,7 +185,7 @@ class BufferPool:
         if len(entries) > self._max_buffers:
             # Forget the least recently used idle buffer (a busy one stays with its user).
             for i, old in enumerate(entries[:-1]):
-                if old.use_count() == old.idle:
+                if old.is_idle():
                     self._forget(entries.pop(i))
                     break
             else:
@@ -172,7 +203,7 @@ class BufferPool:
         if entries and entries[0].last_used < stale:
             keep: list[_Entry] = []
             for e in entries:
-                if e.last_used >= stale or e.use_count() != e.idle:
+                if e.last_used >= stale or not e.is_idle():
                     keep.append(e)
                 else:
                     self._forget(e)
@@ -184,4 +215,61 @@ class BufferPool:
             self._by_storage.clear()
 
 
+class Message(_Entry):
+    """One first-message buffer: the tensor the wire moves, its host view, and what was
+    made from it for the caller (kept, so that a repeating frame makes nothing anew).
+
+    Attributes:
+        host: a numpy view of the whole buffer (no storage reference of its own).
+        written: what the source's last frame wrote here: the end of its head, and the
+            start and end of its inline payload (see ``Sender``).
+    """
+
+    __slots__ = ("_payload", "_payload_at", "host", "written")
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(torch.zeros(capacity, dtype=torch.uint8), 0)
+        self.host: np.ndarray = self.buffer.numpy()
+        self.idle = self.use_count()
+        self.written = (0, capacity, capacity)
+        self._payload: torch.Tensor | None = None
+        self._payload_at = (0, 0)
+
+    def payload(self, at: int, n: int) -> torch.Tensor:
+        """The inline payload's bytes ``[at, at + n)``, as a 1-D uint8 tensor (kept)."""
+        if self._payload is None or self._payload_at != (at, n):
+            self.idle += self._payload is None  # the kept slice holds the storage too
+            self._payload, self._payload_at = self.buffer[at : at + n], (at, n)
+        return self._payload
+
+
+class FramePool:
+    """The first messages of one side of a channel: buffers of the frame's capacity,
+    each handed out again once nothing made from it is alive (see :class:`Message`).
+
+    Used by one lane's jobs, one after another: no lock.
+
+    Args:
+        max_buffers: how many to keep; the oldest beyond it is forgotten (it stays with
+            whoever still holds a batch made from it).
+    """
+
+    def __init__(self, *, max_buffers: int = 8) -> None:
+        self._max_buffers = max_buffers
+        self._messages: list[Message] = []
+
+    def take(self, capacity: int) -> Message:
+        """An idle message of exactly ``capacity`` bytes."""
+        for message in self._messages:
+            if message.capacity == capacity and message.is_idle():
+                return message
+        # Capacities only grow: idle buffers of another size are not needed again.
+        kept = [m for m in self._messages if m.capacity == capacity or not m.is_idle()]
+        del kept[: max(0, len(kept) + 1 - self._max_buffers)]
+        message = Message(capacity)
+        self._messages = [*kept, message]
+        return message
+
+
 _detach = torch.Tensor.detach
+_use_count = torch._C._storage_Use_Count

@@ -19,13 +19,13 @@ from tensorcast import _codec, _schema
 from tensorcast._errors import DesyncError, HeaderError, PeerError, TensorcastError
 from tensorcast._frame import PREFIX_SIZE, Flags, Kind, Prefix, plan_frame
 from tensorcast._groups import Group
-from tensorcast._pool import BufferPool
+from tensorcast._pool import BufferPool, FramePool, KeepsViews, Message
 from tensorcast._sender import Stamp, crc32
 
 __all__ = ["Receiver"]
 
-_CPU = torch.device("cpu")
-_CUT = Flags.INLINE | Flags.SPILL
+_CUT = int(Flags.INLINE | Flags.SPILL)
+_CRC = int(Flags.CRC)
 
 
 class Receiver:
@@ -43,8 +43,8 @@ class Receiver:
         self._root = root
         self._src = src
         self._diagnose = diagnose
-        self._frames = BufferPool()  # first messages: few sizes, kept apart
-        self._pool = BufferPool()  # payloads
+        self._messages = FramePool()  # first messages
+        self._pool = BufferPool()  # payloads that travel on their own
 
     def recv(
         self, expect: Stamp, device: torch.device | None, timeout: datetime.timedelta
@@ -58,9 +58,9 @@ class Receiver:
         """
         group = self._group
         capacity = group.capacity
-        first = self._frames.take(capacity, _CPU)
+        first = self._messages.take(capacity)
         try:
-            group.wire.head(first, self._root, timeout)
+            group.wire.head(first.buffer, self._root, timeout)
         except RuntimeError as e:  # from the collective: the source died or timed out
             group.lane.break_(e)
             raise PeerError(
@@ -72,7 +72,7 @@ class Receiver:
             group.lane.break_(e)
             raise
         try:
-            prefix, header, decoded, payload = self._rest(first, capacity, expect, timeout)
+            prefix, header, decoded, payload, pool = self._rest(first, capacity, expect, timeout)
         except (TensorcastError, RuntimeError) as e:
             group.lane.break_(e)
             if isinstance(e, TensorcastError):
@@ -89,22 +89,21 @@ class Receiver:
             return Kind.END, None
         if prefix.kind == Kind.ERROR or decoded is None or payload is None:
             return Kind.ERROR, header.decode("utf-8", "replace")
-        if prefix.flags & Flags.CRC and crc32(payload) != prefix.crc:
+        if int(prefix.flags) & _CRC and crc32(payload) != prefix.crc:
             raise HeaderError(
                 f"step {expect.step}: the payload's CRC32 does not match the source's: the "
                 f"bytes were corrupted in transit"
             )
         if device is not None and device != payload.device:
             return Kind.DATA, _codec.rebuild(decoded, _codec.copy_to_device(payload, device))
-        pool = self._frames if prefix.flags & Flags.INLINE else self._pool
         return Kind.DATA, _codec.rebuild(decoded, payload, pool=pool)
 
     def _rest(
-        self, first: torch.Tensor, capacity: int, expect: Stamp, timeout: datetime.timedelta
-    ) -> tuple[Prefix, bytes, _schema.Decoded | None, torch.Tensor | None]:
+        self, first: Message, capacity: int, expect: Stamp, timeout: datetime.timedelta
+    ) -> tuple[Prefix, bytes, _schema.Decoded | None, torch.Tensor | None, KeepsViews]:
         """Validate the first message and take what follows it."""
         group, wire = self._group, self._group.wire
-        host = first.numpy()
+        host = first.host
         prefix = Prefix.unpack(host.data, capacity)
         got = (prefix.channel, prefix.pass_index, prefix.step)
         if got != (expect.channel, expect.pass_index, expect.step):
@@ -117,12 +116,11 @@ class Receiver:
         plan = plan_frame(
             capacity, prefix.header_len, prefix.payload_len, inline_ok=wire.device.type == "cpu"
         )
-        if (plan.inline, plan.spill) != (
-            bool(prefix.flags & Flags.INLINE),
-            bool(prefix.flags & Flags.SPILL),
-        ):
+        flags = int(prefix.flags)  # int arithmetic: an IntFlag's is Python code, and slow
+        if flags & _CUT != plan.flags:
             raise HeaderError(
-                f"the frame is cut as {prefix.flags & _CUT!r} but its sizes say {plan.flags!r}"
+                f"the frame is cut as {Flags(prefix.flags & _CUT)!r} but its sizes say "
+                f"{plan.flags!r}"
             )
         if plan.spill:
             spilled = torch.empty(prefix.header_len, dtype=torch.uint8)
@@ -131,7 +129,7 @@ class Receiver:
         else:
             header = host[PREFIX_SIZE : PREFIX_SIZE + prefix.header_len].tobytes()
         if prefix.kind != Kind.DATA:
-            return prefix, header, None, None
+            return prefix, header, None, None, self._pool
         decoded = _schema.decode(header)  # validated before its sizes allocate anything
         if decoded.nbytes != prefix.payload_len:
             raise HeaderError(
@@ -140,8 +138,8 @@ class Receiver:
             )
         n = prefix.payload_len
         if plan.inline:
-            return prefix, header, decoded, first[plan.payload_at : plan.payload_at + n]
+            return prefix, header, decoded, first.payload(plan.payload_at, n), first
         payload = self._pool.take(n, wire.device)
         if n:
             wire.payload(payload, self._root, timeout)
-        return prefix, header, decoded, payload
+        return prefix, header, decoded, payload, self._pool

@@ -22,7 +22,6 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from tensorcast import _codec, _schema
@@ -38,7 +37,7 @@ from tensorcast._frame import (
     plan_frame,
 )
 from tensorcast._groups import Group
-from tensorcast._pool import BufferPool
+from tensorcast._pool import BufferPool, FramePool, KeepsViews, Message
 
 __all__ = ["Outgoing", "Sender", "Stamp", "crc32"]
 
@@ -83,55 +82,78 @@ class Sender:
         self._root = root
         self._verify = verify
         self._device = group.wire.device
-        self._pool = BufferPool()
+        self._pool = BufferPool()  # payloads that travel on their own
+        self._messages = FramePool()  # first messages
         self._layout: _codec.Layout | None = None  # the last batch's, reused when it repeats
-        self._first: torch.Tensor | None = None  # this rank's first message, reused
-        self._host: np.ndarray = np.empty(0, np.uint8)  # and a numpy view of it
         self._inline_ok = self._device.type == "cpu"
-        self._written = (0, 0, 0)  # the last first message's head end, inline start and end
 
     # -- phase 1: everything that can fail ---------------------------------------------
 
     def data(self, batch: Any, stamp: Stamp, device: torch.device | None) -> tuple[Outgoing, Any]:
         """The frame of ``batch`` (a tree or a :class:`Packed`) and this rank's own tree.
 
+        The payload is written where it travels: into the first message when it fits
+        there (inline), else into a buffer of its own.
+
         Raises:
             UnsupportedLeafError, ValueError, HeaderError: the batch cannot travel.
         """
-        with torch.no_grad():
+        if isinstance(batch, Packed):
+            decoded = _schema.decode(batch.header)
+            header, n = batch.header, decoded.nbytes
+            _codec._check_buffer(batch.buffer, n)
+        else:
+            plan = _codec.plan(batch, previous=self._layout)
+            self._layout = plan.layout  # no tensors: it keeps no batch alive
+            header, n = plan.header, plan.nbytes
+        frame = plan_frame(self._group.capacity, len(header), n, inline_ok=self._inline_ok)
+        message = self._message(frame)
+        if frame.inline:
+            payload = message.payload(frame.payload_at, n)
             if isinstance(batch, Packed):
-                header, payload, own = self._prepacked(batch)
+                message.host[frame.payload_at : frame.payload_at + n] = batch.buffer.numpy()
+                own = _codec.rebuild(decoded, payload, pool=message)
             else:
-                header, payload, own = self._packed(batch)
-            if device is not None and device != payload.device:
-                own = _codec.rebuild(_schema.decode(header), _codec.copy_to_device(payload, device))
-        return self._frame(Kind.DATA, header, payload, stamp), own
+                own = self._write_tree(plan, payload, message)
+        elif isinstance(batch, Packed):
+            payload, own = self._prepacked(batch, decoded)
+        else:
+            payload, own = self._packed(plan)
+        if device is not None and device != payload.device:
+            own = _codec.rebuild(_schema.decode(header), _codec.copy_to_device(payload, device))
+        return self._finish(message, frame, Kind.DATA, header, payload, stamp), own
 
     def end(self, stamp: Stamp) -> Outgoing:
-        return self._frame(Kind.END, b"", None, stamp)
+        return self._control(Kind.END, b"", stamp)
 
     def error(self, message: str, stamp: Stamp) -> Outgoing:
-        text = message.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
-        return self._frame(Kind.ERROR, text, None, stamp)
+        return self._control(
+            Kind.ERROR, message.encode("utf-8", "replace")[:MAX_ERROR_BYTES], stamp
+        )
 
-    def _packed(self, tree: Any) -> tuple[bytes, torch.Tensor, Any]:
-        plan = _codec.plan(tree, previous=self._layout)
-        self._layout = plan.layout  # no tensors: it keeps no batch alive
+    def _control(self, kind: Kind, text: bytes, stamp: Stamp) -> Outgoing:
+        frame = plan_frame(self._group.capacity, len(text), 0, inline_ok=self._inline_ok)
+        return self._finish(self._message(frame), frame, kind, text, None, stamp)
+
+    def _write_tree(self, plan: _codec.PackPlan, payload: torch.Tensor, pool: KeepsViews) -> Any:
+        """Write a planned tree into ``payload`` (from ``pool``); this rank's own tree."""
+        spec = plan.layout.write_spec()
+        with torch.no_grad():  # copies of leaves that require grad stay out of autograd
+            views = plan.write(payload, views=spec.pooled_views(payload, pool))
+        return _codec.rebuild(_schema.decode(plan.header), payload, plan.values(payload, views))
+
+    def _packed(self, plan: _codec.PackPlan) -> tuple[torch.Tensor, Any]:
         if self._device.type == "cuda" and plan.device.type == "cpu":
             # Packed on the host into pinned memory, then one asynchronous copy to the GPU.
             staging = torch.empty(plan.nbytes, dtype=torch.uint8, pin_memory=True)
-            plan.write(staging)
+            with torch.no_grad():
+                plan.write(staging)
             payload = _codec.copy_to_device(staging, self._device)
-            return plan.header, payload, _codec.rebuild(_schema.decode(plan.header), payload)
+            return payload, _codec.rebuild(_schema.decode(plan.header), payload)
         payload = self._pool.take(plan.nbytes, self._device)
-        views = plan.layout.write_spec().pooled_views(payload, self._pool)
-        views = plan.write(payload, views=views)
-        own = _codec.rebuild(_schema.decode(plan.header), payload, plan.values(payload, views))
-        return plan.header, payload, own
+        return payload, self._write_tree(plan, payload, self._pool)
 
-    def _prepacked(self, batch: Packed) -> tuple[bytes, torch.Tensor, Any]:
-        decoded = _schema.decode(batch.header)
-        _codec._check_buffer(batch.buffer, decoded.nbytes)
+    def _prepacked(self, batch: Packed, decoded: _schema.Decoded) -> tuple[torch.Tensor, Any]:
         payload = batch.buffer
         if payload.device != self._device:
             payload = _codec.copy_to_device(payload, self._device)
@@ -140,22 +162,47 @@ class Sender:
             # while a buffer of the caller's needs each view made anew (a microsecond or
             # two a leaf): for a small batch of many leaves the copy is far cheaper.
             copy = self._pool.take(payload.numel(), self._device).copy_(payload)
-            return batch.header, copy, _codec.rebuild(decoded, copy, pool=self._pool)
+            return copy, _codec.rebuild(decoded, copy, pool=self._pool)
         elif payload.is_inference():
             payload = payload.clone()  # this rank's tree must not be made of inference tensors
-        return batch.header, payload, _codec.rebuild(decoded, payload)
+        return payload, _codec.rebuild(decoded, payload)
 
-    def _frame(
-        self, kind: Kind, header: bytes, payload: torch.Tensor | None, stamp: Stamp
+    def _message(self, frame: FramePlan) -> Message:
+        """A first message for ``frame``, every byte zero but where the frame writes: no
+        stale memory of this process travels. Cleared before the payload is written,
+        which may lie where the last frame's head was."""
+        message = self._messages.take(frame.capacity)
+        head_end = PREFIX_SIZE + (0 if frame.spill else frame.header_len)
+        if frame.inline:
+            start, end = frame.payload_at, frame.payload_at + frame.payload_len
+        else:
+            start = end = frame.capacity
+        host = message.host
+        last_head, last_start, last_end = message.written
+        if last_head > head_end:
+            host[head_end:last_head] = 0
+        if last_start < start:
+            host[last_start : min(start, last_end)] = 0
+        if last_end > end:
+            host[max(end, last_start) : last_end] = 0
+        message.written = (head_end, start, end)
+        return message
+
+    def _finish(
+        self,
+        message: Message,
+        frame: FramePlan,
+        kind: Kind,
+        header: bytes,
+        payload: torch.Tensor | None,
+        stamp: Stamp,
     ) -> Outgoing:
-        n = 0 if payload is None else payload.numel()
-        plan = plan_frame(self._group.capacity, len(header), n, inline_ok=self._inline_ok)
-        flags = plan.flags
-        crc = 0
+        """Write the prefix and the header (the payload is in place already)."""
+        flags, crc = frame.flags, 0
         if self._verify and payload is not None:
             flags |= Flags.CRC
             crc = crc32(payload)
-        first, host = self._first_message(plan)
+        host = message.host
         Prefix(
             kind,
             flags,
@@ -163,44 +210,17 @@ class Sender:
             stamp.pass_index,
             stamp.step,
             len(header),
-            n,
-            plan.next_capacity,
+            frame.payload_len,
+            frame.next_capacity,
             crc,
         ).pack_into(host.data)
         spilled: torch.Tensor | None = None
-        if plan.spill:
+        if frame.spill:
             spilled = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         else:
             host[PREFIX_SIZE : PREFIX_SIZE + len(header)] = memoryview(header)
-        separate = payload if plan.separate_payload else None
-        if plan.inline and payload is not None and n:
-            at = plan.payload_at
-            host[at : at + n] = payload.numpy()  # the host's copy: no tensor op for a few bytes
-        return Outgoing(plan, first, spilled, separate)
-
-    def _first_message(self, plan: FramePlan) -> tuple[torch.Tensor, np.ndarray]:
-        """This rank's first message (and a numpy view of it), with every byte but the new
-        head and inline payload zero: no stale memory of this process travels."""
-        head_end = PREFIX_SIZE + (0 if plan.spill else plan.header_len)
-        start, end = (
-            (plan.payload_at, plan.payload_at + plan.payload_len)
-            if plan.inline
-            else (plan.capacity, plan.capacity)
-        )
-        if self._first is None or self._first.numel() != plan.capacity:
-            self._first = torch.zeros(plan.capacity, dtype=torch.uint8)
-            self._host = self._first.numpy()
-        else:  # clear what the last frame wrote where this one writes nothing
-            host = self._host
-            last_head, last_start, last_end = self._written
-            if last_head > head_end:
-                host[head_end:last_head] = 0
-            if last_start < start:
-                host[last_start : min(start, last_end)] = 0
-            if last_end > end:
-                host[max(end, last_start) : last_end] = 0
-        self._written = (head_end, start, end)
-        return self._first, self._host
+        separate = payload if frame.separate_payload else None
+        return Outgoing(frame, message.buffer, spilled, separate)
 
     # -- phase 2: the collectives --------------------------------------------------------
 

@@ -15,7 +15,7 @@ import torch
 from tensorcast import _schema
 from tensorcast._dtypes import CODE_ITEMSIZE, numpy_dtype, torch_dtype
 from tensorcast._errors import HeaderError
-from tensorcast._pool import BufferPool
+from tensorcast._pool import KeepsViews
 
 __all__ = ["ViewSpec", "view_spec", "views"]
 
@@ -92,7 +92,7 @@ class ViewSpec:
         shift = {code: base_offset // isz for code, isz in self.codes.items()}
         return [as_strided(bases[c], sh, st, o + shift[c]) for c, sh, st, o in self.specs]
 
-    def pooled_views(self, buffer: torch.Tensor, pool: BufferPool | None) -> list[torch.Tensor]:
+    def pooled_views(self, buffer: torch.Tensor, pool: KeepsViews | None) -> list[torch.Tensor]:
         """:meth:`tensor_views`, as fresh tensors on views ``pool`` keeps for ``buffer``
         when it came from there (see ``BufferPool.views``)."""
         if pool is None:
@@ -109,7 +109,7 @@ def view_spec(decoded: _schema.Decoded) -> ViewSpec:
 
 
 def views(
-    decoded: _schema.Decoded, buffer: torch.Tensor, pool: BufferPool | None = None
+    decoded: _schema.Decoded, buffer: torch.Tensor, pool: KeepsViews | None = None
 ) -> list[Any]:
     """The buffer leaves of ``decoded`` as views into ``buffer`` (ndarrays: CPU views).
 
@@ -117,8 +117,11 @@ def views(
     """
     if buffer.storage_offset() % _MAX_ITEMSIZE:
         buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
-    spec = view_spec(decoded)
-    tensors = spec.pooled_views(buffer, pool)
+    spec = decoded.structure.view_specs or view_spec(decoded)
+    if pool is None:
+        tensors = spec.tensor_views(buffer)
+    else:
+        tensors = pool.views(buffer, (spec, buffer.storage_offset()), spec.tensor_views)
     if not spec.others:
         return tensors
     values = spec.placed(tensors, len(decoded.leaves))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorcast._pool import BufferPool
+from tensorcast._pool import BufferPool, FramePool
 
 CPU = torch.device("cpu")
 
@@ -101,3 +101,50 @@ def test_views_of_a_buffer_from_elsewhere_are_made_each_time() -> None:
     outside = torch.zeros(4096, dtype=torch.uint8)
     one, two = pool.views(outside, "k", _as_floats), pool.views(outside, "k", _as_floats)
     assert one[0] is not two[0] and one[0].data_ptr() == two[0].data_ptr()
+
+
+# -- first messages ------------------------------------------------------------------------
+
+
+def test_a_first_message_is_reused_only_once_nothing_made_from_it_is_alive() -> None:
+    frames = FramePool()
+    message = frames.take(4096)
+    assert message.buffer.numel() == 4096 and message.host.shape == (4096,)
+    leaf = message.views(message.payload(4032, 16), "layout", _as_floats)[0]
+    assert frames.take(4096) is not message  # the leaf views its bytes
+    del leaf
+    assert frames.take(4096) is message  # kept views and the payload slice do not count
+
+
+def test_a_first_message_hands_out_fresh_tensors_on_its_kept_views() -> None:
+    message = FramePool().take(4096)
+    payload = message.payload(0, 4096)
+    assert message.payload(0, 4096) is payload  # kept while the cut repeats
+    first = message.views(payload, "layout", _as_floats)
+    again = message.views(payload, "layout", _as_floats)
+    assert all(a is not b and a.data_ptr() == b.data_ptr() for a, b in zip(first, again))
+    other = message.views(payload, "another layout", lambda b: [b[:8]])
+    assert len(other) == 1
+    del first, again, other
+    assert message.is_idle()
+
+
+def test_first_messages_of_an_outgrown_capacity_are_dropped_once_idle() -> None:
+    frames = FramePool()
+    small = frames.take(4096)
+    held = small.views(small.payload(0, 64), "layout", lambda b: [b[:8]])
+    big = frames.take(8192)
+    assert big.capacity == 8192
+    assert small in frames._messages  # still viewed: kept until its user lets go
+    del held
+    frames.take(16384)
+    assert small not in frames._messages
+
+
+def test_the_frame_pool_forgets_its_oldest_buffer_beyond_its_bound() -> None:
+    frames = FramePool(max_buffers=2)
+    held = []
+    for _ in range(4):
+        message = frames.take(4096)
+        held.append(message.views(message.payload(0, 64), "layout", lambda b: [b[:8]]))
+    assert len(frames._messages) == 2

@@ -92,7 +92,10 @@ class Lane:
         self._abort = abort
         self._cuda_device = cuda_device
         self._jobs: collections.deque[Job[Any]] = collections.deque()
-        self._cond = threading.Condition()
+        # The state below is read and set under the lock; the worker waits on the condition.
+        # `with self._lock` runs in C, `with self._cond` in Python: a step takes it thrice.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._worker: threading.Thread | None = None
         self._running = False  # a job is running, on the worker or inline
         self._inline: int | None = None  # the thread running a job inline
@@ -107,7 +110,7 @@ class Lane:
                 "ranks; a source must not broadcast or iterate another BroadcastingDataLoader"
             )
         job: Job[T] = Job(fn)
-        with self._cond:
+        with self._lock:
             self._jobs.append(job)
             if self._worker is None:
                 self._worker = threading.Thread(
@@ -120,7 +123,7 @@ class Lane:
 
     def idle(self) -> bool:
         """Whether nothing is queued or running (a job submitted now would run at once)."""
-        with self._cond:
+        with self._lock:
             return not self._jobs and not self._running
 
     def on_lane_thread(self) -> bool:
@@ -137,7 +140,7 @@ class Lane:
         atomic ]); on the worker it would only interrupt the wait.
         """
         me = threading.get_ident()
-        with self._cond:
+        with self._lock:
             inline = not self._jobs and not self._running and me != self._worker_id
             if inline:
                 self._running = True
@@ -145,10 +148,12 @@ class Lane:
         if not inline:
             return self.submit(fn).result()
         try:
-            with torch.inference_mode(False):  # buffers made here must not be inference tensors
-                return fn()
+            if torch.is_inference_mode_enabled():  # buffers made here must not be inference tensors
+                with torch.inference_mode(False):
+                    return fn()
+            return fn()
         finally:
-            with self._cond:
+            with self._lock:
                 self._running = False
                 self._inline = None
                 if self._jobs:

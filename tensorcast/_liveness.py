@@ -18,8 +18,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["Heartbeat", "diagnose"]
@@ -54,17 +53,9 @@ class Heartbeat:
                 )
                 self._thread.start()
 
-    @contextmanager
-    def busy(self, what: str) -> Iterator[None]:
-        """Mark this rank busy with ``what`` (e.g. ``next(source)``) while inside."""
-        with self._lock:
-            token = next(self._tokens)
-            self._busy[token] = (time.monotonic(), what)
-        try:
-            yield
-        finally:
-            with self._lock:
-                del self._busy[token]
+    def busy(self, what: str) -> _Busy:
+        """A context in which this rank is marked busy with ``what`` (e.g. ``next(source)``)."""
+        return _Busy(self, what)
 
     def _beat(self) -> None:
         now = time.monotonic()
@@ -82,6 +73,28 @@ class Heartbeat:
                     self._beat()
             except RuntimeError:
                 return  # the store is gone with its process group: nothing to tell
+
+
+class _Busy:
+    """:meth:`Heartbeat.busy`'s context: a class, not a generator, as it runs every step."""
+
+    __slots__ = ("_heartbeat", "_token", "_what")
+
+    def __init__(self, heartbeat: Heartbeat, what: str) -> None:
+        self._heartbeat = heartbeat
+        self._what = what
+        self._token = -1
+
+    def __enter__(self) -> None:
+        heartbeat = self._heartbeat
+        with heartbeat._lock:
+            self._token = next(heartbeat._tokens)
+            heartbeat._busy[self._token] = (time.monotonic(), self._what)
+
+    def __exit__(self, *exc: object) -> None:
+        heartbeat = self._heartbeat
+        with heartbeat._lock:
+            del heartbeat._busy[self._token]
 
 
 def diagnose(store: Any, src: int) -> str:

@@ -94,6 +94,7 @@ class GlooWire:
         self.rank = rank
         self.size = gloo.size()
         self._sends = self.size <= HEAD_SENDS_MAX_RANKS
+        self._peers = [peer for peer in range(self.size) if peer != rank]  # as the source
         self._options: dict[int, Any] = {}
 
     def _opts(self, root: int) -> Any:
@@ -107,7 +108,9 @@ class GlooWire:
         if not self._sends:
             gloo.broadcast([tensor], self._opts(root)).wait(timeout)
         elif self.rank == root:
-            works = [gloo.send([tensor], peer, _TAG) for peer in range(self.size) if peer != root]
+            works = []  # posted to every receiver, then waited for
+            for peer in self._peers:
+                works.append(gloo.send([tensor], peer, _TAG))
             for work in works:
                 work.wait(timeout)
         else:

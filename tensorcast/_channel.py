@@ -83,12 +83,13 @@ class Channel:
         self.pass_index = 0
         self.step = 0
         root = group.local(src)
-        self._heartbeat = world.heartbeat
         self._sender: Sender | None = None
         self._receiver: Receiver | None = None
         if self.is_source:
             self._sender = Sender(group, root, verify=verify)
             world.heartbeat.start(self.timeout.total_seconds())
+            #: the context in which the heartbeat says this source is in ``next(source)``
+            self.pulling = world.heartbeat.busy("next(source)")
         else:
             self._receiver = Receiver(group, root, src, lambda: diagnose(world.store, src))
 
@@ -100,10 +101,6 @@ class Channel:
         """Number the frames of a new pass; run as a job, like the frames."""
         self.pass_index = pass_index
         self.step = 0
-
-    def busy(self, what: str) -> Any:
-        """A context in which this (source) rank's heartbeat says it is busy with ``what``."""
-        return self._heartbeat.busy(what)
 
     def _stamp(self) -> Stamp:
         return Stamp(self.id, self.pass_index, self.step)

@@ -201,12 +201,8 @@ class FramePlan:
     spill: bool
     next_capacity: int
     flags: Flags
-    payload_at: int
-
-    @property
-    def separate_payload(self) -> bool:
-        """Whether the payload follows the first message as a message of its own."""
-        return self.payload_len > 0 and not self.inline
+    payload_at: int  # where an inline payload starts
+    separate_payload: bool  # the payload follows the first message as a message of its own
 
 
 @functools.lru_cache(maxsize=256)  # pure, and a repeating batch asks the same thing
@@ -226,7 +222,14 @@ def plan_frame(capacity: int, header_len: int, payload_len: int, *, inline_ok: b
         want = head if head <= MAX_CAPACITY else 0
     next_capacity = max(capacity, _pow2_at_least(want)) if want else capacity
     flags = (Flags.INLINE if inline else Flags.NONE) | (Flags.SPILL if spill else Flags.NONE)
-    payload_at = capacity - _align_up(payload_len)  # where an inline payload starts
     return FramePlan(
-        capacity, header_len, payload_len, inline, spill, next_capacity, flags, payload_at
+        capacity,
+        header_len,
+        payload_len,
+        inline,
+        spill,
+        next_capacity,
+        flags,
+        payload_at=capacity - _align_up(payload_len),
+        separate_payload=payload_len > 0 and not inline,
     )

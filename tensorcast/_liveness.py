@@ -76,7 +76,8 @@ class Heartbeat:
 
 
 class _Busy:
-    """:meth:`Heartbeat.busy`'s context: a class, not a generator, as it runs every step."""
+    """:meth:`Heartbeat.busy`'s context: a class, not a generator, as it runs every step.
+    It may be entered again once left (a channel keeps one), never twice at a time."""
 
     __slots__ = ("_heartbeat", "_token", "_what")
 

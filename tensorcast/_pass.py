@@ -102,7 +102,7 @@ class _Steps:
         try:
             if self.start_error is not None:
                 raise self.start_error
-            with channel.busy("next(source)"):
+            with channel.pulling:
                 batch = next(self.source_iter)  # type: ignore[arg-type]
         except StopIteration:
             self.ended = True
@@ -206,7 +206,8 @@ class Pass:
         # Until the step leaves the queue, an interruption hands out the same batch on the
         # next call: a caught Ctrl-C never skips a batch on one rank only.
         if isinstance(item, _Item):
-            self._refill(job is not None)
+            if self._depth or job is not None:
+                self._refill(job is not None)
             if item.state is not None:
                 self._loader._state = item.state
             if job is not None:

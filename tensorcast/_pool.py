@@ -220,16 +220,18 @@ class Message(_Entry):
     made from it for the caller (kept, so that a repeating frame makes nothing anew).
 
     Attributes:
-        host: a numpy view of the whole buffer (no storage reference of its own).
+        host: a numpy view of the whole buffer (no storage reference of its own), and
+            ``mem`` a memoryview of it.
         written: what the source's last frame wrote here: the end of its head, and the
             start and end of its inline payload (see ``Sender``).
     """
 
-    __slots__ = ("_payload", "_payload_at", "host", "written")
+    __slots__ = ("_payload", "_payload_at", "host", "mem", "written")
 
     def __init__(self, capacity: int) -> None:
         super().__init__(torch.zeros(capacity, dtype=torch.uint8), 0)
         self.host: np.ndarray = self.buffer.numpy()
+        self.mem: memoryview = self.host.data
         self.idle = self.use_count()
         self.written = (0, capacity, capacity)
         self._payload: torch.Tensor | None = None
@@ -260,8 +262,8 @@ class FramePool:
 
     def take(self, capacity: int) -> Message:
         """An idle message of exactly ``capacity`` bytes."""
-        for message in self._messages:
-            if message.capacity == capacity and message.is_idle():
+        for message in self._messages:  # is_idle() written out: every step comes here
+            if message.capacity == capacity and _use_count(message.cdata) == message.idle:
                 return message
         # Capacities only grow: idle buffers of another size are not needed again.
         kept = [m for m in self._messages if m.capacity == capacity or not m.is_idle()]

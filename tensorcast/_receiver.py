@@ -103,8 +103,8 @@ class Receiver:
     ) -> tuple[Prefix, bytes, _schema.Decoded | None, torch.Tensor | None, KeepsViews]:
         """Validate the first message and take what follows it."""
         group, wire = self._group, self._group.wire
-        host = first.host
-        prefix = Prefix.unpack(host.data, capacity)
+        mem = first.mem
+        prefix = Prefix.unpack(mem, capacity)
         got = (prefix.channel, prefix.pass_index, prefix.step)
         if got != (expect.channel, expect.pass_index, expect.step):
             raise DesyncError(
@@ -127,11 +127,11 @@ class Receiver:
             wire.head(spilled, self._root, timeout)
             header = spilled.numpy().tobytes()
         else:
-            header = host[PREFIX_SIZE : PREFIX_SIZE + prefix.header_len].tobytes()
+            header = mem[PREFIX_SIZE : PREFIX_SIZE + prefix.header_len].tobytes()
         if prefix.kind != Kind.DATA:
             return prefix, header, None, None, self._pool
         decoded = _schema.decode(header)  # validated before its sizes allocate anything
-        if decoded.nbytes != prefix.payload_len:
+        if decoded.structure.nbytes != prefix.payload_len:
             raise HeaderError(
                 f"the header describes a {decoded.nbytes}-byte buffer but the frame carries "
                 f"{prefix.payload_len} bytes"

@@ -51,9 +51,7 @@ __all__ = [
     "Structure",
     "decode",
     "encode",
-    "read_values",
     "structure_prefix",
-    "values_at",
 ]
 
 MAX_BUFFER_BYTES = 1 << 44  # 16 TiB: far above any batch, far below int64 overflow
@@ -196,11 +194,6 @@ def decode(header: bytes | bytearray | memoryview) -> Decoded:
 _CACHE_MAX_BYTES = 64 << 10
 
 
-@functools.lru_cache(maxsize=32)
-def _decode_cached(header: bytes) -> Decoded:
-    return _decode(header)
-
-
 # The structures read last, newest first: a header that starts with one's prefix needs
 # only its values parsed. Replaced whole, never changed in place (prefetch threads read it).
 _recent: tuple[Structure, ...] = ()
@@ -209,11 +202,11 @@ _RECENT_MAX_BYTES = 1 << 20
 
 
 def _decode(header: bytes | bytearray | memoryview) -> Decoded:
+    if type(header) is bytes:
+        known = _read_known(header)
+        if known is not None:
+            return known
     raw = unframe(header)
-    for known in _recent:  # a structure validated before: parse the values alone
-        at = _values_start(known, raw, 0)
-        if at is not None:
-            return read_values(known, raw, at)
     body = _parse(raw)
     if type(body) is not list or len(body) != 5:
         raise _fail("the body must be a list [nbytes, align, leaves, tokens, values]")
@@ -244,45 +237,31 @@ def _decode(header: bytes | bytearray | memoryview) -> Decoded:
     return Decoded(structure, values)
 
 
-def values_at(structure: Structure, header: bytes) -> int | None:
-    """Where ``header``'s values start, when it is framed as this library frames a header
-    and its body holds ``structure``'s very bytes up to the values; None otherwise.
+_decode_cached = functools.lru_cache(maxsize=32)(_decode)
 
-    Such a header is ``structure``'s leaves and tokens for sure, whatever its values: the
-    caller may act on the sizes they give before it reads the values.
+
+def _read_known(header: bytes) -> Decoded | None:
+    """A header framed as this library frames one, whose body starts with the very bytes
+    of a structure validated lately: its values alone are parsed. None for any other.
+
+    Every step of a repeating batch comes here, so it is one function, not the several
+    the general path calls (each costs a few microseconds when the step runs cold).
     """
-    if len(header) < PREFIX_BYTES or header[:PREFIX_BYTES] != PREFIX.pack(
-        MAGIC, FORMAT_VERSION, 0, len(header) - PREFIX_BYTES
-    ):
+    n = len(header)
+    if not PREFIX_BYTES < n <= PREFIX_BYTES + MAX_HEADER_BYTES:
+        return None  # the general path says what is wrong with it
+    if header[:PREFIX_BYTES] != PREFIX.pack(MAGIC, FORMAT_VERSION, 0, n - PREFIX_BYTES):
         return None
-    return _values_start(structure, header, PREFIX_BYTES)
-
-
-def _values_start(structure: Structure, data: bytes, body_at: int) -> int | None:
-    """Where the values start in ``data``, whose body starts at ``body_at``, when that
-    body holds ``structure``'s very bytes up to them (and a closing bracket after)."""
-    start = structure.prefix
-    if start is None:
-        return None
-    at = body_at + len(start)
-    if len(data) <= at or not data.startswith(start, body_at) or not data.endswith(b"]"):
-        return None
-    return at
-
-
-def read_values(structure: Structure, data: bytes, at: int) -> Decoded:
-    """The header (or body) of ``structure`` whose values start at ``at`` and end one byte
-    before its end (see :func:`values_at`).
-
-    Raises:
-        HeaderError: the values are not a valid JSON list.
-    """
-    # The values are one JSON value between the structure's bytes and the closing
-    # bracket, or the body is not valid.
-    values = _parse(data[at:-1])
-    if type(values) is not list:
-        raise _fail("the small values are not a list")
-    return Decoded(structure, values)
+    for known in _recent:
+        start = known.prefix
+        assert start is not None  # only structures with their bytes are remembered
+        at = PREFIX_BYTES + len(start)
+        if n > at and header.startswith(start, PREFIX_BYTES) and header.endswith(b"]"):
+            values = _parse(header[at:-1])
+            if type(values) is not list:
+                raise _fail("the small values are not a list")
+            return Decoded(known, values)
+    return None
 
 
 def _remember(structure: Structure) -> None:

@@ -100,7 +100,7 @@ class Sender:
         """
         if isinstance(batch, Packed):
             decoded = _schema.decode(batch.header)
-            header, n = batch.header, decoded.nbytes
+            header, n = batch.header, decoded.structure.nbytes
             _codec._check_buffer(batch.buffer, n)
         else:
             plan = _codec.plan(batch, previous=self._layout)
@@ -111,7 +111,8 @@ class Sender:
         if frame.inline:
             payload = message.payload(frame.payload_at, n)
             if isinstance(batch, Packed):
-                message.host[frame.payload_at : frame.payload_at + n] = batch.buffer.numpy()
+                source = batch.buffer if batch.buffer.is_cpu else batch.buffer.cpu()
+                message.host[frame.payload_at : frame.payload_at + n] = source.numpy()
                 own = _codec.rebuild(decoded, payload, pool=message)
             else:
                 own = self._write_tree(plan, payload, message)
@@ -202,7 +203,7 @@ class Sender:
         if self._verify and payload is not None:
             flags |= Flags.CRC
             crc = crc32(payload)
-        host = message.host
+        mem = message.mem
         Prefix(
             kind,
             flags,
@@ -213,12 +214,12 @@ class Sender:
             frame.payload_len,
             frame.next_capacity,
             crc,
-        ).pack_into(host.data)
+        ).pack_into(mem)
         spilled: torch.Tensor | None = None
         if frame.spill:
             spilled = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         else:
-            host[PREFIX_SIZE : PREFIX_SIZE + len(header)] = memoryview(header)
+            mem[PREFIX_SIZE : PREFIX_SIZE + len(header)] = header
         separate = payload if frame.separate_payload else None
         return Outgoing(frame, message.buffer, spilled, separate)
 

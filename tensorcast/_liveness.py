@@ -15,9 +15,9 @@ moved mean the source is alive, and its busy time says for how long it has been 
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -37,8 +37,7 @@ class Heartbeat:
         self._period = _period(timeout_s)
         self._alive = alive  # False once the process group is gone: the thread leaves
         self._lock = threading.Lock()
-        self._busy: dict[int, tuple[float, str]] = {}  # token -> (since, what)
-        self._tokens = itertools.count()
+        self._marks: weakref.WeakSet[_Busy] = weakref.WeakSet()  # one per channel
         self._beats = 0
         self._thread: threading.Thread | None = None
 
@@ -54,12 +53,21 @@ class Heartbeat:
                 self._thread.start()
 
     def busy(self, what: str) -> _Busy:
-        """A context in which this rank is marked busy with ``what`` (e.g. ``next(source)``)."""
-        return _Busy(self, what)
+        """A context in which this rank is marked busy with ``what`` (e.g. ``next(source)``);
+        it may be entered again once left, never twice at a time."""
+        mark = _Busy(what)
+        with self._lock:
+            self._marks.add(mark)
+        return mark
 
     def _beat(self) -> None:
         now = time.monotonic()
-        since, what = min(self._busy.values(), default=(now, "nothing"))
+        busy = []
+        for mark in list(self._marks):
+            since = mark.since  # read once: the mark's thread may leave it meanwhile
+            if since is not None:
+                busy.append((since, mark.what))
+        since, what = min(busy, default=(now, "nothing"))
         self._beats += 1
         self._store.set(self._key, f"{self._beats} {self._period} {now - since:.1f} {what}")
 
@@ -76,26 +84,20 @@ class Heartbeat:
 
 
 class _Busy:
-    """:meth:`Heartbeat.busy`'s context: a class, not a generator, as it runs every step.
-    It may be entered again once left (a channel keeps one), never twice at a time."""
+    """:meth:`Heartbeat.busy`'s context. Entering and leaving set one attribute, which the
+    heartbeat's thread reads: no lock and no Python generator on every step."""
 
-    __slots__ = ("_heartbeat", "_token", "_what")
+    __slots__ = ("__weakref__", "since", "what")
 
-    def __init__(self, heartbeat: Heartbeat, what: str) -> None:
-        self._heartbeat = heartbeat
-        self._what = what
-        self._token = -1
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.since: float | None = None
 
     def __enter__(self) -> None:
-        heartbeat = self._heartbeat
-        with heartbeat._lock:
-            self._token = next(heartbeat._tokens)
-            heartbeat._busy[self._token] = (time.monotonic(), self._what)
+        self.since = time.monotonic()
 
     def __exit__(self, *exc: object) -> None:
-        heartbeat = self._heartbeat
-        with heartbeat._lock:
-            del heartbeat._busy[self._token]
+        self.since = None
 
 
 def diagnose(store: Any, src: int) -> str:

@@ -114,7 +114,6 @@ class Structure:
         "nbytes",
         "prefix",
         "program",
-        "segments",
         "tokens",
         "view_specs",
     )
@@ -128,8 +127,6 @@ class Structure:
         self.prefix: bytes | None = None
         self.program: Any = None  # _build.Program, compiled on first use
         self.view_specs: Any = None  # _views.ViewSpec, made on first use
-        #: the transport's cut of the payload for a direct-leaf size (see _transport)
-        self.segments: tuple[int, list[tuple[int, int, int]]] | None = None
 
 
 @dataclass(slots=True)

@@ -74,7 +74,7 @@ def broadcast(
             "BroadcastingDataLoader are no-ops without it)"
         )
     wait = to_timedelta(timeout)
-    channel = _broadcast_channel(group_ranks(group, src), src)
+    channel = _broadcast_channel(group, src)
     dev = resolve_device(device)
     lane = channel.group.lane
     if channel.is_source:
@@ -83,7 +83,25 @@ def broadcast(
     return raise_for(kind, value, src)
 
 
-def _broadcast_channel(ranks: tuple[int, ...], src: int) -> Channel:
+# The (group, src) broadcast was last called with, under which default group, and its
+# channel: a training loop calls with the same arguments every step, and the lookup below
+# (the group's ranks, tensorcast's state) is most of a tiny batch's cost on a receiver.
+# Weak references: a destroyed group is not kept alive by it.
+_last: tuple[Any, int, Any, Channel] | None = None
+
+
+def _broadcast_channel(group: Any, src: int) -> Channel:
+    global _last
+    default = dist.distributed_c10d._get_default_group()
+    last = _last
+    if (
+        last is not None
+        and last[1] == src
+        and last[2]() is default
+        and (last[0] is None if group is None else last[0] is not None and last[0]() is group)
+    ):
+        return last[3]
+    ranks = group_ranks(group, src)
     world = _groups.world()
     key = (ranks, src)
     channel = world.broadcast_channels.get(key)
@@ -92,6 +110,7 @@ def _broadcast_channel(ranks: tuple[int, ...], src: int) -> Channel:
             ranks, ranks, src, f"tensorcast.broadcast(src={src})", {"src": src}
         )
         world.broadcast_channels[key] = channel
+    _last = (None if group is None else weakref.ref(group), src, weakref.ref(default), channel)
     return channel  # type: ignore[no-any-return]
 
 

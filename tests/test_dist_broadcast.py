@@ -570,6 +570,12 @@ def _rank_four(rank: int, world: int) -> dict[str, Any]:
         message = expect_unsupported_everywhere(rank, 3, lambda b: tc.broadcast(b, 3, group))
         found["unsupported_group"] = message
         check_same(tc.broadcast(tiny() if rank == 3 else None, 3, group), tiny(), "group after")
+    # The channel a (group, src) used last is remembered between calls; once that group
+    # is gone, the same src with group=None means every rank, not the group's ranks.
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    check_same(tc.broadcast(tiny() if rank == 3 else None, 3), tiny(), "default group after")
     return found
 
 

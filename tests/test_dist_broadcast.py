@@ -573,7 +573,7 @@ def _rank_four(rank: int, world: int) -> dict[str, Any]:
     # The channel a (group, src) used last is remembered between calls; once that group
     # is gone, the same src with group=None means every rank, not the group's ranks.
     dist.destroy_process_group(group)
-    del group
+    group = None  # the last reference (the lambda above shares it): the group is freed
     gc.collect()
     check_same(tc.broadcast(tiny() if rank == 3 else None, 3), tiny(), "default group after")
     return found

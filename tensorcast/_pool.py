@@ -262,8 +262,8 @@ class FramePool:
 
     def take(self, capacity: int) -> Message:
         """An idle message of exactly ``capacity`` bytes."""
-        for message in self._messages:  # is_idle() written out: every step comes here
-            if message.capacity == capacity and _use_count(message.cdata) == message.idle:
+        for message in self._messages:
+            if message.capacity == capacity and message.is_idle():
                 return message
         # Capacities only grow: idle buffers of another size are not needed again.
         kept = [m for m in self._messages if m.capacity == capacity or not m.is_idle()]

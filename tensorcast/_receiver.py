@@ -131,7 +131,7 @@ class Receiver:
         if prefix.kind != Kind.DATA:
             return prefix, header, None, None, self._pool
         decoded = _schema.decode(header)  # validated before its sizes allocate anything
-        if decoded.structure.nbytes != prefix.payload_len:
+        if decoded.nbytes != prefix.payload_len:
             raise HeaderError(
                 f"the header describes a {decoded.nbytes}-byte buffer but the frame carries "
                 f"{prefix.payload_len} bytes"

@@ -100,7 +100,7 @@ class Sender:
         """
         if isinstance(batch, Packed):
             decoded = _schema.decode(batch.header)
-            header, n = batch.header, decoded.structure.nbytes
+            header, n = batch.header, decoded.nbytes
             _codec._check_buffer(batch.buffer, n)
         else:
             plan = _codec.plan(batch, previous=self._layout)

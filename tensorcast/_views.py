@@ -117,11 +117,8 @@ def views(
     """
     if buffer.storage_offset() % _MAX_ITEMSIZE:
         buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
-    spec = decoded.structure.view_specs or view_spec(decoded)
-    if pool is None:
-        tensors = spec.tensor_views(buffer)
-    else:
-        tensors = pool.views(buffer, (spec, buffer.storage_offset()), spec.tensor_views)
+    spec = view_spec(decoded)
+    tensors = spec.pooled_views(buffer, pool)
     if not spec.others:
         return tensors
     values = spec.placed(tensors, len(decoded.leaves))

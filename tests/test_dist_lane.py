@@ -268,6 +268,9 @@ class Slow:
 def _rank_short_default_timeout(rank: int, world: int, path: str) -> str:
     """``timeout=None`` is init_process_group's timeout, for tensorcast's groups too; a
     receiver that times out says the source is alive but busy."""
+    # Together into the new group: its rendezvous has the same 2 s, and a rank that comes
+    # to it late (the pool's ranks start a test at their own moment) would miss it.
+    dist.barrier()
     dist.destroy_process_group()
     store = dist.FileStore(path, world)
     dist.init_process_group(

@@ -130,13 +130,6 @@ def pack(
 
 
 def _check_buffer(buffer: Any, nbytes: int) -> None:
-    if (
-        type(buffer) is torch.Tensor
-        and buffer.dtype is _UINT8
-        and buffer.shape == (nbytes,)
-        and buffer.is_contiguous()
-    ):
-        return  # the common case in as few calls as can tell it: a batch pays for each
     if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
         raise TypeError(
             f"the buffer must be a 1-D torch.uint8 tensor, got "
@@ -149,9 +142,6 @@ def _check_buffer(buffer: Any, nbytes: int) -> None:
         raise HeaderError(
             f"the header describes a {nbytes}-byte buffer but the buffer has {buffer.numel()}"
         )
-
-
-_UINT8 = torch.uint8
 
 
 @overload

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorcast import _groups, _schema
+from tensorcast import _groups, _promise, _schema
 from tensorcast._errors import SourceError
 from tensorcast._frame import FRAMES_VERSION, Kind
 from tensorcast._groups import Group, World
@@ -63,6 +63,7 @@ class Channel:
         channel_id: the number the ranks agreed on for this channel.
         timeout: how long a rank waits for one message; None means the default group's.
         verify: carry a CRC32 of every payload and check it on receivers.
+        promises: promise payloads (NOTE [ Promised payloads ]); every rank must agree.
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class Channel:
         *,
         timeout: datetime.timedelta | None = None,
         verify: bool = False,
+        promises: bool = False,
     ) -> None:
         self.group = group
         self.src = src
@@ -86,12 +88,14 @@ class Channel:
         self._sender: Sender | None = None
         self._receiver: Receiver | None = None
         if self.is_source:
-            self._sender = Sender(group, root, verify=verify)
+            self._sender = Sender(group, root, verify=verify, promises=promises)
             world.heartbeat.start(self.timeout.total_seconds())
             #: the context in which the heartbeat says this source is in ``next(source)``
             self.pulling = world.heartbeat.busy("next(source)")
         else:
-            self._receiver = Receiver(group, root, src, lambda: diagnose(world.store, src))
+            self._receiver = Receiver(
+                group, root, src, lambda: diagnose(world.store, src), promises=promises
+            )
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -197,7 +201,7 @@ def open_channel(
         src: the source's global rank.
         what: names the thing in errors.
         setup: what must agree on every rank of ``scope``; the format and frame versions
-            are added.
+            are added, and whether payloads are promised.
         extra: what this rank tells the others (see :meth:`World.agree`).
 
     Returns:
@@ -207,8 +211,16 @@ def open_channel(
         DesyncError: the ranks disagree, or one did not come within the timeout.
     """
     world = _groups.world()
-    full = {**setup, "format": _schema.FORMAT_VERSION, "frames": FRAMES_VERSION}
+    promises = _promise.enabled()
+    full = {
+        **setup,
+        "format": _schema.FORMAT_VERSION,
+        "frames": FRAMES_VERSION,
+        "promises": promises,
+    }
     channel_id, extras = world.agree(scope, what, full, extra, timeout=timeout)
     group = world.group(ranks)
-    channel = Channel(world, group, src, channel_id, timeout=timeout, verify=verify)
+    channel = Channel(
+        world, group, src, channel_id, timeout=timeout, verify=verify, promises=promises
+    )
     return channel, extras

@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 #: How frames are laid out and follow one another; part of every setup agreement.
-FRAMES_VERSION = 4
+FRAMES_VERSION = 5
 INITIAL_CAPACITY = 4096
 #: The largest first message: larger payloads always follow in a message of their own.
 MAX_CAPACITY = 256 << 10
@@ -103,11 +103,12 @@ class Flags(IntFlag):
     INLINE = 1  # the payload ends the first message
     SPILL = 2  # the header did not fit: it follows the first message alone
     CRC = 4  # ``crc`` is the CRC32 of the payload
+    PROMISED = 8  # a promised payload message came with the first message (see _promise)
 
 
 # Every valid kind and flag combination, by value: a prefix is read without calling enum.
 _KINDS = {int(k): k for k in Kind}
-_FLAGS = {f: Flags(f) for f in range(int(Flags.INLINE | Flags.SPILL | Flags.CRC) + 1)}
+_FLAGS = {f: Flags(f) for f in range(int(max(Flags)) * 2)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,12 +186,14 @@ def _pow2_at_least(n: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class FramePlan:
-    """How one frame is cut into messages; a pure function of four numbers.
+    """How one frame is cut into messages; a pure function of five numbers.
 
     Attributes:
         inline: the payload ends the first message, at ``payload_at``.
         spill: the header follows the first message alone.
-        flags: the two above as the prefix carries them.
+        promised: the bytes of the promised message posted with the first one (0: none).
+        in_promise: the payload is that promised message.
+        flags: INLINE, SPILL and PROMISED, as the prefix carries them.
         next_capacity: the next first message's size.
     """
 
@@ -203,15 +206,21 @@ class FramePlan:
     flags: Flags
     payload_at: int  # where an inline payload starts
     separate_payload: bool  # the payload follows the first message as a message of its own
+    promised: int = 0
+    in_promise: bool = False
 
 
 @functools.lru_cache(maxsize=256)  # pure, and a repeating batch asks the same thing
-def plan_frame(capacity: int, header_len: int, payload_len: int, *, inline_ok: bool) -> FramePlan:
+def plan_frame(
+    capacity: int, header_len: int, payload_len: int, *, inline_ok: bool, promised: int = 0
+) -> FramePlan:
     """Cut a frame: the header inline unless it does not fit, the payload inline when it
-    fits after the header (and the transfer device is the host), else on its own.
+    fits after the header (and the transfer device is the host), else in the promised
+    message when the frame promised its size, else on its own.
 
     ``inline_ok`` is False where payloads live on a GPU: a first message travels on a
-    host group there, so the payload always follows on the device group.
+    host group there, so the payload always follows on the device group. ``promised``
+    is what :class:`tensorcast._promise.Promises` says of this frame.
     """
     head = PREFIX_SIZE + header_len
     spill = head > capacity
@@ -221,7 +230,12 @@ def plan_frame(capacity: int, header_len: int, payload_len: int, *, inline_ok: b
     if want > MAX_CAPACITY:
         want = head if head <= MAX_CAPACITY else 0
     next_capacity = max(capacity, _pow2_at_least(want)) if want else capacity
-    flags = (Flags.INLINE if inline else Flags.NONE) | (Flags.SPILL if spill else Flags.NONE)
+    in_promise = promised > 0 and not inline and payload_len == promised
+    flags = (
+        (Flags.INLINE if inline else Flags.NONE)
+        | (Flags.SPILL if spill else Flags.NONE)
+        | (Flags.PROMISED if promised else Flags.NONE)
+    )
     return FramePlan(
         capacity,
         header_len,
@@ -231,5 +245,7 @@ def plan_frame(capacity: int, header_len: int, payload_len: int, *, inline_ok: b
         next_capacity,
         flags,
         payload_at=capacity - _align_up(payload_len),
-        separate_payload=payload_len > 0 and not inline,
+        separate_payload=payload_len > 0 and not inline and not in_promise,
+        promised=promised,
+        in_promise=in_promise,
     )

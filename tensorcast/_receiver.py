@@ -20,12 +20,15 @@ from tensorcast._errors import DesyncError, HeaderError, PeerError, TensorcastEr
 from tensorcast._frame import PREFIX_SIZE, Flags, Kind, Prefix, plan_frame
 from tensorcast._groups import Group
 from tensorcast._pool import BufferPool, FramePool, KeepsViews, Message
+from tensorcast._promise import Promises
 from tensorcast._sender import Stamp, crc32
+from tensorcast._wire import Posted
 
 __all__ = ["Receiver"]
 
 _CUT = int(Flags.INLINE | Flags.SPILL)
 _CRC = int(Flags.CRC)
+_PROMISED = int(Flags.PROMISED)
 
 
 class Receiver:
@@ -36,15 +39,25 @@ class Receiver:
         root: the source's group-local rank.
         src: the source's global rank (for messages).
         diagnose: says whether the source is alive, for the error of a wait that failed.
+        promises: expect promised payloads (see NOTE [ Promised payloads ]; host wires only).
     """
 
-    def __init__(self, group: Group, root: int, src: int, diagnose: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        group: Group,
+        root: int,
+        src: int,
+        diagnose: Callable[[], str],
+        *,
+        promises: bool = False,
+    ) -> None:
         self._group = group
         self._root = root
         self._src = src
         self._diagnose = diagnose
         self._messages = FramePool()  # first messages
         self._pool = BufferPool()  # payloads that travel on their own
+        self._promises = Promises(promises and group.wire.device.type == "cpu")
 
     def recv(
         self, expect: Stamp, device: torch.device | None, timeout: datetime.timedelta
@@ -56,11 +69,16 @@ class Receiver:
             DesyncError: the frame is another step's, or another channel's.
             HeaderError: the frame is malformed or from another version.
         """
-        group = self._group
+        group, wire = self._group, self._group.wire
         capacity = group.capacity
         first = self._messages.take(capacity)
+        promised = self._promises.next()
+        posted: tuple[torch.Tensor, Posted] | None = None
         try:
-            group.wire.head(first.buffer, self._root, timeout)
+            if promised:  # the source posts it with the first message
+                buffer = self._pool.take(promised, wire.device)
+                posted = buffer, wire.payload(buffer, self._root, timeout)
+            wire.head(first.buffer, self._root, timeout)
         except RuntimeError as e:  # from the collective: the source died or timed out
             group.lane.break_(e)
             raise PeerError(
@@ -72,7 +90,9 @@ class Receiver:
             group.lane.break_(e)
             raise
         try:
-            prefix, header, decoded, payload, pool = self._rest(first, capacity, expect, timeout)
+            prefix, header, decoded, payload, pool = self._rest(
+                first, capacity, expect, timeout, posted
+            )
         except (TensorcastError, RuntimeError) as e:
             group.lane.break_(e)
             if isinstance(e, TensorcastError):
@@ -99,9 +119,15 @@ class Receiver:
         return Kind.DATA, _codec.rebuild(decoded, payload, pool=pool)
 
     def _rest(
-        self, first: Message, capacity: int, expect: Stamp, timeout: datetime.timedelta
+        self,
+        first: Message,
+        capacity: int,
+        expect: Stamp,
+        timeout: datetime.timedelta,
+        posted: tuple[torch.Tensor, Posted] | None,
     ) -> tuple[Prefix, bytes, _schema.Decoded | None, torch.Tensor | None, KeepsViews]:
-        """Validate the first message and take what follows it."""
+        """Validate the first message and take what follows it (``posted``: the promised
+        message, with its buffer)."""
         group, wire = self._group, self._group.wire
         mem = first.mem
         prefix = Prefix.unpack(mem, capacity)
@@ -113,11 +139,27 @@ class Receiver:
                 f"channel {prefix.channel:#x} pass {prefix.pass_index} step {prefix.step}: the "
                 f"ranks did not use their loaders (or tensorcast.broadcast) in the same order"
             )
+        promised = 0 if posted is None else posted[0].numel()
         plan = plan_frame(
-            capacity, prefix.header_len, prefix.payload_len, inline_ok=wire.device.type == "cpu"
+            capacity,
+            prefix.header_len,
+            prefix.payload_len,
+            inline_ok=wire.device.type == "cpu",
+            promised=promised,
         )
         flags = int(prefix.flags)  # int arithmetic: an IntFlag's is Python code, and slow
-        if flags & _CUT != plan.flags:
+        if bool(flags & _PROMISED) != bool(promised):
+            raise DesyncError(
+                f"ranks {list(group.ranks)}: step {expect.step} of channel "
+                f"{expect.channel:#x}: the source {'did' if flags & _PROMISED else 'did not'} "
+                f"promise its payload and this rank expected {promised or 'no'} promised "
+                f"bytes: the ranks do not run the same tensorcast, or TENSORCAST_PROMISES "
+                f"differs between them"
+            )
+        self._promises.record(plan)
+        if posted is not None:
+            posted[1].wait(timeout)  # the payload, or zeros where the promise was not kept
+        if flags & (_CUT | _PROMISED) != plan.flags:
             raise HeaderError(
                 f"the frame is cut as {Flags(prefix.flags & _CUT)!r} but its sizes say "
                 f"{plan.flags!r}"
@@ -139,7 +181,9 @@ class Receiver:
         n = prefix.payload_len
         if plan.inline:
             return prefix, header, decoded, first.payload(plan.payload_at, n), first
+        if plan.in_promise and posted is not None:
+            return prefix, header, decoded, posted[0], self._pool
         payload = self._pool.take(n, wire.device)
         if n:
-            wire.payload(payload, self._root, timeout)
+            wire.payload(payload, self._root, timeout).wait(timeout)
         return prefix, header, decoded, payload, self._pool

@@ -38,6 +38,7 @@ from tensorcast._frame import (
 )
 from tensorcast._groups import Group
 from tensorcast._pool import BufferPool, FramePool, KeepsViews, Message
+from tensorcast._promise import Promises
 
 __all__ = ["Outgoing", "Sender", "Stamp", "crc32"]
 
@@ -60,6 +61,7 @@ class Outgoing:
 
     plan: FramePlan
     first: torch.Tensor
+    promised: torch.Tensor | None  # posted with the first message: the payload, or zeros
     header: torch.Tensor | None  # the spilled header, when it did not fit
     payload: torch.Tensor | None  # the payload, when it travels on its own
 
@@ -75,9 +77,12 @@ class Sender:
         group: tensorcast's group the frames travel on.
         root: the source's group-local rank (this rank).
         verify: carry a CRC32 of every payload.
+        promises: promise payloads (see NOTE [ Promised payloads ]; host wires only).
     """
 
-    def __init__(self, group: Group, root: int, *, verify: bool = False) -> None:
+    def __init__(
+        self, group: Group, root: int, *, verify: bool = False, promises: bool = False
+    ) -> None:
         self._group = group
         self._root = root
         self._verify = verify
@@ -86,6 +91,7 @@ class Sender:
         self._messages = FramePool()  # first messages
         self._layout: _codec.Layout | None = None  # the last batch's, reused when it repeats
         self._inline_ok = self._device.type == "cpu"
+        self._promises = Promises(promises and self._inline_ok)  # frames as they are sent
 
     # -- phase 1: everything that can fail ---------------------------------------------
 
@@ -106,7 +112,7 @@ class Sender:
             plan = _codec.plan(batch, previous=self._layout)
             self._layout = plan.layout  # no tensors: it keeps no batch alive
             header, n = plan.header, plan.nbytes
-        frame = plan_frame(self._group.capacity, len(header), n, inline_ok=self._inline_ok)
+        frame = self._plan(len(header), n)
         message = self._message(frame)
         if frame.inline:
             payload = message.payload(frame.payload_at, n)
@@ -133,8 +139,19 @@ class Sender:
         )
 
     def _control(self, kind: Kind, text: bytes, stamp: Stamp) -> Outgoing:
-        frame = plan_frame(self._group.capacity, len(text), 0, inline_ok=self._inline_ok)
+        frame = self._plan(len(text), 0)
         return self._finish(self._message(frame), frame, kind, text, None, stamp)
+
+    def _plan(self, header_len: int, payload_len: int) -> FramePlan:
+        # Frames are planned in the order they are sent: a frame is sent in the job
+        # that prepares it (an ERROR frame in place of one that failed to prepare).
+        return plan_frame(
+            self._group.capacity,
+            header_len,
+            payload_len,
+            inline_ok=self._inline_ok,
+            promised=self._promises.next(),
+        )
 
     def _write_tree(self, plan: _codec.PackPlan, payload: torch.Tensor, pool: KeepsViews) -> Any:
         """Write a planned tree into ``payload`` (from ``pool``); this rank's own tree."""
@@ -221,19 +238,30 @@ class Sender:
         else:
             mem[PREFIX_SIZE : PREFIX_SIZE + len(header)] = header
         separate = payload if frame.separate_payload else None
-        return Outgoing(frame, message.buffer, spilled, separate)
+        promised: torch.Tensor | None = None
+        if frame.in_promise:
+            promised = payload
+        elif frame.promised:  # a promise this frame cannot keep: its receivers drop these
+            promised = torch.zeros(frame.promised, dtype=torch.uint8, device=self._device)
+        return Outgoing(frame, message.buffer, promised, spilled, separate)
 
     # -- phase 2: the collectives --------------------------------------------------------
 
     def send(self, out: Outgoing, timeout: Any) -> None:
         """Post the frame's messages in order; a failure breaks the lane."""
         wire, root = self._group.wire, self._root
+        self._promises.record(out.plan)
         try:
-            wire.head(out.first, root, timeout)
+            if out.promised is not None:  # receivers posted it with the first message
+                promised = wire.payload(out.promised, root, timeout)
+                wire.head(out.first, root, timeout)
+                promised.wait(timeout)
+            else:
+                wire.head(out.first, root, timeout)
             if out.header is not None:
                 wire.head(out.header, root, timeout)
             if out.payload is not None:
-                wire.payload(out.payload, root, timeout)
+                wire.payload(out.payload, root, timeout).wait(timeout)
         except RuntimeError as e:  # from the collective: a peer died or timed out
             self._group.lane.break_(e)
             raise PeerError(

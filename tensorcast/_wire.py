@@ -22,8 +22,10 @@ broadcast for a worker thread on every rank, and for a small message that hop is
 a third of its time (see ``docs/design.md``). The source sends one receiver after
 another, so large groups keep gloo's broadcast tree.
 
-Ranks here are *group-local*. Every call waits for its message; a failure or a timeout
-raises ``RuntimeError`` from torch, which the caller turns into a broken channel.
+Ranks here are *group-local*. A head returns once its message has moved; a payload
+returns a handle to ``wait`` on, so that a promised payload can be posted together with
+its first message (see ``_promise``). A failure or a timeout raises ``RuntimeError``
+from torch, which the caller turns into a broken channel.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-__all__ = ["HEAD_SENDS_MAX_RANKS", "GlooWire", "NcclWire", "Wire"]
+__all__ = ["HEAD_SENDS_MAX_RANKS", "GlooWire", "NcclWire", "Posted", "Wire"]
 
 #: The largest group whose heads the source sends each receiver itself.
 HEAD_SENDS_MAX_RANKS = 4
@@ -45,6 +47,12 @@ _TAG = 0  # the group is tensorcast's own: no other traffic to tell apart
 # (often the garbage collector's, in the middle of unrelated work). A broken group is
 # rare and ends a job; keeping it costs its sockets, never a stall.
 _ABORTED: list[Any] = []
+
+
+class Posted(Protocol):
+    """A message posted and not yet waited for."""
+
+    def wait(self, timeout: datetime.timedelta) -> Any: ...
 
 
 class Wire(Protocol):
@@ -59,8 +67,10 @@ class Wire(Protocol):
         elsewhere)."""
         ...
 
-    def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> None:
-        """Move a payload from ``root`` to every rank."""
+    def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Posted:
+        """Post a payload's move from ``root`` to every rank and return at once: a promised
+        payload is waited for after the first message (see ``_promise``). ``timeout``
+        bounds it from now, and its ``wait`` too."""
         ...
 
     def abort(self) -> None:
@@ -76,11 +86,13 @@ def _abort(backend: Any) -> None:
         abort()
 
 
-def _broadcast_options(root: int) -> Any:
+def _broadcast_options(root: int, timeout: datetime.timedelta | None = None) -> Any:
     opts = dist.BroadcastOptions()
     opts.rootRank = root
     opts.rootTensor = 0
     opts.asyncOp = True
+    if timeout is not None:  # else the group's own, from when the collective starts
+        opts.timeout = timeout
     return opts
 
 
@@ -95,12 +107,13 @@ class GlooWire:
         self.size = gloo.size()
         self._sends = self.size <= HEAD_SENDS_MAX_RANKS
         self._peers = [peer for peer in range(self.size) if peer != rank]  # as the source
-        self._options: dict[int, Any] = {}
+        self._options: dict[tuple[int, datetime.timedelta | None], Any] = {}
 
-    def _opts(self, root: int) -> Any:
-        opts = self._options.get(root)
+    def _opts(self, root: int, timeout: datetime.timedelta | None = None) -> Any:
+        key = root, timeout
+        opts = self._options.get(key)
         if opts is None:
-            opts = self._options[root] = _broadcast_options(root)
+            opts = self._options[key] = _broadcast_options(root, timeout)
         return opts
 
     def head(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> None:
@@ -116,8 +129,10 @@ class GlooWire:
         else:
             gloo.recv([tensor], root, _TAG).wait(timeout)
 
-    def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> None:
-        self._gloo.broadcast([tensor], self._opts(root)).wait(timeout)
+    def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Posted:
+        # One posted with the first message waits for that as well: the collective's own
+        # clock (the group's timeout, from now) must not run out before its wait's.
+        return self._gloo.broadcast([tensor], self._opts(root, 2 * timeout))  # type: ignore[no-any-return]
 
     def abort(self) -> None:
         _ABORTED.append(self._gloo)
@@ -137,10 +152,21 @@ class NcclWire(GlooWire):
         self._nccl = nccl
         self.device = device
 
-    def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> None:
-        self._nccl.broadcast([tensor], self._opts(root)).wait()
+    def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Posted:
+        return _StreamWait(self._nccl.broadcast([tensor], self._opts(root)))
 
     def abort(self) -> None:
         _ABORTED.append(self._nccl)
         super().abort()
         _abort(self._nccl)
+
+
+class _StreamWait:
+    """An NCCL collective whose ``wait`` makes the current stream wait, never the host
+    (NCCL's own ``wait(timeout)`` blocks the host until the collective is done)."""
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        self._work.wait()

@@ -804,7 +804,18 @@ def test_batches_whose_header_or_payload_changes_arrive_as_sent(pool2: Any) -> N
     messages the frame's plan says, and the source's first messages carry no stale bytes."""
     (source, problems), (receiver, _) = pool2.run(_rank_changing, timeout=TIMEOUT)
     assert source == receiver
-    assert source == [["head"]] * STEADY_STEPS + [["head", "payload"]] * PAYLOAD_STEPS
+    # Payloads that follow the first message: a size that repeats twice is promised, its
+    # payload then posted with the first message; a promise not kept costs zeros first.
+    after, promised, broken = (
+        ["head", "payload"],
+        ["payload", "head"],
+        ["payload", "head", "payload"],
+    )
+    payloads = [after, after, *[promised] * 4]  # phase 0: one size
+    payloads += [broken, *[after] * 3, *[promised] * 2]  # phase 1: the next needs a run of 4
+    payloads += [broken, after, after, after]  # phase 2: a new size every step
+    assert len(payloads) == PAYLOAD_STEPS
+    assert source == [["head"]] * STEADY_STEPS + payloads
     assert problems == []
 
 
@@ -914,7 +925,7 @@ def test_heads_are_sends_on_small_gloo_groups_only() -> None:
                 else:
                     assert heads == [("recv", root)]
                 gloo.log.clear()
-                wire.payload(tensor, root, timeout)
+                wire.payload(tensor, root, timeout).wait(timeout)
                 assert gloo.log == [("broadcast", root), ("wait", ("broadcast", root), timeout)]
                 gloo.log.clear()
 

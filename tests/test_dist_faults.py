@@ -441,18 +441,33 @@ def _wire_hook(
     on this rank (``name`` is ``"head"`` or ``"payload"``)."""
     real = _wire.GlooWire.__dict__[name]
 
-    def call(wire: Any, tensor: torch.Tensor, root: int, timeout: Any) -> None:
+    def call(wire: Any, tensor: torch.Tensor, root: int, timeout: Any) -> Any:
         if before is not None:
             before(wire, tensor, root)
-        real(wire, tensor, root, timeout)
-        if after is not None:
+        posted = real(wire, tensor, root, timeout)
+        if after is None:
+            return posted
+        if posted is None:  # a head: it has moved
             after(wire, tensor, root)
+            return None
+        return _Then(posted, lambda: after(wire, tensor, root))  # a payload: once waited for
 
     setattr(_wire.GlooWire, name, call)
     try:
         yield
     finally:
         setattr(_wire.GlooWire, name, real)
+
+
+class _Then:
+    """A posted payload that runs ``then`` once it has been waited for."""
+
+    def __init__(self, posted: Any, then: Callable[[], None]) -> None:
+        self._posted, self._then = posted, then
+
+    def wait(self, timeout: Any) -> None:
+        self._posted.wait(timeout)
+        self._then()
 
 
 def _is_first_message(tensor: torch.Tensor) -> bool:

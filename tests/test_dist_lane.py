@@ -35,16 +35,18 @@ def batch(i: int, tag: int, nbytes: int = 0) -> dict[str, Any]:
 
 
 class Source:
-    """A sized source of ``n`` batches tagged ``tag``; optionally slow at one step."""
+    """A sized source of ``n`` batches tagged ``tag``, with ``nbytes`` of audio in each
+    (or ``nbytes[i]`` in batch ``i``)."""
 
-    def __init__(self, n: int, tag: int, nbytes: int = 0) -> None:
-        self.n, self.tag, self.nbytes = n, tag, nbytes
+    def __init__(self, n: int, tag: int, nbytes: int | list[int] = 0) -> None:
+        self.n, self.tag = n, tag
+        self.nbytes = nbytes if isinstance(nbytes, list) else [nbytes] * n
 
     def __len__(self) -> int:
         return self.n
 
     def __iter__(self) -> Any:
-        return (batch(i, self.tag, self.nbytes) for i in range(self.n))
+        return (batch(i, self.tag, self.nbytes[i]) for i in range(self.n))
 
 
 def names(batches: list[Any]) -> list[str]:
@@ -93,21 +95,32 @@ def test_the_models_collectives_on_the_tp_group_never_meet_the_loaders(pool4: An
 
 
 def _rank_zipped_loaders(rank: int, world: int) -> list[list[str]]:
+    """Two loaders and tc.broadcast on one group, payloads promised and not: ``a``'s
+    fixed size from its third batch on (its END breaks the promise), ``b``'s sizes kept
+    and then broken, the broadcasts' across passes; small batches for the first pass."""
     group = dist.group.WORLD
     is_src = rank == 0
     out = []
-    for pa, pb in ((0, 1), (1, 3), (2, 0)):
+    for k, (pa, pb) in enumerate(((0, 1), (1, 3), (2, 0))):
+        big = k > 0
+        sizes_b = [200_000, 200_000, 200_000, 100_000, 100_000] if big else 0
         a = tc.BroadcastingDataLoader(
-            Source(N, 1) if is_src else None, group=group, src=0, prefetch=pa
+            Source(N, 1, 300_000 if big else 0) if is_src else None, group=group, src=0, prefetch=pa
         )
         b = tc.BroadcastingDataLoader(
-            Source(N, 2) if is_src else None, group=group, src=0, prefetch=pb
+            Source(N, 2, sizes_b) if is_src else None, group=group, src=0, prefetch=pb
         )
         got = []
         for step, (x, y) in enumerate(zip(a, b)):
             # tc.broadcast on the same ranks between steps, and the model on the world group
-            z = tc.broadcast({"step": step} if is_src else None, 0)
+            sent = {"step": step, "x": torch.full((75_000,), float(step))}
+            z = tc.broadcast(sent if is_src else None, 0)
             dist.all_reduce(torch.ones(1))
+            if not torch.equal(z["x"], sent["x"]):
+                raise AssertionError(f"tc.broadcast at step {step} got other bytes")
+            for tree, tag in ((x, 1), (y, 2)):
+                if "audio" in tree and float(tree["audio"][-1]) != step + 100 * tag:
+                    raise AssertionError(f"loader {tag} step {step}: other audio")
             got.append(f"{x['name']}|{y['name']}|{z['step']}")
         out.append(got)
     return out
@@ -169,12 +182,12 @@ def _rank_signal_mid_frame(rank: int, world: int) -> dict[int, list[str]]:
     real = _wire.GlooWire.payload
     fired: list[int] = []
 
-    def payload(self: Any, tensor: Any, root: int, timeout: Any) -> None:
+    def payload(self: Any, tensor: Any, root: int, timeout: Any) -> Any:
         if rank == 0 and not fired and float(tensor[-4:].view(torch.float32)[0]) == 702.0:
             fired.append(1)
             signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)  # type: ignore[arg-type]
             time.sleep(0.05)  # the handler runs on the main thread meanwhile
-        real(self, tensor, root, timeout)
+        return real(self, tensor, root, timeout)
 
     def handler(signum: int, frame: Any) -> None:
         raise Interrupted
@@ -328,11 +341,11 @@ def _rank_deferred_failure(rank: int, world: int) -> str:
     real = _wire.GlooWire.payload
     calls = [0]
 
-    def payload(self: Any, tensor: Any, root: int, timeout: Any) -> None:
+    def payload(self: Any, tensor: Any, root: int, timeout: Any) -> Any:
         calls[0] += 1
         if rank == 1 and calls[0] == 3:
             raise RuntimeError("connection reset by peer (injected)")
-        real(self, tensor, root, timeout)
+        return real(self, tensor, root, timeout)
 
     _wire.GlooWire.payload = payload  # type: ignore[method-assign]
     try:

@@ -51,8 +51,11 @@ def first_message(plan: FramePlan) -> list[tuple[int, int, str]]:
 
 
 def later_messages(plan: FramePlan) -> list[tuple[str, int]]:
-    """The messages that follow the first one, in order, and their sizes."""
+    """The messages besides the first one, in order, and their sizes: the promised one
+    (posted with the first), then what follows the first."""
     out = []
+    if plan.promised:
+        out.append(("payload" if plan.in_promise else "zeros", plan.promised))
     if plan.spill:
         out.append(("header", plan.header_len))
     if plan.separate_payload:
@@ -148,16 +151,20 @@ lengths = st.one_of(
     header_len=st.one_of(st.integers(0, 3 * MAX_CAPACITY), st.integers(0, MAX_HEADER_BYTES)),
     payload_len=lengths,
     inline_ok=st.booleans(),
+    promise=st.one_of(st.sampled_from(["none", "kept"]), lengths),
 )
 def test_plans_carry_every_byte_once(
-    capacity: int, header_len: int, payload_len: int, inline_ok: bool
+    capacity: int, header_len: int, payload_len: int, inline_ok: bool, promise: str | int
 ) -> None:
-    """For any sizes, the frame's messages carry exactly ``header_len + payload_len``
-    bytes besides the prefix, the first message's pieces never overlap and stay inside
-    it, an inline payload starts aligned, and the next capacity is a power of two that
-    only grows, up to the cap, and fits a frame like this one where the cap allows."""
+    """For any sizes and any promise, the frame's messages carry exactly ``header_len +
+    payload_len`` bytes besides the prefix and a promise's zeros, the first message's
+    pieces never overlap and stay inside it, an inline payload starts aligned, the
+    payload is the promised message exactly when it is separate and of the promised
+    size, and the next capacity is a power of two that only grows, up to the cap, and
+    fits a frame like this one where the cap allows."""
     assert INITIAL_CAPACITY <= capacity <= MAX_CAPACITY
-    plan = plan_frame(capacity, header_len, payload_len, inline_ok=inline_ok)
+    promised = {"none": 0, "kept": payload_len}.get(promise, promise)  # type: ignore[call-overload]
+    plan = plan_frame(capacity, header_len, payload_len, inline_ok=inline_ok, promised=promised)
     assert (plan.capacity, plan.header_len, plan.payload_len) == (
         capacity,
         header_len,
@@ -165,7 +172,7 @@ def test_plans_carry_every_byte_once(
     )
     spans = first_message(plan)
     carried = sum(end - start for start, end, what in spans if what != "prefix")
-    carried += sum(n for _, n in later_messages(plan))
+    carried += sum(n for what, n in later_messages(plan) if what != "zeros")
     assert carried == header_len + payload_len
     assert all(0 <= start <= end <= capacity for start, end, _ in spans), spans
     ordered = sorted(spans)
@@ -174,9 +181,16 @@ def test_plans_carry_every_byte_once(
     if plan.inline:
         assert inline_ok and plan.payload_at % PAYLOAD_ALIGN == 0
     assert plan.spill == (PREFIX_SIZE + header_len > capacity)
-    assert plan.separate_payload == (payload_len > 0 and not plan.inline)
+    assert plan.promised == promised
+    assert plan.in_promise == (promised > 0 and not plan.inline and payload_len == promised)
+    assert plan.separate_payload == (payload_len > 0 and not plan.inline and not plan.in_promise)
     # The receiver reads the cut from the flags: they say exactly what the sizes say.
-    assert plan.flags == (Flags.INLINE if plan.inline else 0) | (Flags.SPILL if plan.spill else 0)
+    assert plan.flags == (
+        (Flags.INLINE if plan.inline else 0)
+        | (Flags.SPILL if plan.spill else 0)
+        | (Flags.PROMISED if promised else 0)
+    )
+    assert plan.inline == plan_frame(capacity, header_len, payload_len, inline_ok=inline_ok).inline
 
     nxt = plan.next_capacity
     assert _is_pow2(nxt) and capacity <= nxt <= MAX_CAPACITY
@@ -243,7 +257,7 @@ def test_prefix_round_trip_keeps_large_sizes_exact() -> None:
 @SETTINGS
 @given(
     kind=st.sampled_from(Kind),
-    flags=st.sampled_from([Flags(f) for f in range(8)]),
+    flags=st.sampled_from([Flags(f) for f in range(16)]),
     channel=st.integers(0, 2**32 - 1),
     pass_index=st.integers(0, 2**32 - 1),
     step=st.integers(0, 2**64 - 1),
@@ -286,7 +300,7 @@ def test_prefix_unpack_inverts_pack_into(
         ({"version": FRAMES_VERSION + 1}, INITIAL_CAPACITY, "same tensorcast version"),
         ({"kind": 0}, INITIAL_CAPACITY, "unknown frame kind 0"),
         ({"kind": 9}, INITIAL_CAPACITY, "known kinds"),
-        ({"flags": 8}, INITIAL_CAPACITY, "unknown frame flags"),
+        ({"flags": 16}, INITIAL_CAPACITY, "unknown frame flags"),
         ({"flags": 0x8001}, INITIAL_CAPACITY, "unknown frame flags"),
         ({"header_len": MAX_HEADER_BYTES + 1}, INITIAL_CAPACITY, "over the"),
         ({"header_len": 2**32 - 1}, INITIAL_CAPACITY, "limit"),

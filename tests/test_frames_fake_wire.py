@@ -27,14 +27,18 @@ TIMEOUT = datetime.timedelta(seconds=10)
 
 
 class FakeWire:
-    """Two ranks joined by one queue of messages; the source is group rank 0."""
+    """Two ranks joined by two queues, matched as gloo matches them: heads (a send and its
+    receive) in their order, payloads (broadcasts) in theirs. The source is group rank 0;
+    a receiver's payload is read when it is waited for."""
 
     device = torch.device("cpu")
     size = 2
 
-    def __init__(self, rank: int, link: queue.Queue[bytes], log: list[tuple[str, int]]) -> None:
+    def __init__(
+        self, rank: int, links: dict[str, queue.Queue[bytes]], log: list[tuple[str, int]]
+    ) -> None:
         self.rank = rank
-        self._link = link
+        self._links = links
         self.log = log
         self.aborted = False
         self.corrupt_next_payload = False
@@ -43,10 +47,11 @@ class FakeWire:
         if self.aborted:
             raise RuntimeError("the group was aborted")
         if self.rank == root:
-            self.log.append((what, tensor.numel()))
-            self._link.put(tensor.numpy().tobytes())
+            zeros = what == "payload" and tensor.numel() and not tensor.any()
+            self.log.append(("zeros" if zeros else what, tensor.numel()))
+            self._links[what].put(tensor.numpy().tobytes())
             return
-        data = self._link.get(timeout=timeout.total_seconds())
+        data = self._links[what].get(timeout=timeout.total_seconds())
         if len(data) != tensor.numel():
             raise RuntimeError(f"message of {len(data)} bytes into {tensor.numel()}")
         tensor.numpy()[:] = memoryview(data)
@@ -57,20 +62,41 @@ class FakeWire:
     def head(self, tensor: torch.Tensor, root: int, timeout: Any) -> None:
         self._move("head", tensor, root, timeout)
 
-    def payload(self, tensor: torch.Tensor, root: int, timeout: Any) -> None:
-        self._move("payload", tensor, root, timeout)
+    def payload(self, tensor: torch.Tensor, root: int, timeout: Any) -> Any:
+        if self.rank == root:
+            self._move("payload", tensor, root, timeout)
+            return _Posted(lambda: None)
+        if self.aborted:
+            raise RuntimeError("the group was aborted")
+        return _Posted(lambda: self._move("payload", tensor, root, timeout))
 
     def abort(self) -> None:
         self.aborted = True
 
 
-def pair(*, verify: bool = False) -> tuple[Sender, Receiver, FakeWire, FakeWire, Group]:
-    link: queue.Queue[bytes] = queue.Queue()
+class _Posted:
+    def __init__(self, wait: Any) -> None:
+        self._wait = wait
+
+    def wait(self, timeout: Any) -> None:
+        self._wait()
+
+
+def pair(
+    *, verify: bool = False, promises: bool = False, receiver_promises: bool | None = None
+) -> tuple[Sender, Receiver, FakeWire, FakeWire, Group]:
+    links: dict[str, queue.Queue[bytes]] = {"head": queue.Queue(), "payload": queue.Queue()}
     log: list[tuple[str, int]] = []
-    wires = FakeWire(0, link, log), FakeWire(1, link, log)
+    wires = FakeWire(0, links, log), FakeWire(1, links, log)
     groups = [Group((0, 1), w, Lane(f"fake{w.rank}", w.abort)) for w in wires]
-    sender = Sender(groups[0], 0, verify=verify)
-    receiver = Receiver(groups[1], 0, 0, lambda: "the fake source is fine")
+    sender = Sender(groups[0], 0, verify=verify, promises=promises)
+    receiver = Receiver(
+        groups[1],
+        0,
+        0,
+        lambda: "the fake source is fine",
+        promises=promises if receiver_promises is None else receiver_promises,
+    )
     return sender, receiver, wires[0], wires[1], groups[1]
 
 
@@ -181,3 +207,88 @@ def test_a_lying_prefix_is_a_header_error() -> None:
     ):
         with pytest.raises(HeaderError, match=match):
             _frame.Prefix.unpack(bad, capacity)
+
+
+# -- promised payloads (NOTE [ Promised payloads ]) ----------------------------------------
+
+
+def _audio(n: int, step: int) -> dict[str, Any]:
+    return {"a": torch.arange(n, dtype=torch.int32) + step + 1, "step": step}
+
+
+def _stream(sender: Sender, receiver: Receiver, items: list[Any]) -> list[Any]:
+    """Send ``items`` (trees, or ``"END"``) as steps 0, 1, ... of one channel; what the
+    receiver got for each."""
+    got: list[Any] = []
+
+    def receive() -> None:
+        try:
+            for step in range(len(items)):
+                got.append(receiver.recv(Stamp(1, 0, step), None, TIMEOUT))
+        except BaseException as e:
+            got.append(e)
+
+    t = threading.Thread(target=receive)
+    t.start()
+    for step, item in enumerate(items):
+        if item == "END":
+            sender.send(sender.end(Stamp(1, 0, step)), TIMEOUT)
+        else:
+            sender.send(sender.data(item, Stamp(1, 0, step), None)[0], TIMEOUT)
+    t.join(20)
+    return got
+
+
+def test_a_promise_is_kept_when_the_size_repeats_and_zeros_go_where_it_is_not() -> None:
+    """Steps whose payload has the size of the two before it go in the promised message,
+    posted before the first; a frame that cannot keep its promise (another size, an
+    inline payload, the END) sends that many zero bytes, then goes on as any other, and
+    the next promise waits for a longer run."""
+    a, b = 300_000, 200_000
+    head, pa, pb = ("head", 4096), ("payload", 4 * a), ("payload", 4 * b)
+    za, zb = ("zeros", 4 * a), ("zeros", 4 * b)
+    streams = {
+        "sizes": (
+            [
+                _audio(a, 0),
+                _audio(a, 1),
+                *[_audio(b, s) for s in range(2, 7)],
+                {"x": torch.ones(3)},
+            ],
+            [
+                *(head, pa),  # 0: nothing promised yet
+                *(head, pa),  # 1: a second payload of that size
+                *(za, head, pb),  # 2: promised a, not kept: the next needs a run of 4
+                *(head, pb, head, pb, head, pb),  # 3-5
+                *(pb, head),  # 6: promised b, kept
+                *(zb, head),  # 7: inline: promised b, not kept
+            ],
+        ),
+        "end": (
+            [_audio(a, 0), _audio(a, 1), _audio(a, 2), "END"],
+            [*(head, pa), *(head, pa), *(pa, head), *(za, head)],
+        ),
+    }
+    for name, (items, want) in streams.items():
+        sender, receiver, src_wire, _, _ = pair(promises=True)
+        got = _stream(sender, receiver, items)
+        for step, item in enumerate(items):
+            if item == "END":
+                assert got[step] == (Kind.END, None)
+                continue
+            kind, tree = got[step]
+            assert kind == Kind.DATA and tree.keys() == item.keys(), (name, step)
+            assert all(torch.equal(tree[k], v) for k, v in item.items() if k != "step")
+        assert src_wire.log == want, name  # what each step sent, in the order it was posted
+
+
+@pytest.mark.parametrize("source_promises", [True, False])
+def test_ranks_that_disagree_on_promises_fail_loudly(source_promises: bool) -> None:
+    sender, receiver, _, rwire, rgroup = pair(
+        promises=source_promises, receiver_promises=not source_promises
+    )
+    got = _stream(sender, receiver, [_audio(100_000, s) for s in range(3)])
+    assert [kind for kind, _ in got[:2]] == [Kind.DATA, Kind.DATA]
+    assert isinstance(got[2], DesyncError), got[2]
+    assert "TENSORCAST_PROMISES" in str(got[2])
+    assert rgroup.lane.broken is not None and rwire.aborted

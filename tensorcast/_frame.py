@@ -11,9 +11,14 @@ the receivers cut a frame the same way by construction::
     +--------+--------------------+-------- zeros --------+-----------------+
     0        PREFIX.size                          payload_at         capacity
 
+    posted with it where the frame was promised (flag PROMISED, see ``_promise``):
+      the promised message: the payload when it is separate and of the promised
+      size, else that many zeros
+
     then, in order, only where the plan says so:
       the header alone, ``header_len`` bytes           (flag SPILL)
-      the payload alone, ``payload_len`` bytes        (payload_len > 0, not INLINE)
+      the payload alone, ``payload_len`` bytes        (payload_len > 0, not INLINE,
+                                                       not in the promise)
 
 The inline payload ends the message, 64-byte aligned, so where it starts depends only on
 its length: batches of one structure land at the same place whatever their small values.

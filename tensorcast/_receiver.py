@@ -17,7 +17,7 @@ import torch
 
 from tensorcast import _codec, _schema
 from tensorcast._errors import DesyncError, HeaderError, PeerError, TensorcastError
-from tensorcast._frame import PREFIX_SIZE, Flags, Kind, Prefix, plan_frame
+from tensorcast._frame import PREFIX_SIZE, Flags, FramePlan, Kind, Prefix, plan_frame
 from tensorcast._groups import Group
 from tensorcast._pool import BufferPool, FramePool, KeepsViews, Message
 from tensorcast._promise import Promises
@@ -118,6 +118,40 @@ class Receiver:
             return Kind.DATA, _codec.rebuild(decoded, _codec.copy_to_device(payload, device))
         return Kind.DATA, _codec.rebuild(decoded, payload, pool=pool)
 
+    def _plan(self, prefix: Prefix, capacity: int, expect: Stamp, promised: int) -> FramePlan:
+        """The frame's plan, once its prefix is the expected step's and cut as its own
+        sizes (and this rank's promise) say."""
+        ranks = list(self._group.ranks)
+        got = (prefix.channel, prefix.pass_index, prefix.step)
+        if got != (expect.channel, expect.pass_index, expect.step):
+            raise DesyncError(
+                f"ranks {ranks}: expected channel {expect.channel:#x} pass "
+                f"{expect.pass_index} step {expect.step} from the source rank {self._src}, got "
+                f"channel {prefix.channel:#x} pass {prefix.pass_index} step {prefix.step}: the "
+                f"ranks did not use their loaders (or tensorcast.broadcast) in the same order"
+            )
+        plan = plan_frame(
+            capacity,
+            prefix.header_len,
+            prefix.payload_len,
+            inline_ok=self._group.wire.device.type == "cpu",
+            promised=promised,
+        )
+        flags = int(prefix.flags)  # int arithmetic: an IntFlag's is Python code, and slow
+        if bool(flags & _PROMISED) != bool(promised):
+            raise DesyncError(
+                f"ranks {ranks}: step {expect.step} of channel {expect.channel:#x}: the "
+                f"source {'did' if flags & _PROMISED else 'did not'} promise its payload and "
+                f"this rank expected {promised or 'no'} promised bytes: the ranks do not run "
+                f"the same tensorcast, or TENSORCAST_PROMISES differs between them"
+            )
+        if flags & (_CUT | _PROMISED) != plan.flags:
+            raise HeaderError(
+                f"the frame is cut as {Flags(prefix.flags & _CUT)!r} but its sizes say "
+                f"{plan.flags!r}"
+            )
+        return plan
+
     def _rest(
         self,
         first: Message,
@@ -128,42 +162,13 @@ class Receiver:
     ) -> tuple[Prefix, bytes, _schema.Decoded | None, torch.Tensor | None, KeepsViews]:
         """Validate the first message and take what follows it (``posted``: the promised
         message, with its buffer)."""
-        group, wire = self._group, self._group.wire
+        wire = self._group.wire
         mem = first.mem
         prefix = Prefix.unpack(mem, capacity)
-        got = (prefix.channel, prefix.pass_index, prefix.step)
-        if got != (expect.channel, expect.pass_index, expect.step):
-            raise DesyncError(
-                f"ranks {list(group.ranks)}: expected channel {expect.channel:#x} pass "
-                f"{expect.pass_index} step {expect.step} from the source rank {self._src}, got "
-                f"channel {prefix.channel:#x} pass {prefix.pass_index} step {prefix.step}: the "
-                f"ranks did not use their loaders (or tensorcast.broadcast) in the same order"
-            )
-        promised = 0 if posted is None else posted[0].numel()
-        plan = plan_frame(
-            capacity,
-            prefix.header_len,
-            prefix.payload_len,
-            inline_ok=wire.device.type == "cpu",
-            promised=promised,
-        )
-        flags = int(prefix.flags)  # int arithmetic: an IntFlag's is Python code, and slow
-        if bool(flags & _PROMISED) != bool(promised):
-            raise DesyncError(
-                f"ranks {list(group.ranks)}: step {expect.step} of channel "
-                f"{expect.channel:#x}: the source {'did' if flags & _PROMISED else 'did not'} "
-                f"promise its payload and this rank expected {promised or 'no'} promised "
-                f"bytes: the ranks do not run the same tensorcast, or TENSORCAST_PROMISES "
-                f"differs between them"
-            )
+        plan = self._plan(prefix, capacity, expect, 0 if posted is None else posted[0].numel())
         self._promises.record(plan)
         if posted is not None:
             posted[1].wait(timeout)  # the payload, or zeros where the promise was not kept
-        if flags & (_CUT | _PROMISED) != plan.flags:
-            raise HeaderError(
-                f"the frame is cut as {Flags(prefix.flags & _CUT)!r} but its sizes say "
-                f"{plan.flags!r}"
-            )
         if plan.spill:
             spilled = torch.empty(prefix.header_len, dtype=torch.uint8)
             wire.head(spilled, self._root, timeout)

@@ -613,6 +613,16 @@ def _rank_dp_slots(rank: int, world: int) -> list[tuple[int, int]]:
             out = tc.broadcast(CASES[name]() if rank == 0 else None, 0)
         check_same(out, CASES[name](), f"{name} on a group of 8")
         assert counter.ops == {"broadcast": headers + payloads, "send": 0, "recv": 0}, name
+    # A payload whose size repeats is promised there too: posted with the first message, as
+    # a broadcast in the same order on every rank (the heads are broadcasts here as well).
+    logs = []
+    for i in range(3):
+        with counter():
+            out = tc.broadcast(CASES["large"]() if rank == 0 else None, 0)
+        check_same(out, CASES["large"](), f"large {i} on a group of 8")
+        assert counter.ops == {"broadcast": 2, "send": 0, "recv": 0}, i
+        logs.append(counter.log)
+    assert logs == [["head", "payload"], ["head", "payload"], ["payload", "head"]], logs
     return seen
 
 

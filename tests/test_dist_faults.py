@@ -563,6 +563,12 @@ def _setups_that_disagree(rank: int, world: int) -> dict[str, Any]:
         desync("format", lambda: tc.BroadcastingDataLoader(want if rank == 0 else None, mesh))
     finally:
         _schema.FORMAT_VERSION = real_format
+    if rank == 1:
+        os.environ["TENSORCAST_PROMISES"] = "0"  # one rank runs without promised payloads
+    try:
+        desync("promises", lambda: tc.BroadcastingDataLoader(want if rank == 0 else None, mesh))
+    finally:
+        os.environ.pop("TENSORCAST_PROMISES", None)
     in_step("after the loaders that disagreed")
     # tc.broadcast from a source the ranks disagree on, the first time each is used.
     desync("broadcast_src", lambda: tc.broadcast(good_batch(0, 0), rank))
@@ -930,7 +936,8 @@ def test_setups_that_disagree_raise_desync_error_on_every_rank(pool2: RankPool) 
         out = results[rank]
         mine = {"prefetch": 1 + me, "src": me, "format": tc.FORMAT_VERSION + me}
         theirs = {"prefetch": 1 + other, "src": other, "format": tc.FORMAT_VERSION + other}
-        for key in ("prefetch", "src", "format"):
+        mine["promises"], theirs["promises"] = me == 0, other == 0
+        for key in ("prefetch", "src", "format", "promises"):
             side = f"{key}={mine[key]} on rank {me}, {theirs[key]} on rank {other}"
             assert side in out[key], (rank, out[key])
         assert "BroadcastingDataLoader" in out["prefetch"]

@@ -14,9 +14,10 @@ rank, medians):
 
 2. *A payload whose receive is posted late.* gloo sends a message once the receiver has
    posted its receive. A frame whose payload follows its first message therefore waits
-   for receivers to read that message. Posting both receives at once would need the
-   payload's layout a frame ahead; tensorcast 0.1 did that ("promised payloads") and the
-   lane design dropped it for a simpler frame protocol. This measures what it saved:
+   for receivers to read that message, unless receivers know its size before the first
+   message arrives and post both receives at once: tensorcast's promised payloads (see
+   ``tensorcast/_promise.py``), for payloads whose size repeats. This measures what that
+   saves:
 
    - ``one``: one broadcast of the payload's bytes (the floor);
    - ``read_first``: a 4 KiB first message, then the payload; receivers post the payload's

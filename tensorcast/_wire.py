@@ -41,6 +41,7 @@ __all__ = ["HEAD_SENDS_MAX_RANKS", "GlooWire", "NcclWire", "Posted", "Wire"]
 #: The largest group whose heads the source sends each receiver itself.
 HEAD_SENDS_MAX_RANKS = 4
 _TAG = 0  # the group is tensorcast's own: no other traffic to tell apart
+_MAX_OPTIONS = 32  # broadcast options kept per wire, by (root, timeout)
 # Backends aborted after a failure, kept for the life of the process: abort() does not
 # cancel a collective already queued on gloo's worker thread, and a backend's destructor
 # waits for it, up to the group's timeout, in whatever thread drops the last reference
@@ -113,6 +114,8 @@ class GlooWire:
         key = root, timeout
         opts = self._options.get(key)
         if opts is None:
+            if len(self._options) >= _MAX_OPTIONS:  # callers that vary their timeout
+                self._options.clear()
             opts = self._options[key] = _broadcast_options(root, timeout)
         return opts
 

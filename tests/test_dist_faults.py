@@ -610,9 +610,10 @@ def _integrity(rank: int, world: int) -> dict[str, Any]:
         for a, b in zip(got, repeated, strict=True):
             assert_same(a, b, f"verify=True, prefetch={prefetch}")
 
-    # A message of its own, inline, megabytes: should a receiver break its channel on the
-    # way, the source is left with no payload it cannot send.
-    corrupted = [batches[1], batches[0], batches[2]]
+    # A message of its own, inline, megabytes, and a payload promised (the third of one
+    # size in a row, posted with its first message): should a receiver break its channel
+    # on the way, the source is left with no payload it cannot send.
+    corrupted = [batches[1], batches[0], batches[2], batches[2], batches[2]]
     # Without verify, corruption in transit goes unseen: the receiver's tree differs.
     loader = tc.BroadcastingDataLoader(
         corrupted if rank == 0 else None, group=group, src=0, prefetch=0, timeout=TIMEOUT
@@ -954,7 +955,7 @@ def test_integrity_checks_and_corruption_in_transit(pool2: RankPool) -> None:
     """verify=True round trips; a bad link corrupts bytes silently without it, and every
     corrupted batch (inline, in a message of its own, megabytes) fails its CRC32 with it."""
     _, recv = pool2.run(_integrity, timeout=CALL_TIMEOUT)
-    assert len(recv["crc"]) == 3, recv["crc"]
+    assert len(recv["crc"]) == 5, recv["crc"]
 
 
 def test_a_receiver_out_of_step_raises_desync_error(pool2: RankPool) -> None:

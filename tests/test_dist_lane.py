@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -172,6 +173,19 @@ class Interrupted(Exception):
     pass
 
 
+def _wait_until_waiting_for_a_job(ident: int, limit_s: float = 10.0) -> None:
+    """Return once the thread ``ident`` waits in ``Job.result`` (a loader's ``next()``)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(ident)
+        while frame is not None:
+            if frame.f_code.co_name == "result" and frame.f_code.co_filename.endswith("_lane.py"):
+                return
+            frame = frame.f_back
+        time.sleep(0.001)
+    raise AssertionError("the caller never waited for the frame's job")
+
+
 def _rank_signal_mid_frame(rank: int, world: int) -> dict[int, list[str]]:
     """A signal handler raises on the source's main thread while its frame is on the wire.
 
@@ -185,7 +199,12 @@ def _rank_signal_mid_frame(rank: int, world: int) -> dict[int, list[str]]:
     def payload(self: Any, tensor: Any, root: int, timeout: Any) -> Any:
         if rank == 0 and not fired and float(tensor[-4:].view(torch.float32)[0]) == 702.0:
             fired.append(1)
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)  # type: ignore[arg-type]
+            main = threading.main_thread()
+            if threading.current_thread() is not main:
+                # On the worker the frame may be posted before the caller asks for it (a
+                # promised payload comes first): the signal is meant to hit that wait.
+                _wait_until_waiting_for_a_job(main.ident)  # type: ignore[arg-type]
+            signal.pthread_kill(main.ident, signal.SIGUSR1)  # type: ignore[arg-type]
             time.sleep(0.05)  # the handler runs on the main thread meanwhile
         return real(self, tensor, root, timeout)
 

@@ -57,7 +57,8 @@ class Receiver:
         self._diagnose = diagnose
         self._messages = FramePool()  # first messages
         self._pool = BufferPool()  # payloads that travel on their own
-        self._promises = Promises(promises and group.wire.device.type == "cpu")
+        self._inline_ok = group.wire.device.type == "cpu"  # payloads on the host
+        self._promises = Promises(promises and self._inline_ok)
 
     def recv(
         self, expect: Stamp, device: torch.device | None, timeout: datetime.timedelta
@@ -121,11 +122,10 @@ class Receiver:
     def _plan(self, prefix: Prefix, capacity: int, expect: Stamp, promised: int) -> FramePlan:
         """The frame's plan, once its prefix is the expected step's and cut as its own
         sizes (and this rank's promise) say."""
-        ranks = list(self._group.ranks)
         got = (prefix.channel, prefix.pass_index, prefix.step)
         if got != (expect.channel, expect.pass_index, expect.step):
             raise DesyncError(
-                f"ranks {ranks}: expected channel {expect.channel:#x} pass "
+                f"ranks {list(self._group.ranks)}: expected channel {expect.channel:#x} pass "
                 f"{expect.pass_index} step {expect.step} from the source rank {self._src}, got "
                 f"channel {prefix.channel:#x} pass {prefix.pass_index} step {prefix.step}: the "
                 f"ranks did not use their loaders (or tensorcast.broadcast) in the same order"
@@ -134,16 +134,17 @@ class Receiver:
             capacity,
             prefix.header_len,
             prefix.payload_len,
-            inline_ok=self._group.wire.device.type == "cpu",
+            inline_ok=self._inline_ok,
             promised=promised,
         )
         flags = int(prefix.flags)  # int arithmetic: an IntFlag's is Python code, and slow
         if bool(flags & _PROMISED) != bool(promised):
             raise DesyncError(
-                f"ranks {ranks}: step {expect.step} of channel {expect.channel:#x}: the "
-                f"source {'did' if flags & _PROMISED else 'did not'} promise its payload and "
-                f"this rank expected {promised or 'no'} promised bytes: the ranks do not run "
-                f"the same tensorcast, or TENSORCAST_PROMISES differs between them"
+                f"ranks {list(self._group.ranks)}: step {expect.step} of channel "
+                f"{expect.channel:#x}: the source {'did' if flags & _PROMISED else 'did not'} "
+                f"promise its payload and this rank expected {promised or 'no'} promised "
+                f"bytes: the ranks do not run the same tensorcast, or TENSORCAST_PROMISES "
+                f"differs between them"
             )
         if flags & (_CUT | _PROMISED) != plan.flags:
             raise HeaderError(

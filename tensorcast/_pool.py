@@ -69,7 +69,7 @@ class _Entry:
         self.kept: list[torch.Tensor] = []  # detached views: each holds a storage reference
 
     def use_count(self) -> int:
-        return int(torch._C._storage_Use_Count(self.cdata))
+        return int(_use_count(self.cdata))
 
     def is_idle(self) -> bool:
         """Whether nothing but this entry holds the buffer's storage."""

@@ -48,6 +48,7 @@ class _Entry:
     """
 
     __slots__ = (
+        "ahead",
         "buffer",
         "capacity",
         "cdata",
@@ -67,6 +68,7 @@ class _Entry:
         self.idle = self.use_count()
         self.kept_key: Hashable = None
         self.kept: list[torch.Tensor] = []  # detached views: each holds a storage reference
+        self.ahead: list[torch.Tensor] | None = None  # see detach_ahead
 
     def use_count(self) -> int:
         return int(_use_count(self.cdata))
@@ -83,11 +85,24 @@ class _Entry:
     ) -> list[torch.Tensor]:
         """Fresh tensors on the views ``make(buffer)`` returned the last time ``key`` was
         asked; ``buffer`` views this entry's storage."""
+        ahead, self.ahead = self.ahead, None
         if self.kept_key != key:
             made = [v.detach() for v in make(buffer)]
             self.idle += len(made) - len(self.kept)
             self.kept, self.kept_key = made, key
+        elif ahead is not None:
+            return ahead
         return list(map(_detach, self.kept))
+
+    def detach_ahead(self) -> None:
+        """Make the fresh tensors of the kept views now, for the next :meth:`views` of
+        the same key: a receiver does it while it waits for the frame (NOTE [ Views
+        made ahead ]). Until then they hold the storage, so call :meth:`drop_ahead`
+        where no views call follows."""
+        self.ahead = list(map(_detach, self.kept)) if self.kept else None
+
+    def drop_ahead(self) -> None:
+        self.ahead = None
 
 
 class KeepsViews(Protocol):

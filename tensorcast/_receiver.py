@@ -5,6 +5,15 @@ the first message, then a spilled header, then a separate payload. The prefix an
 header are validated before anything is allocated from their sizes. Until the whole
 frame is in, any failure breaks the lane (this rank cannot skip the rest of a frame it
 cannot read); once it is in, a bad CRC is an error of that step alone.
+
+# NOTE [ Views made ahead ]
+A batch of many small leaves spends most of a receiver's time after its frame arrives
+making one fresh tensor per leaf (a ``detach()`` of the views its first message keeps,
+see ``_pool``). A receiver that waits for the source has nothing else to do, so it makes
+them before it waits, for the layout that first message carried last. When the frame
+has that layout they are its leaves; when not, they are dropped. Nothing travels and no
+collective waits on it: the source's head arrives after its own flatten and copies,
+which take longer than these detaches.
 """
 
 from __future__ import annotations
@@ -70,9 +79,22 @@ class Receiver:
             DesyncError: the frame is another step's, or another channel's.
             HeaderError: the frame is malformed or from another version.
         """
+        first = self._messages.take(self._group.capacity)
+        first.detach_ahead()  # NOTE [ Views made ahead ]
+        try:
+            return self._recv(first, expect, device, timeout)
+        finally:
+            first.drop_ahead()  # when the frame did not use them
+
+    def _recv(
+        self,
+        first: Message,
+        expect: Stamp,
+        device: torch.device | None,
+        timeout: datetime.timedelta,
+    ) -> tuple[Kind, Any]:
         group, wire = self._group, self._group.wire
-        capacity = group.capacity
-        first = self._messages.take(capacity)
+        capacity = first.capacity
         promised = self._promises.next()
         posted: tuple[torch.Tensor, Posted] | None = None
         try:

@@ -85,7 +85,9 @@ class _Entry:
     ) -> list[torch.Tensor]:
         """Fresh tensors on the views ``make(buffer)`` returned the last time ``key`` was
         asked; ``buffer`` views this entry's storage."""
-        ahead, self.ahead = self.ahead, None
+        ahead = self.ahead
+        if ahead is not None:
+            self.drop_ahead()
         if self.kept_key != key:
             made = [v.detach() for v in make(buffer)]
             self.idle += len(made) - len(self.kept)
@@ -96,13 +98,17 @@ class _Entry:
 
     def detach_ahead(self) -> None:
         """Make the fresh tensors of the kept views now, for the next :meth:`views` of
-        the same key: a receiver does it while it waits for the frame (NOTE [ Views
-        made ahead ]). Until then they hold the storage, so call :meth:`drop_ahead`
-        where no views call follows."""
-        self.ahead = list(map(_detach, self.kept)) if self.kept else None
+        the same key, while a head is on the wire (see ``_receiver``, NOTE [ Views made
+        ahead ]). Held here, they count as idle, like the kept views."""
+        self.drop_ahead()
+        if self.kept:
+            self.ahead = list(map(_detach, self.kept))
+            self.idle += len(self.ahead)
 
     def drop_ahead(self) -> None:
-        self.ahead = None
+        if self.ahead is not None:
+            self.idle -= len(self.ahead)
+            self.ahead = None
 
 
 class KeepsViews(Protocol):

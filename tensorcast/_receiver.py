@@ -7,13 +7,14 @@ frame is in, any failure breaks the lane (this rank cannot skip the rest of a fr
 cannot read); once it is in, a bad CRC is an error of that step alone.
 
 # NOTE [ Views made ahead ]
-A batch of many small leaves spends most of a receiver's time after its frame arrives
-making one fresh tensor per leaf (a ``detach()`` of the views its first message keeps,
-see ``_pool``). A receiver that waits for the source has nothing else to do, so it makes
-them before it waits, for the layout that first message carried last. When the frame
-has that layout they are its leaves; when not, they are dropped. Nothing travels and no
-collective waits on it: the source's head arrives after its own flatten and copies,
-which take longer than these detaches.
+A batch of many small leaves spends much of each rank's time making one fresh tensor per
+leaf, a ``detach()`` of the views its first message keeps (see ``_pool``). Both sides
+make them while a head is on the wire, where they would only wait: a receiver once it
+has posted the receive of the first message it is about to read, for the layout that
+message carried last; the source once it has posted its first message, for the next
+frame of the same layout that comes back to that message (its batch dropped by then).
+When the frame has that layout they are its leaves; when not, they are dropped. Nothing
+travels and nothing waits on them: they are made after the posting, before the wait.
 """
 
 from __future__ import annotations
@@ -80,7 +81,6 @@ class Receiver:
             HeaderError: the frame is malformed or from another version.
         """
         first = self._messages.take(self._group.capacity)
-        first.detach_ahead()  # NOTE [ Views made ahead ]
         try:
             return self._recv(first, expect, device, timeout)
         finally:
@@ -101,7 +101,9 @@ class Receiver:
             if promised:  # the source posts it with the first message
                 buffer = self._pool.take(promised, wire.device)
                 posted = buffer, wire.payload(buffer, self._root, timeout)
-            wire.head(first.buffer, self._root, timeout)
+            head = wire.head(first.buffer, self._root, timeout)
+            first.detach_ahead()  # NOTE [ Views made ahead ]
+            head.wait(timeout)
         except RuntimeError as e:  # from the collective: the source died or timed out
             group.lane.break_(e)
             raise PeerError(
@@ -194,7 +196,7 @@ class Receiver:
             posted[1].wait(timeout)  # the payload, or zeros where the promise was not kept
         if plan.spill:
             spilled = torch.empty(prefix.header_len, dtype=torch.uint8)
-            wire.head(spilled, self._root, timeout)
+            wire.head(spilled, self._root, timeout).wait(timeout)
             header = spilled.numpy().tobytes()
         else:
             header = mem[PREFIX_SIZE : PREFIX_SIZE + prefix.header_len].tobytes()

@@ -60,7 +60,7 @@ class Outgoing:
     """A frame written and ready for its collectives."""
 
     plan: FramePlan
-    first: torch.Tensor
+    message: Message  # the first message's buffer, and what was made from it
     promised: torch.Tensor | None  # posted with the first message: the payload, or zeros
     header: torch.Tensor | None  # the spilled header, when it did not fit
     payload: torch.Tensor | None  # the payload, when it travels on its own
@@ -243,7 +243,7 @@ class Sender:
             promised = payload
         elif frame.promised:  # a promise this frame cannot keep: its receivers drop these
             promised = torch.zeros(frame.promised, dtype=torch.uint8, device=self._device)
-        return Outgoing(frame, message.buffer, promised, spilled, separate)
+        return Outgoing(frame, message, promised, spilled, separate)
 
     # -- phase 2: the collectives --------------------------------------------------------
 
@@ -252,14 +252,15 @@ class Sender:
         wire, root = self._group.wire, self._root
         self._promises.record(out.plan)
         try:
-            if out.promised is not None:  # receivers posted it with the first message
-                promised = wire.payload(out.promised, root, timeout)
-                wire.head(out.first, root, timeout)
+            # Receivers posted a promised payload with the first message.
+            promised = None if out.promised is None else wire.payload(out.promised, root, timeout)
+            head = wire.head(out.message.buffer, root, timeout)
+            out.message.detach_ahead()  # see _receiver, NOTE [ Views made ahead ]
+            head.wait(timeout)
+            if promised is not None:
                 promised.wait(timeout)
-            else:
-                wire.head(out.first, root, timeout)
             if out.header is not None:
-                wire.head(out.header, root, timeout)
+                wire.head(out.header, root, timeout).wait(timeout)
             if out.payload is not None:
                 wire.payload(out.payload, root, timeout).wait(timeout)
         except RuntimeError as e:  # from the collective: a peer died or timed out

@@ -22,10 +22,11 @@ broadcast for a worker thread on every rank, and for a small message that hop is
 a third of its time (see ``docs/design.md``). The source sends one receiver after
 another, so large groups keep gloo's broadcast tree.
 
-Ranks here are *group-local*. A head returns once its message has moved; a payload
-returns a handle to ``wait`` on, so that a promised payload can be posted together with
-its first message (see ``_promise``). A failure or a timeout raises ``RuntimeError``
-from torch, which the caller turns into a broken channel.
+Ranks here are *group-local*. Both return a handle to ``wait`` on once the message is
+posted: a promised payload is posted together with its first message (see
+``_promise``), and a rank does work of its own while a head is on the wire (see
+``_receiver``, NOTE [ Views made ahead ]). A failure or a timeout raises
+``RuntimeError`` from torch, which the caller turns into a broken channel.
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ class Wire(Protocol):
     device: torch.device
     size: int
 
-    def head(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> None:
-        """Move a head from ``root`` to every rank (``tensor`` is read there, written
-        elsewhere)."""
+    def head(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Posted:
+        """Post a head's move from ``root`` to every rank (``tensor`` is read there,
+        written elsewhere) and return at once; it has moved once waited for."""
         ...
 
     def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Posted:
@@ -119,18 +120,13 @@ class GlooWire:
             opts = self._options[key] = _broadcast_options(root, timeout)
         return opts
 
-    def head(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> None:
+    def head(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Posted:
         gloo = self._gloo
         if not self._sends:
-            gloo.broadcast([tensor], self._opts(root)).wait(timeout)
-        elif self.rank == root:
-            works = []  # posted to every receiver, then waited for
-            for peer in self._peers:
-                works.append(gloo.send([tensor], peer, _TAG))
-            for work in works:
-                work.wait(timeout)
-        else:
-            gloo.recv([tensor], root, _TAG).wait(timeout)
+            return gloo.broadcast([tensor], self._opts(root))  # type: ignore[no-any-return]
+        if self.rank == root:
+            return _All([gloo.send([tensor], peer, _TAG) for peer in self._peers])
+        return gloo.recv([tensor], root, _TAG)  # type: ignore[no-any-return]
 
     def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Posted:
         # One posted with the first message waits for that as well: the collective's own
@@ -162,6 +158,17 @@ class NcclWire(GlooWire):
         _ABORTED.append(self._nccl)
         super().abort()
         _abort(self._nccl)
+
+
+class _All:
+    """Messages posted to every receiver, waited for together."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        for work in self._works:
+            work.wait(timeout)
 
 
 class _StreamWait:

@@ -855,7 +855,7 @@ def test_first_messages_carry_no_stale_bytes() -> None:
     problems = []
 
     def check(what: str, out: Any) -> None:
-        problems.extend(f"{what}: {p}" for p in first_message_problems(out.first))
+        problems.extend(f"{what}: {p}" for p in first_message_problems(out.message.buffer))
         group.capacity = out.plan.next_capacity  # what a sent frame does
 
     for step, (name, tree) in enumerate(frames):  # batch after batch
@@ -926,7 +926,7 @@ def test_heads_are_sends_on_small_gloo_groups_only() -> None:
                 gloo = _FakeGloo(size)
                 wire = _wire.GlooWire(gloo, rank)
                 assert wire.size == size and wire.device == torch.device("cpu")
-                wire.head(tensor, root, timeout)
+                wire.head(tensor, root, timeout).wait(timeout)
                 heads = [op for op in gloo.log if op[0] != "wait"]
                 if size > most:
                     assert heads == [("broadcast", root)], (size, rank, root)
@@ -943,7 +943,7 @@ def test_heads_are_sends_on_small_gloo_groups_only() -> None:
 def test_heads_wait_for_every_send_with_the_timeout() -> None:
     gloo = _FakeGloo(4)
     timeout = datetime.timedelta(seconds=3)
-    _wire.GlooWire(gloo, 0).head(torch.zeros(8, dtype=torch.uint8), 0, timeout)
+    _wire.GlooWire(gloo, 0).head(torch.zeros(8, dtype=torch.uint8), 0, timeout).wait(timeout)
     sends = [("send", p) for p in (1, 2, 3)]
     # Posted together, then waited for: a slow receiver does not hold up the sends after it.
     assert gloo.log == sends + [("wait", op, timeout) for op in sends]

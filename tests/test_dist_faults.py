@@ -447,10 +447,7 @@ def _wire_hook(
         posted = real(wire, tensor, root, timeout)
         if after is None:
             return posted
-        if posted is None:  # a head: it has moved
-            after(wire, tensor, root)
-            return None
-        return _Then(posted, lambda: after(wire, tensor, root))  # a payload: once waited for
+        return _Then(posted, lambda: after(wire, tensor, root))  # once it has moved
 
     setattr(_wire.GlooWire, name, call)
     try:
@@ -460,7 +457,7 @@ def _wire_hook(
 
 
 class _Then:
-    """A posted payload that runs ``then`` once it has been waited for."""
+    """A posted message that runs ``then`` once it has been waited for."""
 
     def __init__(self, posted: Any, then: Callable[[], None]) -> None:
         self._posted, self._then = posted, then

@@ -59,16 +59,20 @@ class FakeWire:
             self.corrupt_next_payload = False
             tensor[0] ^= 1
 
-    def head(self, tensor: torch.Tensor, root: int, timeout: Any) -> None:
-        self._move("head", tensor, root, timeout)
+    def head(self, tensor: torch.Tensor, root: int, timeout: Any) -> Any:
+        return self._post("head", tensor, root, timeout)
 
     def payload(self, tensor: torch.Tensor, root: int, timeout: Any) -> Any:
+        return self._post("payload", tensor, root, timeout)
+
+    def _post(self, what: str, tensor: torch.Tensor, root: int, timeout: Any) -> Any:
+        """A source's message goes at once; a receiver's arrives when waited for."""
         if self.rank == root:
-            self._move("payload", tensor, root, timeout)
+            self._move(what, tensor, root, timeout)
             return _Posted(lambda: None)
         if self.aborted:
             raise RuntimeError("the group was aborted")
-        return _Posted(lambda: self._move("payload", tensor, root, timeout))
+        return _Posted(lambda: self._move(what, tensor, root, timeout))
 
     def abort(self) -> None:
         self.aborted = True
@@ -184,7 +188,7 @@ def test_no_stale_bytes_in_a_reused_first_message() -> None:
     long, short = {"s": "x" * 600, "t": torch.ones(3)}, {"t": torch.ones(3)}
     sender.data(long, Stamp(1, 0, 0), None)
     out, _ = sender.data(short, Stamp(1, 0, 1), None)
-    data = out.first.numpy().tobytes()
+    data = out.message.buffer.numpy().tobytes()
     prefix = _frame.Prefix.unpack(data, len(data))
     head_end = PREFIX_SIZE + prefix.header_len
     inline_at = len(data) - 64

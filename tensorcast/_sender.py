@@ -255,7 +255,8 @@ class Sender:
             # Receivers posted a promised payload with the first message.
             promised = None if out.promised is None else wire.payload(out.promised, root, timeout)
             head = wire.head(out.message.buffer, root, timeout)
-            out.message.detach_ahead()  # see _receiver, NOTE [ Views made ahead ]
+            if out.plan.inline:  # the next frame like it views this message again
+                out.message.detach_ahead()  # see _receiver, NOTE [ Views made ahead ]
             head.wait(timeout)
             if promised is not None:
                 promised.wait(timeout)

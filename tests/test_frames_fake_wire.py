@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tensorcast import _frame
 from tensorcast._errors import DesyncError, HeaderError, PeerError
@@ -146,6 +148,41 @@ def test_inline_separate_and_spilled_frames_rebuild_and_grow_alike() -> None:
         assert kinds == [["head"], ["head", "payload"], ["head", "head"], ["head"]][step]
         assert rgroup.capacity == sender._group.capacity
     assert rgroup.capacity > _frame.INITIAL_CAPACITY
+
+
+# Layouts of one payload size and one cut, so that each lands where the last one did.
+_SAME_SIZE = [
+    lambda v: {"a": torch.full((16,), float(v))},
+    lambda v: {"a": torch.full((16,), v, dtype=torch.int32)},
+    lambda v: {"a": torch.full((4, 4), float(v))},
+    lambda v: {"b": torch.full((64,), v % 2 == 0)},
+    lambda v: {"a": torch.full((8,), v, dtype=torch.int16), "b": torch.full((8,), float(v))},
+]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(_SAME_SIZE) - 1), st.booleans()), max_size=12))
+def test_leaves_made_ahead_are_never_another_layouts_or_a_held_batchs(
+    steps: list[tuple[int, bool]],
+) -> None:
+    """Law: whatever the order of layouts that share a first message, and whichever
+    batches the caller keeps, both ranks get each batch as sent (dtype, shape, values), and
+    a batch kept stays as it was while later frames go by."""
+    sender, receiver, *_ = pair()
+    held: list[tuple[Any, Any, Any]] = []
+    for step, (layout, hold) in enumerate(steps):
+        tree = _SAME_SIZE[layout](step)
+        own, (kind, got) = transfer(sender, receiver, tree, Stamp(3, 0, step))
+        assert kind == Kind.DATA
+        for out in (own, got):
+            assert list(out) == list(tree)
+            for key, want in tree.items():
+                assert out[key].dtype == want.dtype and torch.equal(out[key], want)
+        if hold:
+            held.append((tree, own, got))
+    for tree, own, got in held:
+        for key, want in tree.items():
+            assert torch.equal(own[key], want) and torch.equal(got[key], want)
 
 
 def test_end_and_error_frames() -> None:

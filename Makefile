@@ -37,7 +37,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not dist"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check tensorcast tests benchmarks
+	$(VENV)/bin/ruff check tensorcast tests benchmarks examples
 	$(VENV)/bin/ruff format --check tensorcast
 	$(VENV)/bin/mypy
 

@@ -11,7 +11,9 @@ key numbered by how many setups that set of ranks has agreed on, then reads ever
 else's, within the timeout. Ranks that disagree (other axes, mesh, source, ``prefetch``,
 format version) all raise ``DesyncError`` naming both sides; a rank that never comes is
 named too. Only then are groups created, so a disagreement never hangs inside group
-creation. The store is also where a source keeps its heartbeat (see ``_liveness``).
+creation. The last rank through an agreement deletes its keys (every rank has read them
+by then), so a job that builds a loader per epoch does not grow the store. The store is
+also where a source keeps its heartbeat (see ``_liveness``).
 
 The groups are raw c10d backends over a prefix of the default store, owned here and torn
 down with the default group: a loader built per epoch makes no new group or thread.
@@ -21,6 +23,7 @@ re-initialises the default group gets a new one).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -154,6 +157,7 @@ class World:
                     f"build it with the same arguments"
                 )
         self._ready(base, scope, what, timeout)
+        self._forget(base, scope)
         digest = hashlib.blake2b(base.encode(), digest_size=4).digest()
         return int.from_bytes(digest, "little"), {r: v["extra"] for r, v in theirs.items()}
 
@@ -180,6 +184,18 @@ class World:
                     f"confirm within {timeout.total_seconds():g} s"
                 )
             time.sleep(0.002)
+
+    def _forget(self, base: str, scope: tuple[int, ...]) -> None:
+        """Delete an agreement's keys once every rank of ``scope`` is through it: the one
+        that counts last does it. A failed agreement keeps its keys (they name who was
+        missing, for a rank that comes late)."""
+        done = base + "done"
+        if self.store.add(done, 1) != len(scope):
+            return
+        keys = [base + str(r) for r in scope] + [base + f"ready/{r}" for r in scope]
+        for key in [*keys, done]:
+            with contextlib.suppress(RuntimeError):  # a store that cannot delete keeps them
+                self.store.delete_key(key)
 
     # -- groups ----------------------------------------------------------------------
 

@@ -526,6 +526,28 @@ def _rank_dp_slots(rank: int, world: int) -> list[list[tuple[int, int]]]:
     return passes
 
 
+def _rank_agreements_leave_no_keys(rank: int, world: int) -> int:
+    """Loaders built again and again do not grow the store: the last rank through each
+    agreement deletes its keys. Returns how many keys the store gained."""
+    store = dist.distributed_c10d._get_default_store()
+    group = dist.group.WORLD
+
+    def build_and_run() -> None:
+        loader = tc.BroadcastingDataLoader(
+            [{"step": s} for s in range(3)] if rank == 0 else None, group=group, src=0
+        )
+        assert [b["step"] for b in loader] == [0, 1, 2]
+        assert tc.broadcast({"x": 1} if rank == world - 1 else None, world - 1) == {"x": 1}
+
+    build_and_run()  # makes the groups and starts the heartbeats: keys that stay
+    dist.barrier()
+    before = store.num_keys()
+    for _ in range(4):
+        build_and_run()
+    dist.barrier()
+    return store.num_keys() - before
+
+
 def _with_audio(rank: int, world: int, floats: int, fn: Any, *args: Any) -> tuple[Any, int]:
     """``fn`` with ``floats`` of audio in every batch: a payload that follows the first
     message, one after another of the same layout. Returns what ``fn`` returned, and how
@@ -622,6 +644,12 @@ def test_packed_collate_with_worker_processes_as_the_source(pool2: Any) -> None:
 def test_a_dropped_batch_is_freed_at_once(pool2: Any) -> None:
     for rank, held in enumerate(pool2.run(_rank_lets_go, timeout=TIMEOUT)):
         assert held == [], f"rank {rank} kept {held} alive after the caller dropped them"
+
+
+def test_agreements_leave_no_keys_in_the_store(pool2: Any) -> None:
+    # Keys that earlier checks left behind may go meanwhile; none may come.
+    growth = pool2.run(_rank_agreements_leave_no_keys, timeout=TIMEOUT)
+    assert all(n <= 0 for n in growth), growth
 
 
 def test_every_dp_slot_iterates_its_own_data(pool8: Any) -> None:

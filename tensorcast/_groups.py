@@ -58,6 +58,11 @@ def world() -> World:
         return state
 
 
+def _ready_keys(base: str, scope: tuple[int, ...]) -> list[str]:
+    """The keys of an agreement's second round, one per rank."""
+    return [base + f"ready/{r}" for r in scope]
+
+
 def _ranks_name(ranks: Sequence[int]) -> str:
     text = "-".join(map(str, ranks))
     return text if len(text) <= 48 else hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
@@ -157,7 +162,7 @@ class World:
                     f"build it with the same arguments"
                 )
         self._ready(base, scope, what, timeout)
-        self._forget(base, scope)
+        self._forget(base, [*keys, *_ready_keys(base, scope)], len(scope))
         digest = hashlib.blake2b(base.encode(), digest_size=4).digest()
         return int.from_bytes(digest, "little"), {r: v["extra"] for r, v in theirs.items()}
 
@@ -167,7 +172,7 @@ class World:
         """The agreement's second round: every rank says it agreed, so that none goes on to
         make groups with a rank that gave up waiting for the first (it says so instead)."""
         self.store.set(base + f"ready/{self.rank}", "1")
-        ready = [base + f"ready/{r}" for r in scope]
+        ready = _ready_keys(base, scope)
         abandoned = base + "abandoned"
         deadline = time.monotonic() + timeout.total_seconds()
         while not self.store.check(ready):
@@ -185,14 +190,13 @@ class World:
                 )
             time.sleep(0.002)
 
-    def _forget(self, base: str, scope: tuple[int, ...]) -> None:
-        """Delete an agreement's keys once every rank of ``scope`` is through it: the one
+    def _forget(self, base: str, keys: list[str], ranks: int) -> None:
+        """Delete an agreement's ``keys`` once all its ``ranks`` are through it: the one
         that counts last does it. A failed agreement keeps its keys (they name who was
         missing, for a rank that comes late)."""
         done = base + "done"
-        if self.store.add(done, 1) != len(scope):
+        if self.store.add(done, 1) != ranks:
             return
-        keys = [base + str(r) for r in scope] + [base + f"ready/{r}" for r in scope]
         for key in [*keys, done]:
             with contextlib.suppress(RuntimeError):  # a store that cannot delete keeps them
                 self.store.delete_key(key)

@@ -40,6 +40,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check tensorcast tests benchmarks examples
 	$(VENV)/bin/ruff format --check tensorcast
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_broadcast.py --json bench-results/broadcast.json --png bench-results/broadcast.png

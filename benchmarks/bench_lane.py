@@ -35,7 +35,7 @@ METHODS = ("worker", "inline", "floor")
 
 def _rank(rank: int, world: int, iters: int) -> dict[str, list[float]]:
     import tensorcast as tc
-    from tensorcast import _broadcast
+    from tensorcast.loader import broadcast as _broadcast
 
     tree = {"x": torch.arange(4.0), "ids": [1, 2, 3], "name": "utt-000001"}
     mine = tree if rank == 0 else None

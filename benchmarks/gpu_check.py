@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import tensorcast as tc
-from tensorcast._dtypes import TORCH_CODES
+from tensorcast.codec.dtypes import TORCH_CODES
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

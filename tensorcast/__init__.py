@@ -8,9 +8,6 @@ Nothing is pickled: receivers never execute bytes from the wire.
 
 from __future__ import annotations
 
-from tensorcast._broadcast import broadcast, broadcast_batch
-from tensorcast._codec import Packed, pack, read_header, unpack
-from tensorcast._collate import packed_collate
 from tensorcast._errors import (
     DesyncError,
     HeaderError,
@@ -19,10 +16,13 @@ from tensorcast._errors import (
     TensorcastError,
     UnsupportedLeafError,
 )
-from tensorcast._loader import BroadcastingDataLoader
-from tensorcast._mesh import dp_rank_and_size, is_dp_source_rank
-from tensorcast._registry import register_type
-from tensorcast._schema import FORMAT_VERSION, LeafSpec, Schema
+from tensorcast.codec.collate import packed_collate
+from tensorcast.codec.packed import Packed, pack, read_header, unpack
+from tensorcast.codec.registry import register_type
+from tensorcast.codec.schema import FORMAT_VERSION, LeafSpec, Schema
+from tensorcast.loader.broadcast import broadcast, broadcast_batch
+from tensorcast.loader.dataloader import BroadcastingDataLoader
+from tensorcast.loader.mesh import dp_rank_and_size, is_dp_source_rank
 
 __version__ = "0.2.0"
 

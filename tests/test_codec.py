@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import tensorcast as tc
-from tensorcast._codec import plan
-from tensorcast._dtypes import NUMPY_CODES, TORCH_CODES
+from tensorcast.codec.dtypes import NUMPY_CODES, TORCH_CODES
+from tensorcast.codec.packed import plan
 
 # --------------------------------------------------------------------------- helpers
 

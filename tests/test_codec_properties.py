@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 from test_codec import assert_same, is_view_into, tensors_of
 
 import tensorcast as tc
-from tensorcast import _codec, _schema, _tree
-from tensorcast._dtypes import NUMPY_CODES, TORCH_CODES
-from tensorcast._tree import INLINE_LIMIT
+from tensorcast.codec import flatten as _flatten
+from tensorcast.codec import packed as _codec
+from tensorcast.codec import schema as _schema
+from tensorcast.codec.dtypes import NUMPY_CODES, TORCH_CODES
+from tensorcast.codec.flatten import INLINE_LIMIT
 
 SETTINGS = settings(deadline=None, print_blob=True, max_examples=150)
 
@@ -309,5 +311,5 @@ def test_the_per_step_values_encoder_writes_what_json_writes(tree: Any) -> None:
     """Law: for any tree's small values, the encoder made once for every step writes the
     very text of the reference ``JSONEncoder``: the header's bytes do not depend on which
     of the two a Python has."""
-    values = _tree.flatten(tree)[1]
+    values = _flatten.flatten(tree)[1]
     assert _schema._encode_values(values) == _schema._dumps(values)

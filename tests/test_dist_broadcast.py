@@ -30,8 +30,11 @@ from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import init_device_mesh
 
 import tensorcast as tc
-from tensorcast import _frame, _groups, _sender, _wire
-from tensorcast._frame import PREFIX_SIZE, Flags, Prefix, plan_frame
+from tensorcast.transport import frame as _frame
+from tensorcast.transport import groups as _groups
+from tensorcast.transport import sender as _sender
+from tensorcast.transport import wire as _wire
+from tensorcast.transport.frame import PREFIX_SIZE, Flags, Prefix, plan_frame
 
 TIMEOUT = 120.0
 
@@ -281,7 +284,7 @@ CASES: dict[str, Callable[[], Any]] = {
 
 
 # (case, head messages, payload messages): how each of these batches travels. Heads are
-# the first message and, when it did not fit, the header on its own (see ``_frame``).
+# the first message and, when it did not fit, the header on its own (see ``transport.frame``).
 MESSAGES = [("tiny", 1, 0), ("large", 1, 1), ("big_header", 2, 0)]
 
 
@@ -859,16 +862,16 @@ def test_first_messages_carry_no_stale_bytes() -> None:
         group.capacity = out.plan.next_capacity  # what a sent frame does
 
     for step, (name, tree) in enumerate(frames):  # batch after batch
-        check(name, sender.data(tree, _sender.Stamp(1, 0, step), None)[0])
+        check(name, sender.data(tree, _frame.Stamp(1, 0, step), None)[0])
     for step, (name, tree) in enumerate(frames):  # with the end of a pass, or a failure
-        stamp = _sender.Stamp(1, 1, step)
+        stamp = _frame.Stamp(1, 1, step)
         check(f"{name}, pass 1", sender.data(tree, stamp, None)[0])
         check(f"END after {name}", sender.end(stamp))
         check(f"{name} after an END", sender.data(tree, stamp, None)[0])
         check(f"ERROR after {name}", sender.error("x" * (step % 7), stamp))
     held: list[Any] = []  # batches kept a while, as a consumer may: first messages rotate
     for step, (name, tree) in enumerate(frames * 2):
-        out, own = sender.data(tree, _sender.Stamp(1, 2, step), None)
+        out, own = sender.data(tree, _frame.Stamp(1, 2, step), None)
         check(f"{name}, with {len(held)} batches held", out)
         held = [*held[-(step % 3) :], own] if step % 3 else [own]
     assert problems == []

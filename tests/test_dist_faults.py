@@ -37,8 +37,11 @@ from test_codec import assert_same, tensor_bytes
 from torch.distributed.device_mesh import init_device_mesh
 
 import tensorcast as tc
-from tensorcast import _codec, _frame, _schema, _wire
-from tensorcast._frame import FRAMES_VERSION, PREFIX_SIZE, Flags, Prefix, plan_frame
+from tensorcast.codec import packed as _codec
+from tensorcast.codec import schema as _schema
+from tensorcast.transport import frame as _frame
+from tensorcast.transport import wire as _wire
+from tensorcast.transport.frame import FRAMES_VERSION, PREFIX_SIZE, Flags, Prefix, plan_frame
 
 TIMEOUT = 5.0  # the channel's timeout in the fault scenarios, seconds
 MARGIN = 30.0  # slack for a loaded 2-core machine

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import tensorcast as tc
-from tensorcast import _groups, _wire
+from tensorcast.transport import groups as _groups
+from tensorcast.transport import wire as _wire
 
 TIMEOUT = 120.0
 N = 5  # batches per pass
@@ -179,7 +180,7 @@ def _wait_until_waiting_for_a_job(ident: int, limit_s: float = 10.0) -> None:
     while time.monotonic() < deadline:
         frame = sys._current_frames().get(ident)
         while frame is not None:
-            if frame.f_code.co_name == "result" and frame.f_code.co_filename.endswith("_lane.py"):
+            if frame.f_code.co_name == "result" and frame.f_code.co_filename.endswith("transport/lane.py"):
                 return
             frame = frame.f_back
         time.sleep(0.001)

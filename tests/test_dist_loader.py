@@ -20,7 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 import tensorcast as tc
-from tensorcast import _groups, _wire
+from tensorcast.transport import groups as _groups
+from tensorcast.transport import wire as _wire
 
 TIMEOUT = 120.0
 # Loaders whose ranks could fall out of step get a collective timeout, so a desync fails

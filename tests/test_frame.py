@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorcast as tc
-from tensorcast import _frame
-from tensorcast._frame import (
+from tensorcast.transport import frame as _frame
+from tensorcast.transport.frame import (
     FRAMES_VERSION,
     INITIAL_CAPACITY,
     MAX_CAPACITY,

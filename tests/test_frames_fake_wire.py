@@ -17,13 +17,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorcast import _frame
 from tensorcast._errors import DesyncError, HeaderError, PeerError
-from tensorcast._frame import PREFIX_SIZE, Kind
-from tensorcast._groups import Group
-from tensorcast._lane import Lane
-from tensorcast._receiver import Receiver
-from tensorcast._sender import Sender, Stamp
+from tensorcast.transport import frame as _frame
+from tensorcast.transport.frame import PREFIX_SIZE, Kind, Stamp
+from tensorcast.transport.groups import Group
+from tensorcast.transport.lane import Lane
+from tensorcast.transport.receiver import Receiver
+from tensorcast.transport.sender import Sender
 
 TIMEOUT = datetime.timedelta(seconds=10)
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from test_codec import assert_same
 
 import tensorcast as tc
-from tensorcast import _schema
+from tensorcast.codec import schema as _schema
 
 SETTINGS = settings(deadline=None, print_blob=True, max_examples=300)
 ATTACKS = Path(__file__).resolve().parent / "attacks"

@@ -29,7 +29,7 @@ from lhotse.cut import Cut, MixedCut, PaddingCut
 from lhotse.supervision import AlignmentItem
 
 import tensorcast as tc
-from tensorcast import _schema
+from tensorcast.codec import schema as _schema
 
 SR = 8000
 

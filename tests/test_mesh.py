@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorcast as tc
-from tensorcast import _mesh
+from tensorcast.loader import mesh as _mesh
 
 
 class Axis:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorcast._pool import BufferPool, FramePool
+from tensorcast.transport.pool import BufferPool, FramePool
 
 CPU = torch.device("cpu")
 
@@ -45,7 +45,7 @@ def test_idle_buffers_not_reused_lately_are_dropped_but_busy_ones_stay() -> None
     held = pool.take(5 << 20, CPU)
     for _ in range(100):
         pool.take(5000, CPU)
-    capacities = sorted(e.capacity for e in pool._buffers[(CPU, False)])
+    capacities = sorted(e.capacity for e in pool._buffers[CPU])
     assert max(capacities) < 10 << 20  # the rare 10 MiB buffer is gone
     assert any(c >= 5 << 20 for c in capacities)  # the held one is still tracked
     del held

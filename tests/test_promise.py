@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorcast import _promise
-from tensorcast._frame import INITIAL_CAPACITY, FramePlan, plan_frame
-from tensorcast._promise import Promises
+from tensorcast.transport import promise as _promise
+from tensorcast.transport.frame import INITIAL_CAPACITY, FramePlan, plan_frame
+from tensorcast.transport.promise import Promises
 
 # Payload sizes: none, inline at the initial capacity, and three that travel alone.
 SIZES = [0, 64, 100_000, 300_000, 1 << 20]

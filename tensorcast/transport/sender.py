@@ -6,7 +6,7 @@ Two phases, so that a frame is atomic (NOTE [ A frame is atomic ]):
    flatten, detach, allocate, copy, write the first message and build this rank's own
    tree. Nothing has been sent, so a failure can still be announced with an ERROR frame.
 2. :meth:`Sender.send` runs the collectives, and nothing else. A failure there breaks
-   the lane (see ``_lane``), so no rank can ever read a frame that is half old, half new.
+   the lane (see ``transport.lane``), so no rank can ever read a frame that is half old, half new.
 
 # NOTE [ A frame is atomic ]
 Every frame is posted whole by one job on the lane's worker thread. A signal handler
@@ -18,41 +18,35 @@ the same tree (detached, not inference tensors) or none of them does.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tensorcast import _codec, _schema
-from tensorcast._codec import Packed
 from tensorcast._errors import PeerError
-from tensorcast._frame import (
+from tensorcast.codec import packed as _codec
+from tensorcast.codec import schema as _schema
+from tensorcast.codec.packed import Packed
+from tensorcast.codec.views import KeepsViews
+from tensorcast.transport.frame import (
     MAX_ERROR_BYTES,
     PREFIX_SIZE,
     Flags,
     FramePlan,
     Kind,
     Prefix,
+    Stamp,
+    crc32,
     plan_frame,
 )
-from tensorcast._groups import Group
-from tensorcast._pool import BufferPool, FramePool, KeepsViews, Message
-from tensorcast._promise import Promises
+from tensorcast.transport.groups import Group
+from tensorcast.transport.pool import BufferPool, FramePool, Message
+from tensorcast.transport.promise import Promises
 
-__all__ = ["Outgoing", "Sender", "Stamp", "crc32"]
+__all__ = ["Outgoing", "Sender"]
 
 # A pre-packed buffer up to this size is copied into a pooled one (see Sender._prepacked).
 _COPY_BELOW = 1 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class Stamp:
-    """Which frame this is: the channel, the loader's pass, the step within it."""
-
-    channel: int
-    pass_index: int
-    step: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +58,6 @@ class Outgoing:
     promised: torch.Tensor | None  # posted with the first message: the payload, or zeros
     header: torch.Tensor | None  # the spilled header, when it did not fit
     payload: torch.Tensor | None  # the payload, when it travels on its own
-
-
-def crc32(buffer: torch.Tensor) -> int:
-    return zlib.crc32(buffer.cpu().numpy().data) if buffer.numel() else 0
 
 
 class Sender:

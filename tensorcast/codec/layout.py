@@ -11,10 +11,10 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-from tensorcast import _schema
-from tensorcast._dtypes import CODE_ITEMSIZE
-from tensorcast._flatten import BufferLeaf
-from tensorcast._views import ViewSpec
+from tensorcast.codec import schema as _schema
+from tensorcast.codec.dtypes import CODE_ITEMSIZE
+from tensorcast.codec.flatten import BufferLeaf
+from tensorcast.codec.views import ViewSpec
 
 __all__ = ["DEFAULT_ALIGN", "KIND", "Layout", "lay_out"]
 

@@ -7,7 +7,7 @@ Layout (all integers little-endian)::
     4       2     format version (u16), currently 2
     6       2     flags (u16), must be 0 in version 2
     8       4     body length in bytes (u32), at most MAX_HEADER_BYTES
-    12      n     body (see ``_schema``)
+    12      n     body (see ``codec.schema``)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A header's small values and dict keys, decoded from their tokens and validated.
 
-The tokens are those ``_flatten`` writes (``_tree`` lists them); a peer may send
+The tokens are those ``codec.flatten`` writes (``_tree`` lists them); a peer may send
 anything, so each one is checked and an invalid one is a :class:`HeaderError`.
 """
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from tensorcast._dtypes import NUMPY_CODES
 from tensorcast._errors import HeaderError
+from tensorcast.codec.dtypes import NUMPY_CODES
 
 __all__ = ["decode_key", "decode_values"]
 

@@ -18,16 +18,15 @@ from typing import Any, overload
 
 import torch
 
-from tensorcast import _schema
-from tensorcast._build import Program, compile_tokens, run
 from tensorcast._errors import HeaderError
-from tensorcast._layout import DEFAULT_ALIGN, Layout
-from tensorcast._paths import render_path
-from tensorcast._plan import PackPlan, plan
-from tensorcast._pool import KeepsViews
-from tensorcast._schema import LeafSpec, Schema
-from tensorcast._values import decode_values
-from tensorcast._views import ViewSpec, view_spec, views
+from tensorcast.codec import schema as _schema
+from tensorcast.codec.build import Program, compile_tokens, run
+from tensorcast.codec.layout import DEFAULT_ALIGN, Layout
+from tensorcast.codec.paths import render_path
+from tensorcast.codec.plan import PackPlan, plan
+from tensorcast.codec.schema import LeafSpec, Schema
+from tensorcast.codec.values import decode_values
+from tensorcast.codec.views import KeepsViews, ViewSpec, view_spec, views
 
 __all__ = [
     "DEFAULT_ALIGN",

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorcast import _groups, _mesh
-from tensorcast._channel import Channel, group_ranks, open_channel, raise_for, to_timedelta
-from tensorcast._codec import Packed, resolve_device, unpack
+from tensorcast.codec.packed import Packed, resolve_device, unpack
+from tensorcast.loader import mesh as _mesh
+from tensorcast.transport import groups as _groups
+from tensorcast.transport.channel import Channel, group_ranks, open_channel, raise_for, to_timedelta
 
 __all__ = ["broadcast", "broadcast_batch", "mesh_channel", "unpack_if_packed"]
 

@@ -12,10 +12,10 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
-from tensorcast import _registry
 from tensorcast._errors import HeaderError
-from tensorcast._paths import Path, render_path
-from tensorcast._values import decode_key
+from tensorcast.codec import registry as _registry
+from tensorcast.codec.paths import Path, render_path
+from tensorcast.codec.values import decode_key
 
 __all__ = ["Program", "compile_tokens", "run"]
 

@@ -11,7 +11,7 @@ the receivers cut a frame the same way by construction::
     +--------+--------------------+-------- zeros --------+-----------------+
     0        PREFIX.size                          payload_at         capacity
 
-    posted with it where the frame was promised (flag PROMISED, see ``_promise``):
+    posted with it where the frame was promised (flag PROMISED, see ``transport.promise``):
       the promised message: the payload when it is separate and of the promised
       size, else that many zeros
 
@@ -44,11 +44,14 @@ from __future__ import annotations
 
 import functools
 import struct
+import zlib
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
 
-from tensorcast import _framing
+import torch
+
 from tensorcast._errors import HeaderError
+from tensorcast.codec import framing as _framing
 
 __all__ = [
     "FRAMES_VERSION",
@@ -61,6 +64,8 @@ __all__ = [
     "FramePlan",
     "Kind",
     "Prefix",
+    "Stamp",
+    "crc32",
     "plan_frame",
 ]
 
@@ -225,7 +230,7 @@ def plan_frame(
 
     ``inline_ok`` is False where payloads live on a GPU: a first message travels on a
     host group there, so the payload always follows on the device group. ``promised``
-    is what :class:`tensorcast._promise.Promises` says of this frame.
+    is what :class:`tensorcast.transport.promise.Promises` says of this frame.
     """
     head = PREFIX_SIZE + header_len
     spill = head > capacity
@@ -254,3 +259,17 @@ def plan_frame(
         promised=promised,
         in_promise=in_promise,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Stamp:
+    """Which frame this is (checked by receivers against the prefix): the channel, the loader's pass, the step within it."""
+
+    channel: int
+    pass_index: int
+    step: int
+
+
+def crc32(buffer: torch.Tensor) -> int:
+    """The CRC32 of a payload's bytes (``Flags.CRC``), 0 for an empty one."""
+    return zlib.crc32(buffer.cpu().numpy().data) if buffer.numel() else 0

@@ -7,15 +7,14 @@ the buffer (pooled, pinned, on a GPU) once it knows the size.
 
 from __future__ import annotations
 
-from collections.abc import Container
 from typing import Any
 
 import numpy as np
 import torch
 
-from tensorcast import _schema
-from tensorcast._flatten import BufferLeaf, flatten
-from tensorcast._layout import DEFAULT_ALIGN, KIND, Layout, lay_out
+from tensorcast.codec import schema as _schema
+from tensorcast.codec.flatten import BufferLeaf, flatten
+from tensorcast.codec.layout import DEFAULT_ALIGN, KIND, Layout, lay_out
 
 __all__ = ["PackPlan", "plan"]
 
@@ -44,11 +43,7 @@ class PackPlan:
         return next((leaf[3].device for leaf in self.leaves if leaf[0] == "tensor"), _CPU)
 
     def write(
-        self,
-        buffer: torch.Tensor,
-        defer: Container[int] = (),
-        later: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-        views: list[torch.Tensor] | None = None,
+        self, buffer: torch.Tensor, views: list[torch.Tensor] | None = None
     ) -> list[torch.Tensor]:
         """Copy every leaf's bytes into ``buffer[:self.nbytes]`` at its offset.
 
@@ -57,9 +52,6 @@ class PackPlan:
 
         Args:
             buffer: at least ``nbytes`` bytes, on any device.
-            defer: indices of tensor leaves not to copy now: their ``(view, source)``
-                pairs go to ``later``, for the caller to copy when it suits it.
-            later: where deferred copies go.
             views: what an earlier call returned for this layout and this very buffer
                 (the tensor views to write through), to save making them again.
 
@@ -75,7 +67,7 @@ class PackPlan:
         # this process travels to the peers. Small or many-leaf buffers get one memset;
         # large ones (where a second pass over the data would cost) get one per gap.
         if layout.has_gaps:
-            if defer or (self.nbytes > _MEMSET_BELOW and len(leaves) <= _MEMSET_ABOVE_LEAVES):
+            if self.nbytes > _MEMSET_BELOW and len(leaves) <= _MEMSET_ABOVE_LEAVES:
                 host = _zero_each_gap(buffer, layout)
             else:
                 buffer[: self.nbytes].zero_()
@@ -86,13 +78,10 @@ class PackPlan:
             # As bytes: a bool copy would turn bytes other than 0 / 1 (masks made with
             # .view(torch.bool)) into 1, and the bytes must arrive as they are.
             srcs[j] = srcs[j].view(torch.uint8)
-        dsts = views
-        if defer:
-            dsts, srcs = _split_deferred(views, srcs, spec.tensor_index, defer, later)
-        if len(dsts) == 1:
-            dsts[0].copy_(srcs[0])
-        elif dsts:
-            torch._foreach_copy_(dsts, srcs)
+        if len(views) == 1:
+            views[0].copy_(srcs[0])
+        elif views:
+            torch._foreach_copy_(views, srcs)
         if spec.others:
             _write_others(buffer, spec.others, leaves, host)
         return views
@@ -134,26 +123,6 @@ def _zero_each_gap(buffer: torch.Tensor, layout: Layout) -> np.ndarray | None:
         else:
             buffer[start:stop].zero_()
     return host
-
-
-def _split_deferred(
-    views: list[torch.Tensor],
-    srcs: list[torch.Tensor],
-    tensor_index: list[int],
-    defer: Container[int],
-    later: list[tuple[torch.Tensor, torch.Tensor]] | None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The copies to make now, as ``(views, sources)``; the deferred leaves' pairs go to
-    ``later``."""
-    assert later is not None
-    dsts, now = [], []
-    for view, src, i in zip(views, srcs, tensor_index):
-        if i in defer:
-            later.append((view, src.detach()))  # copy_ would carry requires_grad
-        else:
-            dsts.append(view)
-            now.append(src)
-    return dsts, now
 
 
 def _write_others(

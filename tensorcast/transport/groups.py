@@ -2,7 +2,7 @@
 
 Everything tensorcast sends travels on groups it creates itself, one per set of ranks,
 never on the mesh's or the caller's group: the model's collectives and the loader's
-cannot then meet, whatever either does (see NOTE [ One ordered lane ] in ``_lane``).
+cannot then meet, whatever either does (see NOTE [ One ordered lane ] in ``transport.lane``).
 
 # NOTE [ Agreement before anything collective ]
 Before a loader or a broadcast channel makes its group, the ranks that build it
@@ -13,7 +13,7 @@ format version) all raise ``DesyncError`` naming both sides; a rank that never c
 named too. Only then are groups created, so a disagreement never hangs inside group
 creation. The last rank through an agreement deletes its keys (every rank has read them
 by then), so a job that builds a loader per epoch does not grow the store. The store is
-also where a source keeps its heartbeat (see ``_liveness``).
+also where a source keeps its heartbeat (see ``transport.liveness``).
 
 The groups are raw c10d backends over a prefix of the default store, owned here and torn
 down with the default group: a loader built per epoch makes no new group or thread.
@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 
 from tensorcast._errors import DesyncError
-from tensorcast._frame import INITIAL_CAPACITY
-from tensorcast._lane import Lane
-from tensorcast._liveness import Heartbeat
-from tensorcast._wire import GlooWire, NcclWire, Wire
+from tensorcast.transport.frame import INITIAL_CAPACITY
+from tensorcast.transport.lane import Lane
+from tensorcast.transport.liveness import Heartbeat
+from tensorcast.transport.wire import GlooWire, NcclWire, Wire
 
 __all__ = ["Group", "World", "world"]
 
@@ -76,7 +76,7 @@ class Group:
         self.wire = wire
         self.lane = lane
         #: the size of the next first message; only the lane's worker reads or sets it,
-        #: frame after frame, so it is the same on every rank (see ``_frame``)
+        #: frame after frame, so it is the same on every rank (see ``transport.frame``)
         self.capacity = INITIAL_CAPACITY
 
     def local(self, global_rank: int) -> int:

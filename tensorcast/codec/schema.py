@@ -1,7 +1,7 @@
 """The header: its body, the leaf table, and their validation.
 
-A header is framed (magic, version, flags, length: see ``_framing``) around a body of
-ASCII JSON (see ``_json``)::
+A header is framed (magic, version, flags, length: see ``codec.framing``) around a body of
+ASCII JSON (see ``codec.compact_json``)::
 
     [nbytes, align, leaves, tokens, values]
 
@@ -24,9 +24,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tensorcast import _json
-from tensorcast._dtypes import CODE_ITEMSIZE, NUMPY_CODES
-from tensorcast._framing import (
+from tensorcast.codec import compact_json as _json
+from tensorcast.codec.dtypes import CODE_ITEMSIZE, NUMPY_CODES
+from tensorcast.codec.framing import (
     FORMAT_VERSION,
     MAGIC,
     MAX_HEADER_BYTES,
@@ -35,7 +35,7 @@ from tensorcast._framing import (
     SUPPORTED_VERSIONS,
     unframe,
 )
-from tensorcast._framing import invalid as _fail
+from tensorcast.codec.framing import invalid as _fail
 
 __all__ = [
     "FORMAT_VERSION",

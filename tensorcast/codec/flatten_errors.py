@@ -1,6 +1,6 @@
 """Why a tree cannot be flattened, said with the path of the leaf at fault.
 
-The walk in ``_flatten`` keeps no paths (they cost allocations on every node): it raises
+The walk in ``codec.flatten`` keeps no paths (they cost allocations on every node): it raises
 :class:`Fail` with the object at fault and a ``report`` callable. Once the walk has
 stopped, :func:`locate` finds that object's path in the tree and ``report(path)`` raises
 the real error, naming it.
@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorcast import _registry
-from tensorcast._dtypes import CODE_OF_TORCH
 from tensorcast._errors import UnsupportedLeafError
-from tensorcast._paths import Path, render_path
+from tensorcast.codec import registry as _registry
+from tensorcast.codec.dtypes import CODE_OF_TORCH
+from tensorcast.codec.paths import Path, render_path
 
 __all__ = [
     "Fail",

@@ -42,7 +42,7 @@ _by_type: dict[type, TypeEntry] = {}
 _by_name: dict[str, TypeEntry] = {}
 
 # Types from these top-level packages get a built-in codec, imported on first use.
-_LAZY_CODECS = {"lhotse": "tensorcast._lhotse"}
+_LAZY_CODECS = {"lhotse": "tensorcast.codec.lhotse_cuts"}
 
 
 def _is_namedtuple(cls: type) -> bool:

@@ -13,7 +13,7 @@ many small leaves that repeats its layout gets each leaf as a ``detach()`` of a 
 view: a fresh tensor on the same bytes. The kept views hold references to the storage
 too; the idle count includes them, so they never make a buffer look busy.
 
-A :class:`FramePool` keeps the first messages of frames the same way (see ``_frame``):
+A :class:`FramePool` keeps the first messages of frames the same way (see ``transport.frame``):
 host buffers of exactly the frame's capacity, each with its numpy view, the inline
 payload's slice and the views of its leaves kept across frames. Between two steps a
 small batch's path runs cold (the model's own work has evicted it from the CPU's
@@ -26,12 +26,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable
-from typing import Protocol
 
 import numpy as np
 import torch
 
-__all__ = ["BufferPool", "FramePool", "KeepsViews", "Message"]
+__all__ = ["BufferPool", "FramePool", "Message"]
 
 _MIN_CAPACITY = 4096
 _LARGE = 1 << 20
@@ -98,7 +97,7 @@ class _Entry:
 
     def detach_ahead(self) -> None:
         """Make the fresh tensors of the kept views now, for the next :meth:`views` of
-        the same key, while a head is on the wire (see ``_receiver``, NOTE [ Views made
+        the same key, while a head is on the wire (see ``transport.receiver``, NOTE [ Views made
         ahead ]). Held here, they count as idle, like the kept views."""
         self.drop_ahead()
         if self.kept:
@@ -109,17 +108,6 @@ class _Entry:
         if self.ahead is not None:
             self.idle -= len(self.ahead)
             self.ahead = None
-
-
-class KeepsViews(Protocol):
-    """What keeps the views of the buffers it hands out (see :meth:`BufferPool.views`)."""
-
-    def views(
-        self,
-        buffer: torch.Tensor,
-        key: Hashable,
-        make: Callable[[torch.Tensor], list[torch.Tensor]],
-    ) -> list[torch.Tensor]: ...
 
 
 def _capacity(nbytes: int) -> int:
@@ -142,19 +130,18 @@ class BufferPool:
         self._lock = threading.Lock()
         self._takes = 0  # a clock: how many takes this pool has served
         # key -> entries, most recently used last
-        self._buffers: dict[tuple[torch.device, bool], list[_Entry]] = {}
+        self._buffers: dict[torch.device, list[_Entry]] = {}
         self._by_storage: dict[int, _Entry] = {}  # storage cdata -> its entry
 
-    def take(self, nbytes: int, device: torch.device, *, pinned: bool = False) -> torch.Tensor:
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A 1-D uint8 tensor of exactly ``nbytes`` bytes, a view into a pooled buffer."""
-        key = (device, pinned)
         limit = 2 * max(nbytes, _MIN_CAPACITY)
         # gloo's worker thread drops its reference to a finished broadcast's tensor just
         # after wait() returns; for a large buffer a short wait beats a fresh allocation.
         retries = _LARGE_RETRIES if nbytes >= _LARGE else 0
         for attempt in range(retries + 1):
             with self._lock:
-                entries = self._buffers.setdefault(key, [])
+                entries = self._buffers.setdefault(device, [])
                 if attempt == 0:
                     self._takes += 1
                     self._evict_stale(entries)
@@ -174,7 +161,7 @@ class BufferPool:
                         entries.append(best)
                     return best.buffer[:nbytes]
                 if not fits or attempt == retries:
-                    return self._allocate(entries, nbytes, device, pinned)
+                    return self._allocate(entries, nbytes, device)
             time.sleep(_RETRY_SLEEP)
         raise AssertionError("unreachable")
 
@@ -196,10 +183,8 @@ class BufferPool:
         with self._lock:
             return entry.views(buffer, key, make)
 
-    def _allocate(
-        self, entries: list[_Entry], nbytes: int, device: torch.device, pinned: bool
-    ) -> torch.Tensor:
-        buf = torch.empty(_capacity(nbytes), dtype=torch.uint8, device=device, pin_memory=pinned)
+    def _allocate(self, entries: list[_Entry], nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = torch.empty(_capacity(nbytes), dtype=torch.uint8, device=device)
         entry = _Entry(buf, self._takes)
         entries.append(entry)
         self._by_storage[entry.cdata] = entry
@@ -229,11 +214,6 @@ class BufferPool:
                 else:
                     self._forget(e)
             entries[:] = keep
-
-    def clear(self) -> None:
-        with self._lock:
-            self._buffers.clear()
-            self._by_storage.clear()
 
 
 class Message(_Entry):

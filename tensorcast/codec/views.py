@@ -1,23 +1,35 @@
 """A buffer seen as one layout's leaves: typed tensor views, host arrays, bytes, str.
 
 A :class:`ViewSpec` is worked out once per distinct leaf table; the receiver's
-:func:`views` and the sender's write (``_plan``) both go through one.
+:func:`views` and the sender's write (``codec.plan``) both go through one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from tensorcast import _schema
-from tensorcast._dtypes import CODE_ITEMSIZE, numpy_dtype, torch_dtype
 from tensorcast._errors import HeaderError
-from tensorcast._pool import KeepsViews
+from tensorcast.codec import schema as _schema
+from tensorcast.codec.dtypes import CODE_ITEMSIZE, numpy_dtype, torch_dtype
 
-__all__ = ["ViewSpec", "view_spec", "views"]
+__all__ = ["KeepsViews", "ViewSpec", "view_spec", "views"]
+
+
+class KeepsViews(Protocol):
+    """What keeps the views of the buffers it hands out, to hand them out again as fresh
+    tensors when the same buffer is viewed the same way (the transport's pools do)."""
+
+    def views(
+        self,
+        buffer: torch.Tensor,
+        key: Hashable,
+        make: Callable[[torch.Tensor], list[torch.Tensor]],
+    ) -> list[torch.Tensor]: ...
+
 
 _MAX_ITEMSIZE = max(CODE_ITEMSIZE.values())
 

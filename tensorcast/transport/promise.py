@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 
-from tensorcast._frame import FramePlan
+from tensorcast.transport.frame import FramePlan
 
 __all__ = ["Promises", "enabled"]
 

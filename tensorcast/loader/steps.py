@@ -27,13 +27,13 @@ import copy
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from tensorcast._channel import Channel
 from tensorcast._errors import SourceError
-from tensorcast._frame import Kind
-from tensorcast._lane import Job
+from tensorcast.transport.channel import Channel
+from tensorcast.transport.frame import Kind
+from tensorcast.transport.lane import Job
 
 if TYPE_CHECKING:
-    from tensorcast._loader import BroadcastingDataLoader
+    from tensorcast.loader.dataloader import BroadcastingDataLoader
 
 __all__ = ["Pass", "stateful"]
 

@@ -2,7 +2,7 @@
 
 # NOTE [ One ordered lane ]
 Collectives match by order. tensorcast's traffic runs on process groups that it owns
-(see ``_groups``), one per set of ranks, and every transfer on such a group is a *job*
+(see ``transport.groups``), one per set of ranks, and every transfer on such a group is a *job*
 in one FIFO, run by one worker thread. Jobs are submitted only from the caller's thread,
 at points that are the same on every rank (a loader's ``next()``, a
 ``tensorcast.broadcast`` call), so every rank runs the same jobs in the same order,

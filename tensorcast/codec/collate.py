@@ -12,7 +12,7 @@ from typing import Any
 
 from torch.utils.data import default_collate
 
-from tensorcast._codec import DEFAULT_ALIGN, Packed, pack
+from tensorcast.codec.packed import DEFAULT_ALIGN, Packed, pack
 
 __all__ = ["PackedCollate", "packed_collate"]
 

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorcast import _registry
-from tensorcast._dtypes import CODE_OF_TORCH, numpy_code
-from tensorcast._flatten_errors import (
+from tensorcast.codec import registry as _registry
+from tensorcast.codec.dtypes import CODE_OF_TORCH, numpy_code
+from tensorcast.codec.flatten_errors import (
     Fail,
     bad_array,
     bad_key,

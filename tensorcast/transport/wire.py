@@ -24,8 +24,8 @@ another, so large groups keep gloo's broadcast tree.
 
 Ranks here are *group-local*. Both return a handle to ``wait`` on once the message is
 posted: a promised payload is posted together with its first message (see
-``_promise``), and a rank does work of its own while a head is on the wire (see
-``_receiver``, NOTE [ Views made ahead ]). A failure or a timeout raises
+``transport.promise``), and a rank does work of its own while a head is on the wire (see
+``transport.receiver``, NOTE [ Views made ahead ]). A failure or a timeout raises
 ``RuntimeError`` from torch, which the caller turns into a broken channel.
 """
 
@@ -71,7 +71,7 @@ class Wire(Protocol):
 
     def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Posted:
         """Post a payload's move from ``root`` to every rank and return at once: a promised
-        payload is waited for after the first message (see ``_promise``). ``timeout``
+        payload is waited for after the first message (see ``transport.promise``). ``timeout``
         bounds it from now, and its ``wait`` too."""
         ...
 

@@ -15,7 +15,7 @@ leaves exactly k steps, which every rank finishes right then (their batches are 
 describes the position after the last batch *yielded*, from a snapshot taken right after
 that batch was pulled from the source.
 
-This module knows nothing of byte layouts (``_codec``) or frames (``_frame``).
+This module knows nothing of byte layouts (``codec.packed``) or frames (``transport.frame``).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorcast import _mesh
-from tensorcast._broadcast import mesh_channel, unpack_if_packed
-from tensorcast._channel import Channel, group_ranks, open_channel, to_timedelta
-from tensorcast._codec import resolve_device
-from tensorcast._lane import Job
-from tensorcast._pass import Pass, stateful
+from tensorcast.codec.packed import resolve_device
+from tensorcast.loader import mesh as _mesh
+from tensorcast.loader.broadcast import mesh_channel, unpack_if_packed
+from tensorcast.loader.steps import Pass, stateful
+from tensorcast.transport.channel import Channel, group_ranks, open_channel, to_timedelta
+from tensorcast.transport.lane import Job
 
 __all__ = ["BroadcastingDataLoader"]
 

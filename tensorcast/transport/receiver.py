@@ -8,7 +8,7 @@ cannot read); once it is in, a bad CRC is an error of that step alone.
 
 # NOTE [ Views made ahead ]
 A batch of many small leaves spends much of each rank's time making one fresh tensor per
-leaf, a ``detach()`` of the views its first message keeps (see ``_pool``). Both sides
+leaf, a ``detach()`` of the views its first message keeps (see ``transport.pool``). Both sides
 make them while a head is on the wire, where they would only wait: a receiver once it
 has posted the receive of the first message it is about to read, for the layout that
 message carried last; the source once it has posted its first message, for the next
@@ -25,14 +25,24 @@ from typing import Any
 
 import torch
 
-from tensorcast import _codec, _schema
 from tensorcast._errors import DesyncError, HeaderError, PeerError, TensorcastError
-from tensorcast._frame import PREFIX_SIZE, Flags, FramePlan, Kind, Prefix, plan_frame
-from tensorcast._groups import Group
-from tensorcast._pool import BufferPool, FramePool, KeepsViews, Message
-from tensorcast._promise import Promises
-from tensorcast._sender import Stamp, crc32
-from tensorcast._wire import Posted
+from tensorcast.codec import packed as _codec
+from tensorcast.codec import schema as _schema
+from tensorcast.codec.views import KeepsViews
+from tensorcast.transport.frame import (
+    PREFIX_SIZE,
+    Flags,
+    FramePlan,
+    Kind,
+    Prefix,
+    Stamp,
+    crc32,
+    plan_frame,
+)
+from tensorcast.transport.groups import Group
+from tensorcast.transport.pool import BufferPool, FramePool, Message
+from tensorcast.transport.promise import Promises
+from tensorcast.transport.wire import Posted
 
 __all__ = ["Receiver"]
 

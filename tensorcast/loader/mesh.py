@@ -4,7 +4,7 @@ Under TP/CP every rank of one ``(cp, tp)`` sub-mesh of a DP slot needs the same 
 The named axes that are present in the mesh with size > 1 are flattened into ONE set of
 ranks per DP slot (:func:`submesh_rows`), whose first rank (coordinate 0 on every such
 axis) is the source. Nothing here makes a process group: tensorcast's own groups over
-those ranks are made in ``_groups``.
+those ranks are made in ``transport.groups``.
 
 # NOTE [ The per-axis mesh protocol ]
 Which rank is a source, and which DP slot a rank is in, is read from a mesh-like through

@@ -11,7 +11,7 @@ dataclasses (NeMo's conversation batches are a ``CutSet`` of dataclasses), each 
 its own codec or registry entry, and comes back as a ``CutSet`` of equal items in the
 same order. Registered items are rebuilt as they are anywhere else in a batch.
 
-``tensorcast._registry`` imports this module the first time it meets a lhotse object
+``tensorcast.codec.registry`` imports this module the first time it meets a lhotse object
 (sending) or a ``lhotse.*`` name in a header (receiving); ``import tensorcast`` alone never
 imports lhotse. A rank without lhotse that receives cuts raises ``HeaderError``.
 
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from tensorcast._errors import HeaderError, UnsupportedLeafError
-from tensorcast._registry import by_type, register_codec, register_type
+from tensorcast.codec.registry import by_type, register_codec, register_type
 
 try:
     from lhotse import CutSet, MonoCut, MultiCut, Recording, SupervisionSegment

@@ -20,13 +20,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorcast import _groups, _promise, _schema
 from tensorcast._errors import SourceError
-from tensorcast._frame import FRAMES_VERSION, Kind
-from tensorcast._groups import Group, World
-from tensorcast._liveness import diagnose
-from tensorcast._receiver import Receiver
-from tensorcast._sender import Outgoing, Sender, Stamp
+from tensorcast.codec import schema as _schema
+from tensorcast.transport import groups as _groups
+from tensorcast.transport import promise as _promise
+from tensorcast.transport.frame import FRAMES_VERSION, Kind, Stamp
+from tensorcast.transport.groups import Group, World
+from tensorcast.transport.liveness import diagnose
+from tensorcast.transport.receiver import Receiver
+from tensorcast.transport.sender import Outgoing, Sender
 
 __all__ = ["Channel", "group_ranks", "open_channel", "raise_for", "to_timedelta"]
 

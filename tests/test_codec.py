@@ -22,7 +22,7 @@ import torch
 
 import tensorcast as tc
 from tensorcast.codec.dtypes import NUMPY_CODES, TORCH_CODES
-from tensorcast.codec.packed import plan
+from tensorcast.codec.packed import encode
 
 # --------------------------------------------------------------------------- helpers
 
@@ -718,12 +718,12 @@ def test_read_header_paths_of_registered_types() -> None:
 
 
 def test_offsets_beyond_4_gib_are_exact() -> None:
-    # Stride-0 views claim 4 GiB+ each without owning memory; plan() lays them out
+    # Stride-0 views claim 4 GiB+ each without owning memory; encode() lays them out
     # without writing a byte.
     n = 2**30 + 5
     big = torch.zeros(1, dtype=torch.float32).expand(n)
     huge = torch.zeros(1, dtype=torch.float64).expand(2, 2**29 + 3)
-    p = plan({"a": big, "b": torch.zeros(1, dtype=torch.uint8).expand(3), "c": big, "d": huge})
+    p = encode({"a": big, "b": torch.zeros(1, dtype=torch.uint8).expand(3), "c": big, "d": huge})
     schema = tc.read_header(p.header)
     a, b, c, d = schema.leaves
     assert (a.offset, a.nbytes) == (0, 4 * n)

@@ -838,7 +838,7 @@ def test_offsets_past_2_and_4_gib_are_exact() -> None:
         "tail": torch.ones(5, dtype=torch.float64),
         "text": "y" * 5000,
     }
-    plan = _codec.plan(tree)
+    plan = _codec.encode(tree)
     schema = tc.read_header(plan.header)
     want, end = [], 0
     for path, n in (

@@ -12,8 +12,10 @@ import operator
 from typing import Any
 
 from tensorcast.codec import schema as _schema
+from tensorcast.codec.build import Program, compile_tokens
 from tensorcast.codec.dtypes import CODE_ITEMSIZE
 from tensorcast.codec.flatten import BufferLeaf
+from tensorcast.codec.values import decode_values
 from tensorcast.codec.views import ViewSpec
 
 __all__ = ["DEFAULT_ALIGN", "KIND", "Layout", "lay_out"]
@@ -30,8 +32,11 @@ class Layout:
     worked out for it) and encodes its values alone."""
 
     __slots__ = (
+        "_consts",
         "_gaps",
         "_last",
+        "_program",
+        "_read_spec",
         "_write_spec",
         "align",
         "comparable",
@@ -67,6 +72,9 @@ class Layout:
         #: whether alignment leaves gaps between leaves
         self.has_gaps = has_gaps
         self._write_spec: ViewSpec | None = None
+        self._read_spec: ViewSpec | None = None
+        self._program: Program | None = None
+        self._consts: tuple[list[Any], list[Any]] | None = None  # values -> consts, last used
         self._gaps: list[tuple[int, int]] | None = None
         self._last: tuple[list[Any], bytes] | None = None  # values -> header, last used
 
@@ -87,6 +95,24 @@ class Layout:
         if self._write_spec is None:
             self._write_spec = ViewSpec(self.table, bool_as_bytes=True)
         return self._write_spec
+
+    def read_spec(self) -> ViewSpec:
+        """The views leaves are read through, as receivers make them."""
+        if self._read_spec is None:
+            self._read_spec = ViewSpec(self.table)
+        return self._read_spec
+
+    def compiled(self, values: list[Any]) -> tuple[Program, list[Any]]:
+        """The structure's program (compiled once) and ``values`` decoded, as a receiver
+        gets them from the header (a repeat of the last values decodes nothing)."""
+        if self._program is None:
+            self._program, _ = compile_tokens(self.tokens, len(self.table))
+        last = self._consts  # one read: another thread may replace it
+        if last is not None and last[0] == values:
+            return self._program, last[1]
+        consts = decode_values(values)
+        self._consts = (values, consts)
+        return self._program, consts
 
     def gaps(self) -> list[tuple[int, int]]:
         """The ``(start, stop)`` byte ranges between leaves."""

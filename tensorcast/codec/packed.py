@@ -23,7 +23,7 @@ from tensorcast.codec import schema as _schema
 from tensorcast.codec.build import Program, compile_tokens, run
 from tensorcast.codec.layout import DEFAULT_ALIGN, Layout
 from tensorcast.codec.paths import render_path
-from tensorcast.codec.plan import PackPlan, plan
+from tensorcast.codec.plan import Encoded, encode
 from tensorcast.codec.schema import LeafSpec, Schema
 from tensorcast.codec.values import decode_values
 from tensorcast.codec.views import KeepsViews, ViewSpec, view_spec, views
@@ -31,14 +31,15 @@ from tensorcast.codec.views import KeepsViews, ViewSpec, view_spec, views
 __all__ = [
     "DEFAULT_ALIGN",
     "Layout",
-    "PackPlan",
+    "Encoded",
     "Packed",
     "ViewSpec",
     "compiled",
     "copy_to_device",
     "pack",
-    "plan",
+    "encode",
     "read_header",
+    "read_prepacked",
     "rebuild",
     "resolve_device",
     "unpack",
@@ -115,7 +116,7 @@ def pack(
         UnsupportedLeafError: a leaf cannot travel; the message names its path.
         ValueError: bad ``align``, tensors on more than one device, a cyclic tree.
     """
-    p = plan(tree, align=align)
+    p = encode(tree, align=align)
     batch_device = p.device
     dev = resolve_device(device) or batch_device
     if dev.type == "cuda" and batch_device.type == "cpu":
@@ -126,6 +127,18 @@ def pack(
         buffer = torch.empty(p.nbytes, dtype=torch.uint8, device=dev)
         p.write(buffer)
     return Packed(p.header, buffer)
+
+
+def read_prepacked(packed: Packed) -> _schema.Decoded:
+    """The decoded header of a :class:`Packed`, checked against its buffer.
+
+    Raises:
+        HeaderError: the header is invalid or does not match the buffer's size.
+        TypeError, ValueError: the buffer is not a contiguous 1-D uint8 tensor.
+    """
+    decoded = _schema.decode(packed.header)
+    _check_buffer(packed.buffer, decoded.nbytes)
+    return decoded
 
 
 def _check_buffer(buffer: Any, nbytes: int) -> None:

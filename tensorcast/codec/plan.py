@@ -1,8 +1,10 @@
-"""The last steps of packing: a batch planned (flattened, laid out, its header encoded)
-and then written into any buffer large enough.
+"""The last steps of packing: a batch encoded (flattened, laid out, its header made),
+then written into any buffer large enough.
 
-A :class:`PackPlan` touches no buffer until :meth:`PackPlan.write`, so the caller picks
-the buffer (pooled, pinned, on a GPU) once it knows the size.
+An :class:`Encoded` touches no buffer until it is written, so the caller picks the
+buffer (pooled, pinned, on a GPU) once it knows the size. Writing hands back the tree the
+receivers will rebuild from the header, made from what the encoder already knows: the
+source never decodes the header it has just encoded.
 """
 
 from __future__ import annotations
@@ -13,23 +15,30 @@ import numpy as np
 import torch
 
 from tensorcast.codec import schema as _schema
+from tensorcast.codec.build import run
 from tensorcast.codec.flatten import BufferLeaf, flatten
 from tensorcast.codec.layout import DEFAULT_ALIGN, KIND, Layout, lay_out
+from tensorcast.codec.views import KeepsViews, leaf_views
 
-__all__ = ["PackPlan", "plan"]
+__all__ = ["Encoded", "encode"]
 
 _MEMSET_BELOW = 1 << 20
 _MEMSET_ABOVE_LEAVES = 64
 _CPU = torch.device("cpu")
 
 
-class PackPlan:
-    """A batch flattened and laid out, ready to be written into any large-enough buffer."""
+class Encoded:
+    """A batch flattened, laid out and its header encoded, ready to be written into any
+    large-enough buffer."""
 
-    __slots__ = ("header", "layout", "leaves", "nbytes")
+    __slots__ = ("header", "layout", "leaves", "nbytes", "smalls")
 
-    def __init__(self, leaves: list[BufferLeaf], layout: Layout, header: bytes):
+    def __init__(
+        self, leaves: list[BufferLeaf], smalls: list[Any], layout: Layout, header: bytes
+    ) -> None:
         self.leaves = leaves
+        #: the small values' tokens, as the header carries them
+        self.smalls = smalls
         #: the leaves' places and the structure, reused by the next batch when it matches
         self.layout = layout
         self.header = header
@@ -86,7 +95,24 @@ class PackPlan:
             _write_others(buffer, spec.others, leaves, host)
         return views
 
-    def values(self, buffer: torch.Tensor, tensor_views: list[torch.Tensor]) -> list[Any]:
+    def write_tree(self, buffer: torch.Tensor, pool: KeepsViews | None = None) -> Any:
+        """Write the batch into ``buffer`` and return its tree as the receivers rebuild
+        it: leaves that view ``buffer`` (fresh tensors on views ``pool`` keeps, when
+        ``buffer`` came from it), plain tensors even for leaves that require grad."""
+        spec = self.layout.write_spec()
+        with torch.no_grad():  # copies of leaves that require grad stay out of autograd
+            tensor_views = self.write(buffer, views=spec.pooled_views(buffer, pool))
+        return self._tree(self._leaf_values(buffer, tensor_views))
+
+    def view_tree(self, buffer: torch.Tensor) -> Any:
+        """The tree of a buffer this batch was written into (a copy of one, elsewhere)."""
+        return self._tree(leaf_views(self.layout.read_spec(), len(self.leaves), buffer))
+
+    def _tree(self, leaf_values: list[Any]) -> Any:
+        program, consts = self.layout.compiled(self.smalls)
+        return run(program, leaf_values, consts)
+
+    def _leaf_values(self, buffer: torch.Tensor, tensor_views: list[torch.Tensor]) -> list[Any]:
         """The leaf values the receivers will see, built from what :meth:`write` returned."""
         spec = self.layout.write_spec()
         out: list[Any] = list(tensor_views)
@@ -152,7 +178,7 @@ def _write_others(
             buffer[off : off + n].copy_(staged)
 
 
-def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = None) -> PackPlan:
+def encode(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = None) -> Encoded:
     """Flatten ``tree`` and lay its leaves out; no buffer is touched yet.
 
     Raises:
@@ -177,4 +203,4 @@ def plan(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = Non
         layout = previous
     else:
         layout = lay_out(leaves, kinds, tokens, align, not loose)
-    return PackPlan(leaves, layout, layout.header(values))
+    return Encoded(leaves, values, layout, layout.header(values))

@@ -16,7 +16,7 @@ from tensorcast._errors import HeaderError
 from tensorcast.codec import schema as _schema
 from tensorcast.codec.dtypes import CODE_ITEMSIZE, numpy_dtype, torch_dtype
 
-__all__ = ["KeepsViews", "ViewSpec", "view_spec", "views"]
+__all__ = ["KeepsViews", "ViewSpec", "leaf_views", "view_spec", "views"]
 
 
 class KeepsViews(Protocol):
@@ -127,13 +127,19 @@ def views(
 
     ``pool``: the pool ``buffer`` came from, which keeps the views it was last made for.
     """
+    return leaf_views(view_spec(decoded), len(decoded.leaves), buffer, pool)
+
+
+def leaf_views(
+    spec: ViewSpec, count: int, buffer: torch.Tensor, pool: KeepsViews | None = None
+) -> list[Any]:
+    """The ``count`` buffer leaves ``spec`` describes, as views into ``buffer``."""
     if buffer.storage_offset() % _MAX_ITEMSIZE:
         buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
-    spec = view_spec(decoded)
     tensors = spec.pooled_views(buffer, pool)
     if not spec.others:
         return tensors
-    values = spec.placed(tensors, len(decoded.leaves))
+    values = spec.placed(tensors, count)
     host: np.ndarray | None = None
     on_cpu = buffer.device.type == "cpu"
     for i, (kind, code, shape, off, n) in spec.others:

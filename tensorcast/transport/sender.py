@@ -27,7 +27,6 @@ from tensorcast._errors import PeerError
 from tensorcast.codec import packed as _codec
 from tensorcast.codec import schema as _schema
 from tensorcast.codec.packed import Packed
-from tensorcast.codec.views import KeepsViews
 from tensorcast.transport.frame import (
     MAX_ERROR_BYTES,
     PREFIX_SIZE,
@@ -95,13 +94,12 @@ class Sender:
             UnsupportedLeafError, ValueError, HeaderError: the batch cannot travel.
         """
         if isinstance(batch, Packed):
-            decoded = _schema.decode(batch.header)
+            decoded = _codec.read_prepacked(batch)
             header, n = batch.header, decoded.nbytes
-            _codec._check_buffer(batch.buffer, n)
         else:
-            plan = _codec.plan(batch, previous=self._layout)
-            self._layout = plan.layout  # no tensors: it keeps no batch alive
-            header, n = plan.header, plan.nbytes
+            encoded = _codec.encode(batch, previous=self._layout)
+            self._layout = encoded.layout  # no tensors: it keeps no batch alive
+            header, n = encoded.header, encoded.nbytes
         frame = self._plan(len(header), n)
         message = self._message(frame)
         if frame.inline:
@@ -111,13 +109,17 @@ class Sender:
                 message.host[frame.payload_at : frame.payload_at + n] = source.numpy()
                 own = _codec.rebuild(decoded, payload, pool=message)
             else:
-                own = self._write_tree(plan, payload, message)
+                own = encoded.write_tree(payload, message)
         elif isinstance(batch, Packed):
             payload, own = self._prepacked(batch, decoded)
         else:
-            payload, own = self._packed(plan)
+            payload, own = self._packed(encoded)
         if device is not None and device != payload.device:
-            own = _codec.rebuild(_schema.decode(header), _codec.copy_to_device(payload, device))
+            copy = _codec.copy_to_device(payload, device)
+            if isinstance(batch, Packed):
+                own = _codec.rebuild(decoded, copy)
+            else:
+                own = encoded.view_tree(copy)
         return self._finish(message, frame, Kind.DATA, header, payload, stamp), own
 
     def end(self, stamp: Stamp) -> Outgoing:
@@ -143,23 +145,16 @@ class Sender:
             promised=self._promises.next(),
         )
 
-    def _write_tree(self, plan: _codec.PackPlan, payload: torch.Tensor, pool: KeepsViews) -> Any:
-        """Write a planned tree into ``payload`` (from ``pool``); this rank's own tree."""
-        spec = plan.layout.write_spec()
-        with torch.no_grad():  # copies of leaves that require grad stay out of autograd
-            views = plan.write(payload, views=spec.pooled_views(payload, pool))
-        return _codec.rebuild(_schema.decode(plan.header), payload, plan.values(payload, views))
-
-    def _packed(self, plan: _codec.PackPlan) -> tuple[torch.Tensor, Any]:
-        if self._device.type == "cuda" and plan.device.type == "cpu":
+    def _packed(self, encoded: _codec.Encoded) -> tuple[torch.Tensor, Any]:
+        if self._device.type == "cuda" and encoded.device.type == "cpu":
             # Packed on the host into pinned memory, then one asynchronous copy to the GPU.
-            staging = torch.empty(plan.nbytes, dtype=torch.uint8, pin_memory=True)
+            staging = torch.empty(encoded.nbytes, dtype=torch.uint8, pin_memory=True)
             with torch.no_grad():
-                plan.write(staging)
+                encoded.write(staging)
             payload = _codec.copy_to_device(staging, self._device)
-            return payload, _codec.rebuild(_schema.decode(plan.header), payload)
-        payload = self._pool.take(plan.nbytes, self._device)
-        return payload, self._write_tree(plan, payload, self._pool)
+            return payload, encoded.view_tree(payload)
+        payload = self._pool.take(encoded.nbytes, self._device)
+        return payload, encoded.write_tree(payload, self._pool)
 
     def _prepacked(self, batch: Packed, decoded: _schema.Decoded) -> tuple[torch.Tensor, Any]:
         payload = batch.buffer

@@ -188,7 +188,7 @@ def _nccl_rank(store_path: str, queue: object) -> None:
                 out.append((f"NCCL group of one: a {device} tree, step {step}", not diff, diff))
         big = {"audio": torch.randn(4, 1 << 20, device="cuda"), "lens": torch.arange(4)}
         big["lens"] = big["lens"].cuda()
-        for step in range(2):  # leaves of >= 2 MiB travel from their own memory on NCCL
+        for step in range(2):  # a large tree: the source's own tree must be a copy, never its input
             got = tc.broadcast(big, 0)
             diff = _diff(big, got) or ""
             if not diff and got["audio"].data_ptr() == big["audio"].data_ptr():

@@ -19,8 +19,10 @@ travels and nothing waits on them: they are made after the posting, before the w
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +51,18 @@ __all__ = ["Receiver"]
 _CUT = int(Flags.INLINE | Flags.SPILL)
 _CRC = int(Flags.CRC)
 _PROMISED = int(Flags.PROMISED)
+
+
+@dataclass(frozen=True, slots=True)
+class _Incoming:
+    """A frame read off the wire whole: its prefix and header, and for a DATA frame the
+    decoded header and the payload (with what keeps its views)."""
+
+    prefix: Prefix
+    header: bytes
+    decoded: _schema.Decoded | None = None
+    payload: torch.Tensor | None = None
+    pool: KeepsViews | None = None
 
 
 class Receiver:
@@ -92,42 +106,20 @@ class Receiver:
         """
         first = self._messages.take(self._group.capacity)
         try:
-            return self._recv(first, expect, device, timeout)
+            with self._breaks_lane():
+                frame = self._read(first, expect, timeout)
+            self._group.capacity = frame.prefix.next_capacity
+            return self._open(frame, expect, device)
         finally:
             first.drop_ahead()  # when the frame did not use them
 
-    def _recv(
-        self,
-        first: Message,
-        expect: Stamp,
-        device: torch.device | None,
-        timeout: datetime.timedelta,
-    ) -> tuple[Kind, Any]:
-        group, wire = self._group, self._group.wire
-        capacity = first.capacity
-        promised = self._promises.next()
-        posted: tuple[torch.Tensor, Posted] | None = None
+    @contextlib.contextmanager
+    def _breaks_lane(self) -> Iterator[None]:
+        """Until a frame is in whole, any failure breaks the lane: this rank cannot skip
+        the rest of a frame it cannot read."""
+        group = self._group
         try:
-            if promised:  # the source posts it with the first message
-                buffer = self._pool.take(promised, wire.device)
-                posted = buffer, wire.payload(buffer, self._root, timeout)
-            head = wire.head(first.buffer, self._root, timeout)
-            first.detach_ahead()  # NOTE [ Views made ahead ]
-            head.wait(timeout)
-        except RuntimeError as e:  # from the collective: the source died or timed out
-            group.lane.break_(e)
-            raise PeerError(
-                f"waiting for the source rank {self._src} on ranks {list(group.ranks)} "
-                f"failed after up to {timeout.total_seconds():g} s: {self._diagnose()} "
-                f"({type(e).__name__}: {e})"
-            ) from e
-        except BaseException as e:
-            group.lane.break_(e)
-            raise
-        try:
-            prefix, header, decoded, payload, pool = self._rest(
-                first, capacity, expect, timeout, posted
-            )
+            yield
         except (TensorcastError, RuntimeError) as e:
             group.lane.break_(e)
             if isinstance(e, TensorcastError):
@@ -136,14 +128,69 @@ class Receiver:
                 f"receiving the rest of a frame from the source rank {self._src} on ranks "
                 f"{list(group.ranks)} failed: {type(e).__name__}: {e}"
             ) from e
-        except BaseException as e:
+        except BaseException as e:  # e.g. a signal handler's: raised as it is
             group.lane.break_(e)
             raise
-        group.capacity = prefix.next_capacity
+
+    def _read(self, first: Message, expect: Stamp, timeout: datetime.timedelta) -> _Incoming:
+        """Post, wait for the first message, check its prefix, cut the frame, take the
+        rest (a spilled header, a separate payload), decode the header."""
+        wire, root = self._group.wire, self._root
+        promised = self._promises.next()
+        posted: Posted | None = None
+        buffer: torch.Tensor | None = None
+        try:
+            if promised:  # the source posts it with the first message
+                buffer = self._pool.take(promised, wire.device)
+                posted = wire.payload(buffer, root, timeout)
+            head = wire.head(first.buffer, root, timeout)
+            first.detach_ahead()  # NOTE [ Views made ahead ]
+            head.wait(timeout)
+        except RuntimeError as e:  # from the collective: the source died or timed out
+            raise PeerError(
+                f"waiting for the source rank {self._src} on ranks {list(self._group.ranks)} "
+                f"failed after up to {timeout.total_seconds():g} s: {self._diagnose()} "
+                f"({type(e).__name__}: {e})"
+            ) from e
+        prefix = Prefix.unpack(first.mem, first.capacity)
+        cut = self._plan(prefix, first.capacity, expect, promised)
+        self._promises.record(cut)
+        if posted is not None:
+            posted.wait(timeout)  # the payload, or zeros where the promise was not kept
+        if cut.spill:
+            spilled = torch.empty(prefix.header_len, dtype=torch.uint8)
+            wire.head(spilled, root, timeout).wait(timeout)
+            header = spilled.numpy().tobytes()
+        else:
+            header = first.mem[PREFIX_SIZE : PREFIX_SIZE + prefix.header_len].tobytes()
+        if prefix.kind != Kind.DATA:
+            return _Incoming(prefix, header)
+        decoded = _schema.decode(header)  # validated before its sizes allocate anything
+        n = prefix.payload_len
+        if decoded.nbytes != n:
+            raise HeaderError(
+                f"the header describes a {decoded.nbytes}-byte buffer but the frame carries "
+                f"{n} bytes"
+            )
+        if cut.inline:
+            return _Incoming(prefix, header, decoded, first.payload(cut.payload_at, n), first)
+        if cut.in_promise and buffer is not None:
+            return _Incoming(prefix, header, decoded, buffer, self._pool)
+        payload = self._pool.take(n, wire.device)
+        if n:
+            wire.payload(payload, root, timeout).wait(timeout)
+        return _Incoming(prefix, header, decoded, payload, self._pool)
+
+    def _open(
+        self, frame: _Incoming, expect: Stamp, device: torch.device | None
+    ) -> tuple[Kind, Any]:
+        """A frame that is in whole, as what it stands for; a bad CRC or bad small values
+        are an error of this step alone."""
+        prefix, payload, decoded = frame.prefix, frame.payload, frame.decoded
         if prefix.kind == Kind.END:
             return Kind.END, None
         if prefix.kind == Kind.ERROR or decoded is None or payload is None:
-            return Kind.ERROR, header.decode("utf-8", "replace")
+            return Kind.ERROR, frame.header.decode("utf-8", "replace")
         if int(prefix.flags) & _CRC and crc32(payload) != prefix.crc:
             raise HeaderError(
                 f"step {expect.step}: the payload's CRC32 does not match the source's: the "
@@ -151,7 +198,7 @@ class Receiver:
             )
         if device is not None and device != payload.device:
             return Kind.DATA, _codec.rebuild(decoded, _codec.copy_to_device(payload, device))
-        return Kind.DATA, _codec.rebuild(decoded, payload, pool=pool)
+        return Kind.DATA, _codec.rebuild(decoded, payload, pool=frame.pool)
 
     def _plan(self, prefix: Prefix, capacity: int, expect: Stamp, promised: int) -> FramePlan:
         """The frame's plan, once its prefix is the expected step's and cut as its own
@@ -186,44 +233,3 @@ class Receiver:
                 f"{plan.flags!r}"
             )
         return plan
-
-    def _rest(
-        self,
-        first: Message,
-        capacity: int,
-        expect: Stamp,
-        timeout: datetime.timedelta,
-        posted: tuple[torch.Tensor, Posted] | None,
-    ) -> tuple[Prefix, bytes, _schema.Decoded | None, torch.Tensor | None, KeepsViews]:
-        """Validate the first message and take what follows it (``posted``: the promised
-        message, with its buffer)."""
-        wire = self._group.wire
-        mem = first.mem
-        prefix = Prefix.unpack(mem, capacity)
-        plan = self._plan(prefix, capacity, expect, 0 if posted is None else posted[0].numel())
-        self._promises.record(plan)
-        if posted is not None:
-            posted[1].wait(timeout)  # the payload, or zeros where the promise was not kept
-        if plan.spill:
-            spilled = torch.empty(prefix.header_len, dtype=torch.uint8)
-            wire.head(spilled, self._root, timeout).wait(timeout)
-            header = spilled.numpy().tobytes()
-        else:
-            header = mem[PREFIX_SIZE : PREFIX_SIZE + prefix.header_len].tobytes()
-        if prefix.kind != Kind.DATA:
-            return prefix, header, None, None, self._pool
-        decoded = _schema.decode(header)  # validated before its sizes allocate anything
-        if decoded.nbytes != prefix.payload_len:
-            raise HeaderError(
-                f"the header describes a {decoded.nbytes}-byte buffer but the frame carries "
-                f"{prefix.payload_len} bytes"
-            )
-        n = prefix.payload_len
-        if plan.inline:
-            return prefix, header, decoded, first.payload(plan.payload_at, n), first
-        if plan.in_promise and posted is not None:
-            return prefix, header, decoded, posted[0], self._pool
-        payload = self._pool.take(n, wire.device)
-        if n:
-            wire.payload(payload, self._root, timeout).wait(timeout)
-        return prefix, header, decoded, payload, self._pool

@@ -9,11 +9,13 @@ Two phases, so that a frame is atomic (NOTE [ A frame is atomic ]):
    the lane (see ``transport.lane``), so no rank can ever read a frame that is half old, half new.
 
 # NOTE [ A frame is atomic ]
-Every frame is posted whole by one job on the lane's worker thread. A signal handler
-that raises (Ctrl-C, SIGTERM) runs on the caller's thread, so it interrupts the caller's
-wait, never the frame; and the source's result is a tree of views into the buffer it is
-about to send, built before the first message, so the source and the receivers return
-the same tree (detached, not inference tensors) or none of them does.
+A frame is posted whole by one lane job, on the lane's worker thread or inline on the
+caller's (see ``transport.lane``). Anything that escapes once its first message is
+posted, a peer's failure or a signal handler's exception alike, breaks the lane, so the
+peers fail within their timeout instead of reading a frame that is half old, half new.
+And the source's result is a tree of views into the buffer it is about to send, built
+before the first message: the source and the receivers return the same tree (detached,
+not inference tensors) or none of them does.
 """
 
 from __future__ import annotations

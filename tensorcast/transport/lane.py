@@ -83,17 +83,24 @@ class Lane:
         name: names the lane's thread and its errors (e.g. the group's ranks).
         abort: tears the group down; called once, when the lane breaks.
         cuda_device: the CUDA device jobs run on (the caller's current one), if any.
+        idle_exit_s: how long the worker waits for a job before it leaves.
     """
 
     def __init__(
-        self, name: str, abort: Callable[[], None], cuda_device: int | None = None
+        self,
+        name: str,
+        abort: Callable[[], None],
+        cuda_device: int | None = None,
+        *,
+        idle_exit_s: float = _IDLE_EXIT_S,
     ) -> None:
         self.name = name
+        self._idle_exit_s = idle_exit_s
         self._abort = abort
         self._cuda_device = cuda_device
         self._jobs: collections.deque[Job[Any]] = collections.deque()
         # The state below is read and set under the lock; the worker waits on the condition.
-        # `with self._lock` runs in C, `with self._cond` in Python: a step takes it thrice.
+        # A plain lock where no wait is needed: entering a Condition runs Python code.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._worker: threading.Thread | None = None
@@ -134,8 +141,8 @@ class Lane:
         """Run ``fn`` in its turn and return its result.
 
         When nothing is queued or running, ``fn`` runs right here on the caller's thread,
-        still in its turn: the hop to the worker and back costs a small batch about a
-        third of its time (see ``docs/design.md``). A signal handler that raises there
+        still in its turn: the hop to the worker and back is a measurable share of a small
+        batch's time (see ``docs/design.md``). A signal handler that raises there
         in the middle of a frame breaks the lane, as any failure does (NOTE [ A frame is
         atomic ]); on the worker it would only interrupt the wait.
         """
@@ -184,7 +191,7 @@ class Lane:
         while True:
             with self._cond:
                 if not self._jobs or self._running:
-                    self._cond.wait(_IDLE_EXIT_S)
+                    self._cond.wait(self._idle_exit_s)
                 if not self._jobs:
                     self._worker = self._worker_id = None
                     return

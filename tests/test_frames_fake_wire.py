@@ -1,14 +1,13 @@
 """A sender and a receiver over a fake wire: how frames are cut, checked and rebuilt.
 
-The fake stands in for the ``Wire`` interface (one in-memory queue per direction), so
-these run in one process with no process group: the receiver runs in a thread, as it
+The library's fake (``tensorcast.transport.testing.FakeWire``) stands in for the ``Wire``
+interface, so these run in one process with no process group: the receiver runs in a thread, as it
 would on its own rank.
 """
 
 from __future__ import annotations
 
 import datetime
-import queue
 import threading
 from typing import Any
 
@@ -24,76 +23,15 @@ from tensorcast.transport.groups import Group
 from tensorcast.transport.lane import Lane
 from tensorcast.transport.receiver import Receiver
 from tensorcast.transport.sender import Sender
+from tensorcast.transport.testing import FakeWire
 
 TIMEOUT = datetime.timedelta(seconds=10)
-
-
-class FakeWire:
-    """Two ranks joined by two queues, matched as gloo matches them: heads (a send and its
-    receive) in their order, payloads (broadcasts) in theirs. The source is group rank 0;
-    a receiver's payload is read when it is waited for."""
-
-    device = torch.device("cpu")
-    size = 2
-
-    def __init__(
-        self, rank: int, links: dict[str, queue.Queue[bytes]], log: list[tuple[str, int]]
-    ) -> None:
-        self.rank = rank
-        self._links = links
-        self.log = log
-        self.aborted = False
-        self.corrupt_next_payload = False
-
-    def _move(self, what: str, tensor: torch.Tensor, root: int, timeout: Any) -> None:
-        if self.aborted:
-            raise RuntimeError("the group was aborted")
-        if self.rank == root:
-            zeros = what == "payload" and tensor.numel() and not tensor.any()
-            self.log.append(("zeros" if zeros else what, tensor.numel()))
-            self._links[what].put(tensor.numpy().tobytes())
-            return
-        data = self._links[what].get(timeout=timeout.total_seconds())
-        if len(data) != tensor.numel():
-            raise RuntimeError(f"message of {len(data)} bytes into {tensor.numel()}")
-        tensor.numpy()[:] = memoryview(data)
-        if what == "payload" and self.corrupt_next_payload:
-            self.corrupt_next_payload = False
-            tensor[0] ^= 1
-
-    def head(self, tensor: torch.Tensor, root: int, timeout: Any) -> Any:
-        return self._post("head", tensor, root, timeout)
-
-    def payload(self, tensor: torch.Tensor, root: int, timeout: Any) -> Any:
-        return self._post("payload", tensor, root, timeout)
-
-    def _post(self, what: str, tensor: torch.Tensor, root: int, timeout: Any) -> Any:
-        """A source's message goes at once; a receiver's arrives when waited for."""
-        if self.rank == root:
-            self._move(what, tensor, root, timeout)
-            return _Posted(lambda: None)
-        if self.aborted:
-            raise RuntimeError("the group was aborted")
-        return _Posted(lambda: self._move(what, tensor, root, timeout))
-
-    def abort(self) -> None:
-        self.aborted = True
-
-
-class _Posted:
-    def __init__(self, wait: Any) -> None:
-        self._wait = wait
-
-    def wait(self, timeout: Any) -> None:
-        self._wait()
 
 
 def pair(
     *, verify: bool = False, promises: bool = False, receiver_promises: bool | None = None
 ) -> tuple[Sender, Receiver, FakeWire, FakeWire, Group]:
-    links: dict[str, queue.Queue[bytes]] = {"head": queue.Queue(), "payload": queue.Queue()}
-    log: list[tuple[str, int]] = []
-    wires = FakeWire(0, links, log), FakeWire(1, links, log)
+    wires = FakeWire.pair()
     groups = [Group((0, 1), w, Lane(f"fake{w.rank}", w.abort)) for w in wires]
     sender = Sender(groups[0], 0, verify=verify, promises=promises)
     receiver = Receiver(

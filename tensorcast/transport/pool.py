@@ -47,6 +47,8 @@ class _Entry:
     """
 
     __slots__ = (
+        "_base",
+        "_payload",
         "ahead",
         "buffer",
         "capacity",
@@ -64,10 +66,25 @@ class _Entry:
         self.capacity = buffer.numel()
         self.storage = buffer.untyped_storage()
         self.cdata = self.storage._cdata
-        self.idle = self.use_count()
         self.kept_key: Hashable = None
         self.kept: list[torch.Tensor] = []  # detached views: each holds a storage reference
         self.ahead: list[torch.Tensor] | None = None  # see detach_ahead
+        self._payload: torch.Tensor | None = None  # a kept slice (see Message.payload)
+        self._base = self.use_count()  # the references of the buffer and its storage
+        self.idle = 0
+        self._recount()
+
+    def _recount(self) -> None:
+        """Set the idle count, the one place it is set: the storage references this entry
+        holds itself (the buffer, its storage, kept views, views made ahead, a kept slice).
+        Holding more than these means someone else holds the buffer."""
+        ahead = self.ahead
+        self.idle = (
+            self._base
+            + len(self.kept)
+            + (len(ahead) if ahead is not None else 0)
+            + (self._payload is not None)
+        )
 
     def use_count(self) -> int:
         return int(_use_count(self.cdata))
@@ -88,9 +105,8 @@ class _Entry:
         if ahead is not None:
             self.drop_ahead()
         if self.kept_key != key:
-            made = [v.detach() for v in make(buffer)]
-            self.idle += len(made) - len(self.kept)
-            self.kept, self.kept_key = made, key
+            self.kept, self.kept_key = [v.detach() for v in make(buffer)], key
+            self._recount()
         elif ahead is not None:
             return ahead
         return list(map(_detach, self.kept))
@@ -102,12 +118,12 @@ class _Entry:
         self.drop_ahead()
         if self.kept:
             self.ahead = list(map(_detach, self.kept))
-            self.idle += len(self.ahead)
+            self._recount()
 
     def drop_ahead(self) -> None:
         if self.ahead is not None:
-            self.idle -= len(self.ahead)
             self.ahead = None
+            self._recount()
 
 
 def _capacity(nbytes: int) -> int:
@@ -227,23 +243,25 @@ class Message(_Entry):
             start and end of its inline payload (see ``Sender``).
     """
 
-    __slots__ = ("_payload", "_payload_at", "host", "mem", "written")
+    __slots__ = ("_payload_at", "host", "mem", "written")
 
     def __init__(self, capacity: int) -> None:
         super().__init__(torch.zeros(capacity, dtype=torch.uint8), 0)
         self.host: np.ndarray = self.buffer.numpy()
         self.mem: memoryview = self.host.data
-        self.idle = self.use_count()
+        self._base = self.use_count()  # the host views count as the entry's own
+        self._recount()
         self.written = (0, capacity, capacity)
-        self._payload: torch.Tensor | None = None
         self._payload_at = (0, 0)
 
     def payload(self, at: int, n: int) -> torch.Tensor:
         """The inline payload's bytes ``[at, at + n)``, as a 1-D uint8 tensor (kept)."""
-        if self._payload is None or self._payload_at != (at, n):
-            self.idle += self._payload is None  # the kept slice holds the storage too
-            self._payload, self._payload_at = self.buffer[at : at + n], (at, n)
-        return self._payload
+        payload = self._payload
+        if payload is None or self._payload_at != (at, n):
+            payload = self._payload = self.buffer[at : at + n]
+            self._payload_at = (at, n)
+            self._recount()
+        return payload
 
 
 class FramePool:

@@ -35,10 +35,11 @@ with ``TENSORCAST_PROMISES=0``; every rank must agree, which the setup agreement
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from tensorcast.transport.frame import FramePlan
+from tensorcast.transport.frame import FramePlan, plan_frame
 
-__all__ = ["Promises", "enabled"]
+__all__ = ["Cutter", "Promises", "enabled"]
 
 _FIRST_NEED = 2  # same-size separate payloads in a row before a frame promises
 _MAX_NEED = 16
@@ -77,3 +78,47 @@ class Promises:
             self._run += 1
         else:
             self._last, self._run = n, 1 if n else 0
+
+
+class Cutter:
+    """How one side of a channel cuts its frames, one after another: at the group's
+    first-message capacity, with this channel's promises. The source and every receiver
+    make the same calls for the same frames in the same order, so they cut each alike.
+
+    Args:
+        group: the group whose ``capacity`` (the next first message's size, the same for
+            every channel on it) this cutter reads and advances.
+        promises: whether this channel promises payloads (host payloads only).
+    """
+
+    __slots__ = ("_group", "_promises", "host_payloads")
+
+    def __init__(self, group: Any, *, promises: bool) -> None:
+        self._group = group
+        #: payloads live on the host, so they may travel inside the first message
+        self.host_payloads = group.wire.device.type == "cpu"
+        self._promises = Promises(promises and self.host_payloads)
+
+    @property
+    def capacity(self) -> int:
+        """The size of the next first message."""
+        return int(self._group.capacity)
+
+    def promised(self) -> int:
+        """The bytes the next frame promises (0: none), posted with its first message."""
+        return self._promises.next()
+
+    def cut(self, header_len: int, payload_len: int, promised: int) -> FramePlan:
+        """Cut the next frame (see ``plan_frame``)."""
+        return plan_frame(
+            self._group.capacity,
+            header_len,
+            payload_len,
+            inline_ok=self.host_payloads,
+            promised=promised,
+        )
+
+    def done(self, plan: FramePlan, next_capacity: int) -> None:
+        """The frame cut as ``plan`` went on, or came off, the wire whole."""
+        self._promises.record(plan)
+        self._group.capacity = next_capacity

@@ -39,11 +39,10 @@ from tensorcast.transport.frame import (
     Prefix,
     Stamp,
     crc32,
-    plan_frame,
 )
 from tensorcast.transport.groups import Group
 from tensorcast.transport.pool import BufferPool, FramePool, Message
-from tensorcast.transport.promise import Promises
+from tensorcast.transport.promise import Cutter
 from tensorcast.transport.wire import Posted
 
 __all__ = ["Receiver"]
@@ -59,6 +58,7 @@ class _Incoming:
     decoded header and the payload (with what keeps its views)."""
 
     prefix: Prefix
+    cut: FramePlan
     header: bytes
     decoded: _schema.Decoded | None = None
     payload: torch.Tensor | None = None
@@ -91,8 +91,7 @@ class Receiver:
         self._diagnose = diagnose
         self._messages = FramePool()  # first messages
         self._pool = BufferPool()  # payloads that travel on their own
-        self._inline_ok = group.wire.device.type == "cpu"  # payloads on the host
-        self._promises = Promises(promises and self._inline_ok)
+        self._cutter = Cutter(group, promises=promises)
 
     def recv(
         self, expect: Stamp, device: torch.device | None, timeout: datetime.timedelta
@@ -104,11 +103,11 @@ class Receiver:
             DesyncError: the frame is another step's, or another channel's.
             HeaderError: the frame is malformed or from another version.
         """
-        first = self._messages.take(self._group.capacity)
+        first = self._messages.take(self._cutter.capacity)
         try:
             with self._breaks_lane():
                 frame = self._read(first, expect, timeout)
-            self._group.capacity = frame.prefix.next_capacity
+            self._cutter.done(frame.cut, frame.prefix.next_capacity)
             return self._open(frame, expect, device)
         finally:
             first.drop_ahead()  # when the frame did not use them
@@ -136,7 +135,7 @@ class Receiver:
         """Post, wait for the first message, check its prefix, cut the frame, take the
         rest (a spilled header, a separate payload), decode the header."""
         wire, root = self._group.wire, self._root
-        promised = self._promises.next()
+        promised = self._cutter.promised()
         posted: Posted | None = None
         buffer: torch.Tensor | None = None
         try:
@@ -153,8 +152,7 @@ class Receiver:
                 f"({type(e).__name__}: {e})"
             ) from e
         prefix = Prefix.unpack(first.mem, first.capacity)
-        cut = self._plan(prefix, first.capacity, expect, promised)
-        self._promises.record(cut)
+        cut = self._plan(prefix, expect, promised)
         if posted is not None:
             posted.wait(timeout)  # the payload, or zeros where the promise was not kept
         if cut.spill:
@@ -164,7 +162,7 @@ class Receiver:
         else:
             header = first.mem[PREFIX_SIZE : PREFIX_SIZE + prefix.header_len].tobytes()
         if prefix.kind != Kind.DATA:
-            return _Incoming(prefix, header)
+            return _Incoming(prefix, cut, header)
         decoded = _schema.decode(header)  # validated before its sizes allocate anything
         n = prefix.payload_len
         if decoded.nbytes != n:
@@ -173,13 +171,13 @@ class Receiver:
                 f"{n} bytes"
             )
         if cut.inline:
-            return _Incoming(prefix, header, decoded, first.payload(cut.payload_at, n), first)
+            return _Incoming(prefix, cut, header, decoded, first.payload(cut.payload_at, n), first)
         if cut.in_promise and buffer is not None:
-            return _Incoming(prefix, header, decoded, buffer, self._pool)
+            return _Incoming(prefix, cut, header, decoded, buffer, self._pool)
         payload = self._pool.take(n, wire.device)
         if n:
             wire.payload(payload, root, timeout).wait(timeout)
-        return _Incoming(prefix, header, decoded, payload, self._pool)
+        return _Incoming(prefix, cut, header, decoded, payload, self._pool)
 
     def _open(
         self, frame: _Incoming, expect: Stamp, device: torch.device | None
@@ -200,7 +198,7 @@ class Receiver:
             return Kind.DATA, _codec.rebuild(decoded, _codec.copy_to_device(payload, device))
         return Kind.DATA, _codec.rebuild(decoded, payload, pool=frame.pool)
 
-    def _plan(self, prefix: Prefix, capacity: int, expect: Stamp, promised: int) -> FramePlan:
+    def _plan(self, prefix: Prefix, expect: Stamp, promised: int) -> FramePlan:
         """The frame's plan, once its prefix is the expected step's and cut as its own
         sizes (and this rank's promise) say."""
         got = (prefix.channel, prefix.pass_index, prefix.step)
@@ -211,13 +209,7 @@ class Receiver:
                 f"channel {prefix.channel:#x} pass {prefix.pass_index} step {prefix.step}: the "
                 f"ranks did not use their loaders (or tensorcast.broadcast) in the same order"
             )
-        plan = plan_frame(
-            capacity,
-            prefix.header_len,
-            prefix.payload_len,
-            inline_ok=self._inline_ok,
-            promised=promised,
-        )
+        plan = self._cutter.cut(prefix.header_len, prefix.payload_len, promised)
         flags = int(prefix.flags)  # int arithmetic: an IntFlag's is Python code, and slow
         if bool(flags & _PROMISED) != bool(promised):
             raise DesyncError(

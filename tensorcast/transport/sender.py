@@ -38,11 +38,10 @@ from tensorcast.transport.frame import (
     Prefix,
     Stamp,
     crc32,
-    plan_frame,
 )
 from tensorcast.transport.groups import Group
 from tensorcast.transport.pool import BufferPool, FramePool, Message
-from tensorcast.transport.promise import Promises
+from tensorcast.transport.promise import Cutter
 
 __all__ = ["Outgoing", "Sender"]
 
@@ -81,8 +80,7 @@ class Sender:
         self._pool = BufferPool()  # payloads that travel on their own
         self._messages = FramePool()  # first messages
         self._layout: _codec.Layout | None = None  # the last batch's, reused when it repeats
-        self._inline_ok = self._device.type == "cpu"
-        self._promises = Promises(promises and self._inline_ok)  # frames as they are sent
+        self._cutter = Cutter(group, promises=promises)  # frames as they are sent
 
     # -- phase 1: everything that can fail ---------------------------------------------
 
@@ -137,15 +135,10 @@ class Sender:
         return self._finish(self._message(frame), frame, kind, text, None, stamp)
 
     def _plan(self, header_len: int, payload_len: int) -> FramePlan:
-        # Frames are planned in the order they are sent: a frame is sent in the job
-        # that prepares it (an ERROR frame in place of one that failed to prepare).
-        return plan_frame(
-            self._group.capacity,
-            header_len,
-            payload_len,
-            inline_ok=self._inline_ok,
-            promised=self._promises.next(),
-        )
+        # Frames are cut in the order they are sent: a frame is sent in the job that
+        # prepares it (an ERROR frame in place of one that failed to prepare).
+        cutter = self._cutter
+        return cutter.cut(header_len, payload_len, cutter.promised())
 
     def _packed(self, encoded: _codec.Encoded) -> tuple[torch.Tensor, Any]:
         if self._device.type == "cuda" and encoded.device.type == "cpu":
@@ -237,7 +230,6 @@ class Sender:
     def send(self, out: Outgoing, timeout: Any) -> None:
         """Post the frame's messages in order; a failure breaks the lane."""
         wire, root = self._group.wire, self._root
-        self._promises.record(out.plan)
         try:
             # Receivers posted a promised payload with the first message.
             promised = None if out.promised is None else wire.payload(out.promised, root, timeout)
@@ -261,4 +253,4 @@ class Sender:
         except BaseException as e:  # e.g. a signal handler's: raised as it is
             self._group.lane.break_(e)
             raise
-        self._group.capacity = out.plan.next_capacity
+        self._cutter.done(out.plan, out.plan.next_capacity)

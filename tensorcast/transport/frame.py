@@ -1,43 +1,14 @@
 """A frame: what one step puts on the wire, and how it is cut into messages.
 
-Each step (one batch, the end of a pass, or a source's failure) is one *frame*. Its first
-message has a *capacity* every rank knows before it arrives; what follows it, if
-anything, is decided by :func:`plan_frame` from numbers in the prefix, so the sender and
-the receivers cut a frame the same way by construction::
-
-    first message (``capacity`` bytes, always)
-    +--------+--------------------+-------- zeros --------+-----------------+
-    | prefix | header (not SPILL) |                       | inline payload  |
-    +--------+--------------------+-------- zeros --------+-----------------+
-    0        PREFIX.size                          payload_at         capacity
-
-    posted with it where the frame was promised (flag PROMISED, see ``transport.promise``):
-      the promised message: the payload when it is separate and of the promised
-      size, else that many zeros
-
-    then, in order, only where the plan says so:
-      the header alone, ``header_len`` bytes           (flag SPILL)
-      the payload alone, ``payload_len`` bytes        (payload_len > 0, not INLINE,
-                                                       not in the promise)
-
-The inline payload ends the message, 64-byte aligned, so where it starts depends only on
-its length: batches of one structure land at the same place whatever their small values.
-A frame that needed more room announces a larger capacity for the next first message
-(``next_capacity``); capacities only grow, up to :data:`MAX_CAPACITY`.
-
-Frame kinds and what they carry:
-
-    ======  ==================================  =====================================
-    kind    header                              payload
-    ======  ==================================  =====================================
-    DATA    the batch's encoded schema          the packed buffer (may be empty)
-    END     empty                               none: the source is exhausted
-    ERROR   UTF-8 text of the source's failure  none
-    ======  ==================================  =====================================
-
-The prefix names the channel (which loader or broadcast on these ranks), the pass and the
-step, so a receiver out of step raises ``DesyncError`` instead of taking a batch meant
-for another loader. Nothing here communicates.
+Each step (one batch, the end of a pass, or a source's failure) is one *frame*: a first
+message of a *capacity* every rank knows before it arrives (a 44-byte :class:`Prefix`,
+the header unless it spills, and an inline payload at its end when it fits), then a
+spilled header and a separate payload only where :func:`plan_frame` says so. Both sides
+cut a frame with that one pure function of the prefix's numbers, so they cannot drift
+apart. The prefix names the channel, the pass and the step, so a receiver out of step
+raises ``DesyncError`` instead of taking another loader's batch. Nothing here
+communicates. ``docs/format.md`` is the byte specification (the golden tests hold both
+to it).
 """
 
 from __future__ import annotations

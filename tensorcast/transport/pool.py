@@ -1,24 +1,14 @@
-"""A pool of reusable uint8 buffers.
+"""Pools of reusable uint8 buffers, handed out again once nothing else holds them.
 
-Copying a large batch into freshly allocated memory costs more than the transfer itself
-(page faults), so both the source and the receivers take their buffers from a pool. A
-buffer is handed out again only when nothing else holds its storage: every tensor or
-array view handed to the caller keeps a reference to the storage, so its use count says
-whether the caller still holds any of it. Reuse therefore needs no promise from the
-caller; a batch kept for long simply keeps its buffer out of the pool.
-
-A pooled buffer also keeps the typed views of the last layout it was viewed as. Making a
-view costs microseconds (``as_strided``), detaching one a fraction of that, so a batch of
-many small leaves that repeats its layout gets each leaf as a ``detach()`` of a kept
-view: a fresh tensor on the same bytes. The kept views hold references to the storage
-too; the idle count includes them, so they never make a buffer look busy.
-
-A :class:`FramePool` keeps the first messages of frames the same way (see ``transport.frame``):
-host buffers of exactly the frame's capacity, each with its numpy view, the inline
-payload's slice and the views of its leaves kept across frames. Between two steps a
-small batch's path runs cold (the model's own work has evicted it from the CPU's
-caches), and there every tensor operation costs tens of microseconds, so a repeating
-small batch reuses what its last frame made and pays one ``detach()`` a leaf.
+Writing a large batch into fresh memory costs more than its transfer (page faults), so
+both sides take payload buffers from a :class:`BufferPool`, and first messages from a
+:class:`FramePool`. A buffer is reused only when nothing but the pool holds its storage:
+every view handed to the caller holds a storage reference, so the storage's use count
+says whether the caller still holds any of it, and reuse needs no promise from the
+caller. An entry also keeps the views of the last layout it was viewed as and hands
+out ``detach()``-ed copies of them, so a repeating batch of many small leaves makes no
+view anew (see ``docs/design.md``, section 6); what the entry holds itself is counted
+in its idle count (:meth:`_Entry._recount`), so it never makes a buffer look busy.
 """
 
 from __future__ import annotations
@@ -36,7 +26,7 @@ _MIN_CAPACITY = 4096
 _LARGE = 1 << 20
 _LARGE_RETRIES = 20
 _STALE_AFTER = 64  # takes without reuse after which an idle buffer is dropped
-_RETRY_SLEEP = 50e-6  # 20 x 50 us: at most ~1 ms before allocating anew
+_RETRY_SLEEP = 50e-6  # with _LARGE_RETRIES: about 1 ms at most before allocating anew
 
 
 class _Entry:

@@ -1,35 +1,16 @@
 """Promised payloads: a receive posted with the first message, on a rule both sides keep.
 
 # NOTE [ Promised payloads ]
-gloo sends a message once its receiver has posted the receive. A payload that follows
-its first message therefore waits for receivers to read that message and post the
-payload's receive: at 10 MB about a sixth of the floor (``benchmarks/bench_gloo.py``,
-``read_first``). Receivers can post it earlier only if they know, before the first
-message arrives, which collective the source posts next. A *promise* is that knowledge,
-kept by a rule that the source and every receiver apply to the frames of one channel,
-in the order all of them put on or took off the wire:
-
-    when the channel's last ``need`` frames each carried a separate payload of ``n``
-    bytes, the next frame *promises* ``n`` bytes; ``need`` starts at 2 and doubles, up to
-    16, each time a promise is not kept.
-
-In a promised frame, every rank posts an ``n``-byte payload message at the start of the
-frame's job, together with the first message (the job runs alone on the lane, so no
-other channel's collective can come between). The source's message is the frame's
-payload when that is separate and ``n`` bytes long; otherwise (another size, an inline
-payload, an END or ERROR frame) it is ``n`` zero bytes, which receivers drop, and the
-frame goes on as an unpromised one would. The prefix carries ``Flags.PROMISED``, so a
-rank whose rule disagrees fails loudly instead of reading the wrong bytes.
-
-A promise kept saves a fraction of the payload's time and one not kept costs about the
-whole of it, so the rule waits for a repeat and backs off. Fixed-shape batches (a
-language model's packed sequences) are promised from their third frame on; each pass's
-END frame breaks one promise. A loader whose sizes vary (lhotse's dynamic buckets)
-rarely repeats a size, so it rarely promises; one whose sizes take a few values at
-random breaks at most three promises before it needs runs of 16.
-
-The switch: promises travel on the host wire only (a gloo payload) and can be turned off
-with ``TENSORCAST_PROMISES=0``; every rank must agree, which the setup agreement checks.
+gloo sends a message once its receiver has posted the receive, so a separate payload
+waits for receivers to read the first message first. When the channel's last ``need``
+frames each carried a separate payload of ``n`` bytes, the next frame *promises* ``n``
+bytes: every rank posts an ``n``-byte payload message with the first message. The
+source's is the payload when that is separate and ``n`` bytes long, else ``n`` zero bytes
+that receivers drop. ``need`` starts at 2 and doubles, up to 16, each time a promise is
+not kept. Source and receivers apply the rule to the same frames in the same order, and
+the prefix's ``Flags.PROMISED`` makes a rank whose rule disagrees fail loudly. Host
+payloads only; ``TENSORCAST_PROMISES=0`` turns it off (the setup agreement checks that
+every rank agrees). Why and what it costs: ``docs/design.md``, section 7.
 """
 
 from __future__ import annotations

@@ -210,7 +210,7 @@ class Receiver:
                 f"ranks did not use their loaders (or tensorcast.broadcast) in the same order"
             )
         plan = self._cutter.cut(prefix.header_len, prefix.payload_len, promised)
-        flags = int(prefix.flags)  # int arithmetic: an IntFlag's is Python code, and slow
+        flags = int(prefix.flags)  # plain int arithmetic: an IntFlag's operators run Python code
         if bool(flags & _PROMISED) != bool(promised):
             raise DesyncError(
                 f"ranks {list(self._group.ranks)}: step {expect.step} of channel "

@@ -157,8 +157,8 @@ class Sender:
             payload = _codec.copy_to_device(payload, self._device)
         elif payload.numel() <= _COPY_BELOW and payload.is_cpu:
             # Views of a pooled buffer are kept and handed out again as detached copies,
-            # while a buffer of the caller's needs each view made anew (a microsecond or
-            # two a leaf): for a small batch of many leaves the copy is far cheaper.
+            # while a buffer of the caller's needs each view made anew: for a small batch
+            # of many leaves a copy into a pooled buffer is the cheaper of the two.
             copy = self._pool.take(payload.numel(), self._device).copy_(payload)
             return copy, _codec.rebuild(decoded, copy, pool=self._pool)
         elif payload.is_inference():

@@ -2,7 +2,7 @@
 ``HeaderError``, whatever bytes arrive.
 
 A seeded mutator (stdlib ``random``, reproducible with ``--seed``) starts from valid
-headers packed from assorted batches, plus the attack corpus in ``tests/attacks`` when
+headers packed from assorted batches, plus the attack corpus in ``tests/codec/attacks`` when
 present, and applies byte-level mutations (bit flips, interesting bytes, truncation,
 insertion, deletion, splicing two headers), prefix mutations (version, flags, length)
 and JSON-level mutations of the body (replace, drop, duplicate or swap a node; the
@@ -76,7 +76,7 @@ def seed_headers() -> list[bytes]:
 
 
 def corpus_headers() -> list[bytes]:
-    folder = Path(__file__).resolve().parent.parent / "tests" / "attacks"
+    folder = Path(__file__).resolve().parent.parent / "tests" / "codec" / "attacks"
     return [p.read_bytes() for p in sorted(folder.glob("*.bin")) if p.stat().st_size < 4096]
 
 

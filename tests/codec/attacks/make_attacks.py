@@ -1,4 +1,4 @@
-"""Write the crafted headers of this folder: ``python tests/attacks/make_attacks.py``.
+"""Write the crafted headers of this folder: ``python tests/codec/attacks/make_attacks.py``.
 
 Every file is a header a hostile or broken peer could send. A correct decoder answers
 each with ``tensorcast.HeaderError`` from both ``read_header`` and ``unpack``, quickly
@@ -472,7 +472,7 @@ def write(folder: Path = HERE) -> list[Path]:
         "`tensorcast.HeaderError`: never another exception, never a hang, never a large",
         "allocation. `test_header_attacks.py` runs them all.",
         "",
-        "Regenerate with `python tests/attacks/make_attacks.py` (deterministic; the test",
+        "Regenerate with `python tests/codec/attacks/make_attacks.py` (deterministic; the test",
         "checks the files match the script). Framing: `<4sHHI` prefix (magic `TCST`, version,",
         "flags, body length) then an ASCII JSON body `[nbytes, align, leaves, tokens, values]`.",
         "",

@@ -21,7 +21,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_codec import assert_same
+from trees import assert_same
 
 import tensorcast as tc
 from tensorcast.codec import schema as _schema

@@ -33,8 +33,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from rankpool import Died, RankPool, _init
-from test_codec import assert_same, tensor_bytes
 from torch.distributed.device_mesh import init_device_mesh
+from trees import assert_same, tensor_bytes
 
 import tensorcast as tc
 from tensorcast.codec import packed as _codec

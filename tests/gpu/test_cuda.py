@@ -1,6 +1,6 @@
 """The CUDA code paths, on a machine with a GPU (skipped elsewhere).
 
-The checks live in ``benchmarks/gpu_check.py`` so they can also be run by hand; here
+The checks live in ``tests/gpu/gpu_check.py`` so they can also be run by hand; here
 they run under pytest wherever CUDA is available: pack / unpack of CUDA trees, CPU trees
 staged onto the GPU through pinned memory, and gloo ranks sharing the GPU whose receivers
 run under ``torch.cuda.set_sync_debug_mode("error")`` (no host-device sync).
@@ -8,15 +8,11 @@ run under ``torch.cuda.set_sync_debug_mode("error")`` (no host-device sync).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
 def _assert_all_pass(results: list[tuple[str, bool, str]]) -> None:

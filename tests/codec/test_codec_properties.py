@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_codec import assert_same, is_view_into, tensors_of
+from trees import assert_same, is_view_into, tensors_of
 
 import tensorcast as tc
 from tensorcast.codec import flatten as _flatten

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 import torch
+from cuts import memory_cut
 from lhotse import CutSet
 from lhotse.cut import Cut
 from lhotse.dataset import DynamicBucketingSampler
 from lhotse.lazy import LazyMapper
 from rankpool import RankPool
-from test_lhotse import memory_cut
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 

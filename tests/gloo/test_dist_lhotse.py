@@ -24,13 +24,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from cuts import memory_cut, same
 from lhotse import CutSet
 from lhotse.cut import Cut
 from lhotse.dataset import DynamicBucketingSampler, K2SpeechRecognitionDataset
 from lhotse.dataset.collation import collate_audio, collate_vectors
 from lhotse.dataset.input_strategies import AudioSamples
 from rankpool import RankPool
-from test_lhotse import memory_cut, same
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
 

@@ -25,9 +25,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.serialization
-from test_codec import tensors_of
 from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import init_device_mesh
+from trees import tensors_of
 
 import tensorcast as tc
 from tensorcast.transport import frame as _frame

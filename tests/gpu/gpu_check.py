@@ -11,7 +11,7 @@ One GPU cannot host a multi-rank NCCL group, so this checks what one GPU can:
 3. an NCCL group of one rank: the source's side of the NCCL path (the gloo group for
    headers, the payload on NCCL, CPU trees staged through pinned memory).
 
-    python benchmarks/gpu_check.py [--world-size 2]
+    python tests/gpu/gpu_check.py [--world-size 2]
 
 Exit code 0 when every check passes.
 """

@@ -25,6 +25,7 @@ from trees import assert_same
 
 import tensorcast as tc
 from tensorcast.codec import schema as _schema
+from tensorcast.codec.plan import encode as encode_tree
 
 SETTINGS = settings(deadline=None, print_blob=True, max_examples=300)
 ATTACKS = Path(__file__).resolve().parent / "attacks"
@@ -409,8 +410,9 @@ def test_golden_header_without_the_c_encoder(how: str, monkeypatch: pytest.Monke
         )
         encode = _schema._values_encoder()
     assert encode is _schema._dumps
-    monkeypatch.setattr(_schema, "_encode_values", encode)
-    assert tc.pack(golden_tree()).header == GOLDEN_HEADER
+    encoded = encode_tree(golden_tree())
+    header = _schema.encode(encoded.layout.prefix, encoded.smalls, values_encoder=encode)
+    assert header == GOLDEN_HEADER
 
 
 def test_golden_leaf_bytes() -> None:

@@ -11,10 +11,10 @@ Meanwhile the lane (see NOTE [ One ordered lane ]) runs the loader's jobs::
 
 With ``prefetch=0`` the stall is the job itself; with ``prefetch > 0`` the job runs under
 the caller's step and the stall is what it did not hide. Recording a step costs a few
-appends: the last ``WINDOW`` steps are kept as they are, the pass's older ones folded, a
-thousand at a time, into log-spaced bins 2% wide, which is the precision of the pass's
-medians and p90 (its totals and maxima are exact). Nothing grows with the world size or,
-beyond those fixed bins, with the pass.
+appends: the last ``WINDOW`` steps are kept as they are and folded, a window at a time,
+into log-spaced bins 2% wide, which is the precision of the pass's medians and p90 (its
+totals and maxima are exact). Nothing grows with the world size or, beyond those fixed
+bins, with the pass.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ logger = logging.getLogger("tensorcast")
 #: The most recent steps whose times are kept exactly: ``stats(last=N)`` takes N <= this.
 WINDOW = 1000
 _LOW, _RATIO, _BINS = 1e-6, 1.02, 1100  # bins from 1 us up to about 3 hours
-_FOLD = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +82,9 @@ class _Samples:
     """Rows of per-step numbers: the last ``WINDOW`` exact, every one in the bins."""
 
     def __init__(self, width: int) -> None:
+        self.width = width
         self.recent: collections.deque[tuple[float, ...]] = collections.deque(maxlen=WINDOW)
-        self.pending: list[tuple[float, ...]] = []
+        self.unfolded = 0  # the newest rows of ``recent``, not in the bins yet
         self.count = 0
         self.total = np.zeros(width)
         self.max = np.zeros(width)
@@ -92,14 +92,15 @@ class _Samples:
 
     def add(self, row: tuple[float, ...]) -> None:
         self.recent.append(row)
-        self.pending.append(row)
-        if len(self.pending) >= _FOLD:
+        self.unfolded += 1
+        if self.unfolded == WINDOW:  # before the oldest unfolded row leaves ``recent``
             self.fold()
 
     def fold(self) -> None:
-        if not self.pending:
+        if not self.unfolded:
             return
-        rows, self.pending = np.asarray(self.pending, dtype=np.float64), []
+        rows = self.last(self.unfolded)
+        self.unfolded = 0
         self.count += len(rows)
         self.total += rows.sum(axis=0)
         self.max = np.maximum(self.max, rows.max(axis=0))
@@ -123,7 +124,7 @@ class _Samples:
 
     def last(self, n: int) -> np.ndarray:
         rows = list(self.recent)[-n:] if n else []
-        return np.asarray(rows, dtype=np.float64).reshape(len(rows), -1)
+        return np.asarray(rows, dtype=np.float64).reshape(len(rows), self.width)
 
 
 def _exact(column: np.ndarray) -> Timings:
@@ -158,9 +159,10 @@ class Recorder:
         with self._lock:
             self._jobs.add((source_s, wire_s, float(nbytes)))
 
-    def handed_out(self, called: float) -> None:
-        """A ``next()`` that began at ``called`` (``time.perf_counter()``) returns a batch."""
-        now = time.perf_counter()
+    def handed_out(self, called: float, now: float | None = None) -> None:
+        """A ``next()`` that began at ``called`` returns a batch ``now`` (default: now, by
+        ``time.perf_counter()``, as ``called``)."""
+        now = time.perf_counter() if now is None else now
         stall = now - called
         step = stall if self._last_return is None else now - self._last_return
         self._last_return = now

@@ -71,6 +71,19 @@ def test_quick_run_under_torchrun(tmp_path: Path) -> None:
     assert "[####" not in out  # no progress bar when the output is not a terminal
 
 
+@pytest.mark.dist
+def test_a_batch_the_source_cannot_load_fails_every_rank(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            "2", "-m", "tensorcast.bench", "--batch", "no_such_module_here:fn",
+            "--timeout", "60"]  # fmt: skip
+    rc, out = run_killable(args, tmp_path, env, 60.0)  # a hang would be the collective timeout
+    assert rc != 0
+    assert "error on rank 0: --batch no_such_module_here:fn: ModuleNotFoundError" in out
+    assert "error on rank 1: --batch no_such_module_here:fn: a source rank could not" in out
+
+
 def test_a_batch_file_round_trips(tmp_path: Path) -> None:
     batch = {"audio": torch.randn(2, 100), "lens": torch.tensor([100, 50]), "text": ["a", "b"]}
     nbytes = save_batch(tmp_path / "b.tcb", batch)

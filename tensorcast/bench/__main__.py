@@ -23,6 +23,7 @@ import json
 import shlex
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,10 @@ def _print(result: dict[str, Any], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # per_tensor sends a torch pytree spec through broadcast_object_list; unpickling it warns.
+    warnings.filterwarnings(
+        "ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning
+    )
     try:
         backend = run.init_default_group(args.backend, args.timeout)
     except RuntimeError as e:
@@ -185,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             _print(result, args)
         dist.barrier(group=None)
+    except ValueError as e:  # a mesh or a batch that cannot be: raised on every rank alike
+        print(f"error on rank {dist.get_rank()}: {e}", file=sys.stderr)
+        return 2
     finally:
         dist.destroy_process_group()
     failed = any(wl["check_failures"] for wl in result["workloads"])

@@ -113,16 +113,25 @@ def _pinned(batch: Any) -> Any:
 
 def _load(spec: str, quick: bool, slot: Slot) -> tuple[Any, int]:
     """The source's batch of ``spec`` (None elsewhere) and its tensor bytes, on every rank."""
-    batch = None
+    batch, error = None, None
     if slot.is_source:
         builtin = spec in workloads.WORKLOADS
-        batch = workloads.make_workload(spec, quick=quick) if builtin else batches.user_batch(spec)
-        if slot.device.type == "cuda":
+        try:
+            batch = (
+                workloads.make_workload(spec, quick=quick) if builtin else batches.user_batch(spec)
+            )
+        except Exception as e:  # every rank learns of it below, instead of waiting
+            error = e
+        if slot.device.type == "cuda" and error is None:
             batch = _pinned(batch)
-    box = [baselines.batch_nbytes(batch) if slot.is_source else 0]
-    sizes = torch.tensor(box, dtype=torch.int64)
+    told = [baselines.batch_nbytes(batch) if batch is not None else 0, int(error is not None)]
+    sizes = torch.tensor(told, dtype=torch.int64)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=slot.control)  # the largest slot's
-    return batch, int(sizes)
+    if error is not None:
+        raise ValueError(f"--batch {spec}: {type(error).__name__}: {error}") from error
+    if sizes[1]:
+        raise ValueError(f"--batch {spec}: a source rank could not load it (see its error)")
+    return batch, int(sizes[0])
 
 
 def _digests(batch: Any, slot: Slot) -> dict[int, str]:

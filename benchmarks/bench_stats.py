@@ -26,31 +26,39 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import tensorcast as tc
-from tensorcast.bench.timing import Feed, LoaderMethod
-from tensorcast.bench.workloads import make_workload
 
 REPEATS = 2000  # hook loops per sample
 
 
+def _tiny() -> Any:
+    """The tiny workload's batch, forever (tensorcast.bench's, built here so that this
+    script also runs on an older tree)."""
+    batch = {"step": 7, "x": torch.randn(4, generator=torch.Generator().manual_seed(1234))}
+    while True:
+        yield batch
+
+
 def step_times(steps: int) -> list[float]:
     """Seconds per next() of a prefetch=0 loader on the tiny workload, slowest rank."""
-    batch = make_workload("tiny")
-    loader = LoaderMethod(Feed(batch) if dist.get_rank() == 0 else None, dist.group.WORLD, 0)
+    source = _tiny() if dist.get_rank() == 0 else None
+    loader = tc.BroadcastingDataLoader(source, group=dist.group.WORLD, src=0, prefetch=0)
+    it = iter(loader)
     for _ in range(50):
-        loader()
+        next(it)
     times = torch.zeros(steps, dtype=torch.float64)
     dist.barrier()
     for i in range(steps):
         t0 = time.perf_counter()
-        loader()
+        next(it)
         times[i] = time.perf_counter() - t0
-    loader.close()
+    it.close()  # type: ignore[attr-defined]
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return times.tolist()
 

@@ -49,8 +49,11 @@ def _csv(text: str | None, allowed: tuple[str, ...], what: str) -> list[str] | N
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tensorcast.bench",
-        description=__doc__.split("\n\n")[0],  # type: ignore[union-attr]
-        epilog="Batch files: see tensorcast.bench.save_batch. Chart: pip install 'tensorcast[bench]'.",
+        description="tensorcast against the peers' ways to share a batch, on your own cluster.",
+        epilog="examples:\n" + __doc__.split("::\n\n")[1].split("\n\n")[0] + "\n\n"
+        "Batch files: tensorcast.bench.save_batch(path, batch). "
+        "The chart: pip install 'tensorcast[bench]'.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: the rest)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")

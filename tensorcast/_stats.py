@@ -170,6 +170,7 @@ class Recorder:
         self._steps += 1
         if self._log_every and self._steps % self._log_every == 0:
             self._log()
+            self._last_return = time.perf_counter()  # the log line is not the caller's step
 
     def stats(self, last: int) -> LoaderStats:
         """The pass so far, with its last ``last`` steps in ``recent``."""

@@ -140,6 +140,21 @@ def test_the_progress_bar_is_silent_off_a_terminal() -> None:
     assert stream.getvalue() == ""
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_bar_draws_on_a_terminal_and_clears_its_line() -> None:
+    stream = _Terminal()
+    bar = Progress(4, enabled=True, stream=stream)
+    for _ in range(4):
+        bar.advance("tiny: floor")
+    assert "[" + "#" * 30 + "] 100% tiny: floor" in stream.getvalue()
+    bar.close()
+    assert stream.getvalue().endswith("\r")
+
+
 def test_quick_workloads_keep_their_structure() -> None:
     for name in WORKLOADS:
         full, quick = make_workload(name), make_workload(name, quick=True)

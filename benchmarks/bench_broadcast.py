@@ -20,7 +20,9 @@ Methods:
   yields the batch; the time of one ``next()``.
 - ``tc.loader+packed``: the same over pre-packed ``tc.Packed`` batches, as
   ``tc.packed_collate`` makes them in DataLoader workers (packed outside the timed region).
-- ``pickled_packet``, ``object_list``, ``per_tensor``: the peers, see ``baselines.py``.
+- ``pickled_packet``, ``object_list``, ``per_tensor``: the peers, see
+  ``tensorcast/bench/baselines.py`` (shared with ``python -m tensorcast.bench``, as are
+  the workloads).
 - ``floor``: one broadcast of a preallocated buffer of the batch's byte count.
 
 Also measured: peak transient memory per rank (peak RSS reset right before a loop of one
@@ -62,14 +64,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # baselines.py sits next to this file
-
-import baselines
-
 import tensorcast as tc
+from tensorcast.bench import baselines
+from tensorcast.bench.batches import mismatch
+from tensorcast.bench.timing import Feed
+from tensorcast.bench.timing import LoaderMethod as _LoaderMethod
+from tensorcast.bench.workloads import make_workload, next_step
 
 SRC = 0  # the source's global rank
-WORKLOADS = ("audio_large", "audio_medium", "many_small", "tiny")
+WORKLOADS = ("audio_large", "audio_medium", "many_small", "tiny")  # of tensorcast.bench's
 METHODS = (
     "tc.broadcast",
     "tc.loader",
@@ -91,138 +94,9 @@ MEM_MIN_BATCH = 1 << 20  # the memory target is checked on batches at least this
 OVERLAP_TARGET = 1.15
 TC_METHODS = ("tc.broadcast", "tc.loader", "tc.loader+packed")
 
-_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven",
-          "bold", "wizards", "quietly", "hum", "forty", "jazzy", "tunes", "near", "the", "old",
-          "harbour", "at", "dawn")
-
-
-# -- workloads -------------------------------------------------------------------------
-
-
-def _sentence(i: int) -> str:
-    words = [_WORDS[(i * 7 + k) % len(_WORDS)] for k in range(20)]
-    return f"utt {i}: {' '.join(words)}"[:80]
-
-
-def _random_tensor(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=g).to(dtype)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    low = 0 if dtype == torch.uint8 else -1000
-    return torch.randint(low, 256 if dtype == torch.uint8 else 1000, shape, generator=g).to(dtype)
-
-
-def make_workload(name: str) -> Any:
-    """The batch of workload ``name``; deterministic, so every rank can build the reference."""
-    g = torch.Generator().manual_seed(1234)
-    if name in ("audio_large", "audio_medium"):
-        n, samples = (32, 480_000) if name == "audio_large" else (16, 160_000)
-        return {
-            "audio": torch.randn(n, samples, generator=g),
-            "audio_lens": torch.randint(samples // 2, samples + 1, (n,), generator=g),
-            "text": [_sentence(i) for i in range(n)],
-            "ids": [f"cut-{i:06d}-{i * 7919 % 10007:05d}" for i in range(n)],
-        }
-    if name == "many_small":
-        dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32,
-                  torch.bool, torch.uint8, torch.float64)
-        shapes: tuple[tuple[int, ...], ...] = ((8,), (4, 16), (32,), (2, 3, 5), (), (64,), (16, 8))
-        batch: dict[str, Any] = {}
-        for grp in range(20):
-            tensors = {}
-            for j in range(10):
-                k = grp * 10 + j
-                shape, dtype = shapes[k % len(shapes)], dtypes[k % len(dtypes)]
-                tensors[f"t{j}"] = _random_tensor(shape, dtype, g)
-            batch[f"group{grp}"] = {
-                "tensors": tensors,
-                "meta": {"index": grp, "name": f"group-{grp}", "weight": grp * 10 + 3},
-            }
-        return batch
-    if name == "tiny":
-        return {"step": 7, "x": torch.randn(4, generator=g)}
-    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-
-
-def next_step(name: str, batch: Any, step: int) -> None:
-    """Turn ``batch`` into the workload's batch of training step ``step``, in place: new
-    small values (a step number, ids), the same structure, dtypes and shapes."""
-    if name in ("audio_large", "audio_medium"):
-        ids = batch["ids"]
-        for i in range(len(ids)):
-            ids[i] = f"cut-{step:06d}-{(step * 32 + i) * 7919 % 10007:05d}"
-    elif name == "many_small":
-        for grp in range(20):
-            batch[f"group{grp}"]["meta"]["index"] = step * 20 + grp
-    elif name == "tiny":
-        batch["step"] = step
-
-
-# -- bit-for-bit comparison ------------------------------------------------------------
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def mismatch(got: Any, want: Any, path: str = "batch") -> str | None:
-    """Where ``got`` differs from ``want`` (types, structure, tensor bytes), or None."""
-    if type(got) is not type(want):
-        return f"{path}: {type(got).__name__} instead of {type(want).__name__}"
-    if isinstance(want, torch.Tensor):
-        if got.dtype != want.dtype or got.shape != want.shape:
-            return (f"{path}: {got.dtype}{tuple(got.shape)} instead of "
-                    f"{want.dtype}{tuple(want.shape)}")
-        if not torch.equal(_bits(got), _bits(want)):
-            return f"{path}: tensor bytes differ"
-        return None
-    if isinstance(want, dict):
-        if list(got) != list(want):
-            return f"{path}: keys {list(got)[:5]}... instead of {list(want)[:5]}..."
-        for k in want:
-            if (m := mismatch(got[k], want[k], f"{path}[{k!r}]")) is not None:
-                return m
-        return None
-    if isinstance(want, (list, tuple)):
-        if len(got) != len(want):
-            return f"{path}: length {len(got)} instead of {len(want)}"
-        for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            if (m := mismatch(a, b, f"{path}[{i}]")) is not None:
-                return m
-        return None
-    return None if got == want else f"{path}: {got!r} instead of {want!r}"
-
-
-# -- methods ---------------------------------------------------------------------------
-
-
-class Feed:
-    """An endless source that yields whatever batch the harness last put in ``item``."""
-
-    def __init__(self, item: Any) -> None:
-        self.item = item
-
-    def __iter__(self) -> Feed:
-        return self
-
-    def __next__(self) -> Any:
-        return self.item
-
-
-class LoaderMethod:
-    """One ``next()`` of a BroadcastingDataLoader that runs for the whole benchmark."""
-
-    def __init__(self, source: Feed | None, group: dist.ProcessGroup, prefetch: int = 0):
-        self.source = source
-        self.loader = tc.BroadcastingDataLoader(source, group=group, src=SRC, prefetch=prefetch)
-        self.it = iter(self.loader)
-
-    def __call__(self) -> Any:
-        return next(self.it)
-
-    def close(self) -> None:
-        self.it.close()  # type: ignore[attr-defined]
+def LoaderMethod(source: Feed | None, group: dist.ProcessGroup, prefetch: int = 0) -> Any:
+    """tensorcast.bench's loader method, from the source ``SRC``."""
+    return _LoaderMethod(source, group, SRC, prefetch)
 
 
 def build_methods(batch: Any, group: dist.ProcessGroup) -> dict[str, Callable[[], Any]]:
@@ -247,7 +121,7 @@ def build_methods(batch: Any, group: dist.ProcessGroup) -> dict[str, Callable[[]
 
 def close_methods(methods: dict[str, Callable[[], Any]]) -> None:
     for fn in methods.values():
-        if isinstance(fn, LoaderMethod):
+        if isinstance(fn, _LoaderMethod):
             fn.close()
 
 
@@ -277,7 +151,7 @@ def time_methods(
         if step is not None:
             step(it)
             packed = methods.get("tc.loader+packed")
-            if isinstance(packed, LoaderMethod) and packed.source is not None:
+            if isinstance(packed, _LoaderMethod) and packed.source is not None:
                 packed.source.item = tc.pack(batch)  # what a worker's packed_collate would do
         elapsed = torch.zeros(len(names), dtype=torch.float64)
         for name in order:

@@ -18,7 +18,7 @@ What one run does:
 
 With ``--compare`` the same run then times, on the same batches and the same groups,
 ``tc.broadcast`` against NeMo's pickled packet and ``broadcast_object_list`` (see
-``baselines.py``) and one bare broadcast of the batch's byte count (the floor), and prints
+``tensorcast/bench/baselines.py``) and one bare broadcast of the batch's byte count (the floor), and prints
 the ratios. A batch's time is the slowest rank's; figures are medians over batches and
 rounds. Every baseline's output is checked against the batch tensorcast delivered.
 
@@ -51,11 +51,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # baselines.py sits next to this file
-
-import baselines
-
 import tensorcast as tc
+from tensorcast.bench import baselines
 
 AXES = ("cp", "tp")
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven",

@@ -23,6 +23,7 @@ from tensorcast.codec.schema import FORMAT_VERSION, LeafSpec, Schema
 from tensorcast.loader.broadcast import broadcast, broadcast_batch
 from tensorcast.loader.dataloader import BroadcastingDataLoader
 from tensorcast.loader.mesh import dp_rank_and_size, is_dp_source_rank
+from tensorcast.loader.stats import LoaderStats, Timings
 
 __version__ = "0.2.0"
 
@@ -32,11 +33,13 @@ __all__ = [
     "DesyncError",
     "HeaderError",
     "LeafSpec",
+    "LoaderStats",
     "Packed",
     "PeerError",
     "Schema",
     "SourceError",
     "TensorcastError",
+    "Timings",
     "UnsupportedLeafError",
     "broadcast",
     "broadcast_batch",

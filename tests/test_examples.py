@@ -83,3 +83,14 @@ def test_nemo_style_datamodule(tmp_path: Path, layout: list[str], mesh: str) -> 
     assert "epochs reshuffled: True" in lines
     assert "state_dict held by: DynamicBucketingSampler (13 keys)" in lines
     assert "resume exact: True (checkpoint after 2 batches)" in lines
+
+
+def test_lightning_stall(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    out = run([sys.executable, str(EXAMPLES / "lightning_stall.py"), "--quick"], tmp_path)
+    lines = summary(out)
+    assert "data stall logged with self.log: True" in lines
+    assert "steps: 8" in lines
+    assert any(
+        line.startswith("tensorcast: tensorcast loader: step 8: data stall") for line in lines
+    )

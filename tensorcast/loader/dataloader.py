@@ -33,6 +33,7 @@ import torch.distributed as dist
 from tensorcast.codec.packed import resolve_device
 from tensorcast.loader import mesh as _mesh
 from tensorcast.loader.broadcast import mesh_channel, unpack_if_packed
+from tensorcast.loader.stats import WINDOW, LoaderStats, Recorder, timed
 from tensorcast.loader.steps import Pass, stateful
 from tensorcast.transport.channel import Channel, group_ranks, open_channel, to_timedelta
 from tensorcast.transport.lane import Job
@@ -59,6 +60,8 @@ class BroadcastingDataLoader:
         timeout: seconds (or a timedelta) any rank waits for one message before raising
             ``PeerError``; None means the default process group's timeout.
         verify: carry a CRC32 of every buffer and check it on receivers.
+        log_every: on the source rank, log ``stats()``'s last ``log_every`` steps every
+            ``log_every`` steps (``logging``, logger ``"tensorcast"``, level INFO).
 
     Raises:
         ValueError: on a source rank whose ``source`` is None (and on its receivers); on
@@ -78,9 +81,12 @@ class BroadcastingDataLoader:
         src: int | None = None,
         timeout: float | datetime.timedelta | None = None,
         verify: bool = False,
+        log_every: int | None = None,
     ) -> None:
         if type(prefetch) is not int or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        if log_every is not None and (type(log_every) is not int or log_every < 1):
+            raise ValueError(f"log_every must be an int >= 1 or None, got {log_every!r}")
         if device_mesh is not None and group is not None:
             raise ValueError("pass either device_mesh= or group= (with src=), not both")
         if (group is None) != (src is None):
@@ -99,6 +105,8 @@ class BroadcastingDataLoader:
         self._orphans: list[Job[Any]] = []  # steps of a pass freed on a lane thread
         self._length: int | None = None
         self._warned = False
+        self._log_every = log_every
+        self._stats = Recorder()  # the current pass's; NOTE [ Where a step's time goes ]
         if dist.is_available() and dist.is_initialized():
             self._open(device_mesh, group, src, to_timedelta(timeout), verify)
 
@@ -142,8 +150,11 @@ class BroadcastingDataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         if self._channel is None:
-            return map(unpack_if_packed, self.source if self.source is not None else ())
+            self._stats = Recorder(self._log_every)
+            source = self.source if self.source is not None else ()
+            return timed(source, self._stats, unpack_if_packed)
         self._close_active()
+        self._stats = Recorder(self._log_every if self._channel.is_source else None)
         self._passes += 1
         self._state = None
         run = Pass(self, self._channel, self._passes)
@@ -167,6 +178,19 @@ class BroadcastingDataLoader:
         error, self._deferred = self._deferred, None
         if error is not None:
             raise error
+
+    def stats(self, last: int = 100) -> LoaderStats:
+        """Where this rank's pass so far spent its time, and its last ``last`` steps.
+
+        Args:
+            last: the steps ``.recent`` covers (at most 1000).
+
+        Raises:
+            ValueError: ``last`` is not an int from 1 to 1000.
+        """
+        if type(last) is not int or not 1 <= last <= WINDOW:
+            raise ValueError(f"last must be an int from 1 to {WINDOW}, got {last!r}")
+        return self._stats.stats(last)
 
     # -- length, epochs and checkpoints ----------------------------------------------
 

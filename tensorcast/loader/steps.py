@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import collections
 import copy
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from tensorcast._errors import SourceError
+from tensorcast.loader.stats import Recorder
 from tensorcast.transport.channel import Channel
 from tensorcast.transport.frame import Kind
 from tensorcast.transport.lane import Job
@@ -93,6 +95,7 @@ class _Steps:
         self.source_iter: Iterator[Any] | None = None
         self.start_error: BaseException | None = None
         self.stateful = stateful(source) if depth and channel.is_source else None
+        self.stats = Recorder()  # replaced by the pass's own
 
     def source(self) -> Any:
         channel = self.channel
@@ -103,7 +106,9 @@ class _Steps:
             if self.start_error is not None:
                 raise self.start_error
             with channel.pulling:
+                started = time.perf_counter()
                 batch = next(self.source_iter)  # type: ignore[arg-type]
+                pulled = time.perf_counter() - started
         except StopIteration:
             self.ended = True
             channel.send_end()
@@ -119,7 +124,9 @@ class _Steps:
             frame, own = channel.prepare(batch, self.device)
         except Exception as e:
             return self._fail(e, f"batch serialization failed: {type(e).__name__}: {e}")
+        started = time.perf_counter()
         channel.send(frame)
+        self.stats.job(pulled, time.perf_counter() - started, frame.plan.payload_len)
         return _Item(own, state)
 
     def _fail(self, error: BaseException, message: str) -> _Failure:
@@ -130,8 +137,10 @@ class _Steps:
     def receiver(self) -> Any:
         if self.ended:
             return _END
+        started = time.perf_counter()
         kind, value = self.channel.recv(self.device)
         if kind == Kind.DATA:
+            self.stats.job(0.0, time.perf_counter() - started, self.channel.received_nbytes)
             return _Item(value, None)
         self.ended = True
         if kind == Kind.END:
@@ -151,6 +160,7 @@ class Pass:
         self._pending: collections.deque[Job[Any]] = collections.deque()
         self._started = self._finished = False
         steps = self._steps = _Steps(channel, loader.device, loader.source, self._depth)
+        steps.stats = self._stats = loader._stats  # NOTE [ Where a step's time goes ]
         self._step = steps.source if channel.is_source else steps.receiver
 
     def _start(self) -> None:
@@ -179,6 +189,12 @@ class Pass:
         return self
 
     def __next__(self) -> Any:
+        called = time.perf_counter()
+        batch = self._next()
+        self._stats.handed_out(called)
+        return batch
+
+    def _next(self) -> Any:
         if self._finished:
             raise StopIteration
         if not self._started:

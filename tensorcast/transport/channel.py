@@ -174,6 +174,11 @@ class Channel:
             if self.group.lane.broken is None:
                 self.step += 1
 
+    @property
+    def received_nbytes(self) -> int:
+        """The payload bytes of the last batch :meth:`recv` returned."""
+        return self._receiver.last_nbytes if self._receiver is not None else 0
+
 
 def raise_for(kind: Kind, value: Any, src: int) -> Any:
     """A received frame's tree, or the ``SourceError`` it stands for."""

@@ -92,6 +92,7 @@ class Receiver:
         self._messages = FramePool()  # first messages
         self._pool = BufferPool()  # payloads that travel on their own
         self._cutter = Cutter(group, promises=promises)
+        self.last_nbytes = 0  # the last batch's payload, for the loader's stats
 
     def recv(
         self, expect: Stamp, device: torch.device | None, timeout: datetime.timedelta
@@ -194,6 +195,7 @@ class Receiver:
                 f"step {expect.step}: the payload's CRC32 does not match the source's: the "
                 f"bytes were corrupted in transit"
             )
+        self.last_nbytes = prefix.payload_len
         if device is not None and device != payload.device:
             return Kind.DATA, _codec.rebuild(decoded, _codec.copy_to_device(payload, device))
         return Kind.DATA, _codec.rebuild(decoded, payload, pool=frame.pool)

@@ -1,7 +1,9 @@
 """The ways other libraries hand a batch to peers, for side-by-side benchmarks.
 
 Each takes ``(batch, src, group)`` on every rank (``batch`` is ignored off the source)
-and returns the batch every rank ends up with. ``src`` is a global rank.
+and returns the batch every rank ends up with. ``src`` is a global rank. ``device`` is
+where the messages travel: the CPU on gloo, the current CUDA device on NCCL, and where
+the receivers' tensors land, as the peers' own code does it.
 
 - ``pickled_packet``: NeMo's framed packet: ``pickle.dumps((kind, batch))``, an int64
   size broadcast, then the bytes as a uint8 tensor; ``pickle.loads`` on receivers.
@@ -25,6 +27,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["Floor", "batch_nbytes", "object_list", "per_tensor", "pickled_packet"]
 
+_CPU = torch.device("cpu")
+
 
 def batch_nbytes(batch: Any) -> int:
     """Bytes of tensor data in ``batch`` (the floor's message size)."""
@@ -32,29 +36,35 @@ def batch_nbytes(batch: Any) -> int:
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
-def pickled_packet(batch: Any, src: int, group: dist.ProcessGroup | None) -> Any:
+def pickled_packet(
+    batch: Any, src: int, group: dist.ProcessGroup | None, device: torch.device = _CPU
+) -> Any:
     if dist.get_rank() == src:
         data = pickle.dumps(("batch", batch), protocol=pickle.HIGHEST_PROTOCOL)
-        size = torch.tensor([len(data)], dtype=torch.int64)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
         dist.broadcast(size, src, group=group)
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
         dist.broadcast(payload, src, group=group)
         return batch
-    size = torch.empty(1, dtype=torch.int64)
+    size = torch.empty(1, dtype=torch.int64, device=device)
     dist.broadcast(size, src, group=group)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(payload, src, group=group)
-    _, out = pickle.loads(payload.numpy().tobytes())
+    _, out = pickle.loads(payload.cpu().numpy().tobytes())
     return out
 
 
-def object_list(batch: Any, src: int, group: dist.ProcessGroup | None) -> Any:
+def object_list(
+    batch: Any, src: int, group: dist.ProcessGroup | None, device: torch.device = _CPU
+) -> Any:
     box = [batch if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src, group=group)
+    dist.broadcast_object_list(box, src=src, group=group, device=device)
     return box[0]
 
 
-def per_tensor(batch: Any, src: int, group: dist.ProcessGroup | None) -> Any:
+def per_tensor(
+    batch: Any, src: int, group: dist.ProcessGroup | None, device: torch.device = _CPU
+) -> Any:
     is_src = dist.get_rank() == src
     if is_src:
         leaves, spec = tree_flatten(batch)
@@ -65,12 +75,15 @@ def per_tensor(batch: Any, src: int, group: dist.ProcessGroup | None) -> Any:
         box: list[Any] = [(meta, spec)]
     else:
         box = [None]
-    dist.broadcast_object_list(box, src=src, group=group)
+    dist.broadcast_object_list(box, src=src, group=group, device=device)
     meta, spec = box[0]
     out = []
     for i, m in enumerate(meta):
         if m[0] == "t":
-            t = leaves[i].contiguous() if is_src else torch.empty(m[1], dtype=m[2])
+            if is_src:
+                t = leaves[i].contiguous().to(device, non_blocking=True)
+            else:
+                t = torch.empty(m[1], dtype=m[2], device=device)
             dist.broadcast(t, src, group=group)
             out.append(t)
         else:
@@ -81,8 +94,8 @@ def per_tensor(batch: Any, src: int, group: dist.ProcessGroup | None) -> Any:
 class Floor:
     """One broadcast of a preallocated buffer of ``nbytes``: the transport's floor."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.buffer = torch.zeros(nbytes, dtype=torch.uint8)
+    def __init__(self, nbytes: int, device: torch.device = _CPU) -> None:
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
     def __call__(self, batch: Any, src: int, group: dist.ProcessGroup | None) -> Any:
         dist.broadcast(self.buffer, src, group=group)

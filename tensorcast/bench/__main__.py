@@ -1,0 +1,206 @@
+"""``python -m tensorcast.bench``: tensorcast against the peers' ways, on your own cluster.
+
+Run it under any launcher, on the mesh your training uses::
+
+    torchrun --nproc_per_node 8 -m tensorcast.bench --tp 8
+    torchrun --nproc_per_node 8 -m tensorcast.bench --dp 2 --cp 2 --tp 2 --json bench.json
+    srun -N 2 --ntasks-per-node 8 python -m tensorcast.bench --tp 8     # MASTER_ADDR/PORT set
+    torchrun --standalone --nproc_per_node 4 -m tensorcast.bench --quick
+
+Every data-parallel slot (the ranks of one ``(cp, tp)`` sub-mesh; all ranks when no mesh
+is given) broadcasts from its first rank, all slots at once, as training does. Each
+method runs once per iteration, interleaved; a method's time in an iteration is the
+slowest rank's, and the table gives the median and p90 over iterations, GB/s of tensor
+bytes, and the multiple of the floor (one broadcast of a preallocated buffer of the
+batch's bytes). The run checks every method's last output against the source's batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from tensorcast.bench import report, run, workloads
+from tensorcast.bench.timing import METHODS
+
+QUICK_ITERS, QUICK_WARMUP = 3, 1
+DEFAULT_ITERS = {"audio_large": 30, "audio_medium": 60, "gpt": 40}  # else 100, user 40
+
+
+def _csv(text: str | None, allowed: tuple[str, ...], what: str) -> list[str] | None:
+    if text is None:
+        return None
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in items if s not in allowed]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(f"unknown {what} {bad}; choose from {', '.join(allowed)}")
+    return items
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tensorcast.bench",
+        description="tensorcast against the peers' ways to share a batch, on your own cluster.",
+        epilog="examples:\n" + __doc__.split("::\n\n")[1].split("\n\n")[0] + "\n\n"
+        "Batch files: tensorcast.bench.save_batch(path, batch). "
+        "The chart: pip install 'tensorcast[bench]'.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: the rest)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel size (default: one group of all ranks)",
+    )
+    p.add_argument(
+        "--workloads",
+        default=None,
+        help=f"comma-separated, from {', '.join(workloads.WORKLOADS)} (default: all)",
+    )
+    p.add_argument(
+        "--batch",
+        action="append",
+        default=[],
+        metavar="PATH|MODULE:FUNCTION",
+        help="your own batch: a file from tensorcast.bench.save_batch or a "
+        "torch.save of tensors, or a function that returns one (repeatable)",
+    )
+    p.add_argument("--methods", default=None, help=f"comma-separated, from {', '.join(METHODS)}")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations per workload")
+    p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 3)")
+    p.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="the default group's backend (default: nccl where CUDA is, else gloo)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="the process group's timeout in seconds (default 300)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="small batches and few iterations: a smoke run for CI"
+    )
+    p.add_argument("--json", metavar="PATH", help="write every figure, with raw times, here")
+    p.add_argument("--png", metavar="PATH", help="a bar chart (needs matplotlib)")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = _parser()
+    args = p.parse_args(argv)
+    try:
+        chosen = _csv(args.workloads, workloads.WORKLOADS, "workloads")
+        args.methods = _csv(args.methods, METHODS, "methods")
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
+    if chosen is None:
+        chosen = [] if args.batch and args.workloads is None else list(workloads.WORKLOADS)
+    args.specs = [*chosen, *args.batch]
+    if args.methods is not None and "floor" not in args.methods:
+        args.methods.append("floor")  # every ratio needs it
+    for opt in ("iters", "warmup", "dp", "tp"):
+        if getattr(args, opt) is not None and getattr(args, opt) < (0 if opt == "warmup" else 1):
+            p.error(f"--{opt} must be at least {0 if opt == 'warmup' else 1}")
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--png needs matplotlib: pip install 'tensorcast[bench]'")
+    return args
+
+
+def _iters(args: argparse.Namespace, spec: str) -> tuple[int, int]:
+    if args.quick:
+        return args.iters or QUICK_ITERS, QUICK_WARMUP if args.warmup is None else args.warmup
+    default = DEFAULT_ITERS.get(spec, 100 if spec in workloads.WORKLOADS else 40)
+    return args.iters or default, 3 if args.warmup is None else args.warmup
+
+
+def _run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
+    world = dist.get_world_size()
+    tp = args.tp if args.tp is not None else max(1, world // (args.cp * (args.dp or 1)))
+    slot, mesh = run.make_slot(args.dp, args.cp, tp)
+    names = run.method_names(args.methods)
+    plan = [(spec, *_iters(args, spec)) for spec in args.specs]
+    total = sum((iters + warmup) * len(names) for _, iters, warmup in plan)
+    progress = report.Progress(total, enabled=dist.get_rank() == 0)
+    started = time.monotonic()
+    try:
+        results = [
+            run.run_workload(spec, names, iters, warmup, args.quick, slot, progress)
+            for spec, iters, warmup in plan
+        ]
+    finally:
+        progress.close()
+    info = run.where(backend, mesh, slot)
+    return {
+        "command": shlex.join(["python", "-m", "tensorcast.bench", *sys.argv[1:]]),
+        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+        "where": (
+            f"{info['backend']}, world {info['world_size']}, mesh {mesh}, "
+            f"{info.get('gpu', 'CPU')} ({info['device']}), torch {info['torch']}"
+        ),
+        **info,
+        "quick": args.quick,
+        "wall_s": time.monotonic() - started,
+        "workloads": results,
+    }
+
+
+def _print(result: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"$ {result['command']}   ({result['date']})")
+    print(f"on {result['where']}; times are the slowest rank's")
+    print(report.text_table(result))
+    print("\n" + report.markdown_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"\nwrote {args.json}")
+    if args.png:
+        report.write_png(result, args.png)
+        print(f"wrote {args.png}")
+    for f in (f for wl in result["workloads"] for f in wl["check_failures"]):
+        print(f"CHECK FAILED: {f}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # per_tensor sends a torch pytree spec through broadcast_object_list; unpickling it warns.
+    warnings.filterwarnings(
+        "ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning
+    )
+    try:
+        backend = run.init_default_group(args.backend, args.timeout)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        result = _run(args, backend)
+        if dist.get_rank() == 0:
+            _print(result, args)
+        dist.barrier(group=None)
+    except ValueError as e:  # a mesh or a batch that cannot be: raised on every rank alike
+        print(f"error on rank {dist.get_rank()}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        dist.destroy_process_group()
+    failed = any(wl["check_failures"] for wl in result["workloads"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

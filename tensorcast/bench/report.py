@@ -1,0 +1,166 @@
+"""What a run reports: per method, ms (median, p90), GB/s and the multiple of the floor;
+a table for the terminal or a README, a JSON document, a chart, and a progress bar."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+__all__ = ["Progress", "markdown_table", "rows", "text_table", "write_png"]
+
+# How the chart names and colours each method: tensorcast in blues, the peers apart.
+LABELS = {
+    "tc.broadcast": ("tc.broadcast", "#08519c"),
+    "tc.loader": ("tc.loader", "#3182bd"),
+    "tc.loader+packed": ("tc.loader + packed_collate", "#9ecae1"),
+    "pickled_packet": ("pickled packet (NeMo)", "#e6550d"),
+    "object_list": ("broadcast_object_list", "#a50f15"),
+    "per_tensor": ("one broadcast per tensor", "#969696"),
+}
+
+
+def rows(times: dict[str, list[float]], nbytes: int) -> list[dict[str, Any]]:
+    """One row per method: medians and p90 in ms, GB/s, and x floor (medians of the same
+    run, and paired: the median of per-iteration ratios to the floor)."""
+    floor = times.get("floor")
+    floor_ms = float(np.median(floor)) * 1e3 if floor else None
+    out = []
+    for name, seconds in times.items():
+        p50, p90 = np.percentile(np.asarray(seconds) * 1e3, [50, 90])
+        paired = None
+        if floor:
+            paired = statistics.median(t / max(f, 1e-9) for t, f in zip(seconds, floor))
+        out.append(
+            {
+                "method": name,
+                "median_ms": float(p50),
+                "p90_ms": float(p90),
+                "gbps": nbytes / max(float(p50), 1e-9) / 1e6,
+                "x_floor": float(p50) / floor_ms if floor_ms else None,
+                "x_floor_paired": paired,
+                "times_ms": [s * 1e3 for s in seconds],
+            }
+        )
+    return out
+
+
+def size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} B"
+
+
+def _x(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}x" if value < 10 else f"{value:.0f}x"
+
+
+def text_table(report: dict[str, Any]) -> str:
+    """Every workload's rows: ms (median, p90), GB/s and x floor per method."""
+    lines = []
+    for wl in report["workloads"]:
+        lines.append(f"\n{wl['workload']} ({size(wl['nbytes'])}, {wl['iters']} iterations)")
+        lines.append(
+            f"  {'method':<18} {'median ms':>10} {'p90 ms':>9} {'GB/s':>8} "
+            f"{'x floor':>8} {'paired':>7}"
+        )
+        for r in wl["rows"]:
+            lines.append(
+                f"  {r['method']:<18} {r['median_ms']:>10.3f} {r['p90_ms']:>9.3f} "
+                f"{r['gbps']:>8.3f} {_x(r['x_floor']):>8} {_x(r['x_floor_paired']):>7}"
+            )
+    return "\n".join(lines)
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """x floor per workload (rows) and method (columns), with the floor's own ms."""
+    methods = [m for m in LABELS if any(r["method"] == m for r in report["workloads"][0]["rows"])]
+    head = ["workload", "floor ms", *(LABELS[m][0] for m in methods)]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for wl in report["workloads"]:
+        by = {r["method"]: r for r in wl["rows"]}
+        floor = by.get("floor")
+        cells = [
+            f"{wl['workload']} ({size(wl['nbytes'])})",
+            f"{floor['median_ms']:.3f}" if floor else "-",
+        ]
+        cells += [_x(by[m]["x_floor"]) if m in by else "-" for m in methods]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+class Progress:
+    """A one-line progress bar on a terminal; silent when ``stream`` is not a TTY."""
+
+    def __init__(self, total: int, *, enabled: bool, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = enabled and self.stream.isatty()
+        self.total, self.done = max(total, 1), 0
+        self.last = 0.0
+
+    def advance(self, what: str, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < 0.1 and self.done < self.total):
+            return
+        self.last = now
+        filled = int(30 * self.done / self.total)
+        bar = "#" * filled + "." * (30 - filled)
+        self.stream.write(f"\r[{bar}] {100 * self.done // self.total:3d}% {what:<40.40}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\r" + " " * 80 + "\r")
+            self.stream.flush()
+
+
+def write_png(report: dict[str, Any], path: str) -> None:
+    """A bar chart of each method's median over the floor's, per workload (log scale).
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = report["workloads"]
+    methods = [m for m in LABELS if any(r["method"] == m for r in workloads[0]["rows"])]
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    width = 0.8 / max(1, len(methods))
+    for k, method in enumerate(methods):
+        label, color = LABELS[method]
+        for j, wl in enumerate(workloads):
+            row = next((r for r in wl["rows"] if r["method"] == method), None)
+            if row is None or row["x_floor"] is None:
+                continue
+            ax.bar(
+                j - 0.4 + width * (k + 0.5),
+                row["x_floor"],
+                width,
+                color=color,
+                label=label if j == 0 else None,
+            )
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="floor")
+    ax.set_yscale("log")
+    ax.set_ylabel("median time per batch / floor (log scale)")
+    ax.set_xticks(
+        range(len(workloads)),
+        [f"{wl['workload']}\n{size(wl['nbytes'])}" for wl in workloads],
+        fontsize=8,
+    )
+    ax.legend(fontsize=7, ncol=2, frameon=False)
+    ax.set_title(report["where"], fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

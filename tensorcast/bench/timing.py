@@ -1,0 +1,159 @@
+"""The methods a run compares, and their interleaved timing.
+
+Each timed iteration runs every method once, in an order rotated per iteration, with a
+barrier before each; each full cycle of rotations starts from a new seeded shuffle of
+the methods (with one fixed order, a method always pays for the one before it). An
+iteration's time for a method is the slowest rank's. On CUDA a method is timed with CUDA
+events on the current stream, from an idle device to the moment its output is there.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import tensorcast as tc
+from tensorcast.bench import baselines
+
+__all__ = ["METHODS", "Feed", "LoaderMethod", "Slot", "build_methods", "close_methods"]
+
+METHODS = (
+    "tc.broadcast",
+    "tc.loader",
+    "tc.loader+packed",
+    "pickled_packet",
+    "object_list",
+    "per_tensor",
+    "floor",
+)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where this rank runs: its data-parallel slot's group and source, and the rest.
+
+    Attributes:
+        group: the process group of the slot's ranks (the batches' peers).
+        src: the slot's source, a *global* rank.
+        control: a gloo group of every rank, for barriers and the timing reductions.
+        device: where the messages travel and the receivers' tensors land.
+    """
+
+    group: dist.ProcessGroup
+    src: int
+    control: dist.ProcessGroup
+    device: torch.device
+
+    @property
+    def is_source(self) -> bool:
+        return dist.get_rank() == self.src
+
+
+class Feed:
+    """An endless source that yields whatever batch the harness last put in ``item``."""
+
+    def __init__(self, item: Any) -> None:
+        self.item = item
+
+    def __iter__(self) -> Feed:
+        return self
+
+    def __next__(self) -> Any:
+        return self.item
+
+
+class LoaderMethod:
+    """One ``next()`` of a BroadcastingDataLoader that runs for the whole benchmark."""
+
+    def __init__(
+        self, source: Feed | None, group: dist.ProcessGroup, src: int, prefetch: int = 0
+    ) -> None:
+        self.source = source
+        self.loader = tc.BroadcastingDataLoader(source, group=group, src=src, prefetch=prefetch)
+        self.it = iter(self.loader)
+
+    def __call__(self) -> Any:
+        return next(self.it)
+
+    def close(self) -> None:
+        self.it.close()  # type: ignore[attr-defined]
+
+
+def build_methods(batch: Any, nbytes: int, slot: Slot) -> dict[str, Callable[[], Any]]:
+    """Every method as a zero-argument call that returns the batch this rank ends up with
+    (``batch`` is None off the source)."""
+    group, src, device = slot.group, slot.src, slot.device
+    mine = batch if slot.is_source else None
+    floor = baselines.Floor(nbytes, device)
+    # A worker packs each batch; the harness packs it again whenever the batch changes.
+    packed = Feed(tc.pack(batch)) if slot.is_source else None
+    return {
+        "tc.broadcast": lambda: tc.broadcast(mine, src, group),
+        "tc.loader": LoaderMethod(Feed(batch) if slot.is_source else None, group, src),
+        "tc.loader+packed": LoaderMethod(packed, group, src),
+        "pickled_packet": lambda: baselines.pickled_packet(mine, src, group, device),
+        "object_list": lambda: baselines.object_list(mine, src, group, device),
+        "per_tensor": lambda: baselines.per_tensor(mine, src, group, device),
+        "floor": lambda: floor(mine, src, group),
+    }
+
+
+def close_methods(methods: dict[str, Callable[[], Any]]) -> None:
+    for fn in methods.values():
+        if isinstance(fn, LoaderMethod):
+            fn.close()
+
+
+def timed(fn: Callable[[], Any], cuda: bool) -> tuple[Any, float]:
+    """``fn()``'s result and its seconds; on CUDA, CUDA events on the current stream."""
+    if not cuda:
+        t0 = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - t0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()  # an idle device: the start event's time is the call's
+    start.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    return out, start.elapsed_time(end) / 1e3
+
+
+def time_methods(
+    methods: dict[str, Callable[[], Any]],
+    names: list[str],
+    rounds: int,
+    slot: Slot,
+    before: Callable[[int], None],
+    after: Callable[[int, str, Any], None],
+) -> dict[str, list[float]]:
+    """Interleaved timing: ``rounds`` iterations, seconds per iteration (max over ranks).
+
+    ``before(it)`` runs before iteration ``it`` (on every rank, outside the timed region),
+    ``after(it, name, out)`` after each method, with its output.
+    """
+    cuda = slot.device.type == "cuda"
+    times: dict[str, list[float]] = {n: [] for n in names}
+    base = list(names)
+    for it in range(rounds):
+        k = it % len(names)
+        if k == 0:  # a new cycle of rotations, from a shuffle every rank draws alike
+            random.Random(it).shuffle(base)
+        before(it)
+        elapsed = torch.zeros(len(names), dtype=torch.float64)
+        for name in base[k:] + base[:k]:
+            dist.barrier(group=slot.control)
+            out, seconds = timed(methods[name], cuda)
+            elapsed[names.index(name)] = seconds
+            after(it, name, out)
+            del out  # a training loop drops the batch before fetching the next
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=slot.control)
+        for i, n in enumerate(names):
+            times[n].append(float(elapsed[i]))
+    return times

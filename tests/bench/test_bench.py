@@ -1,0 +1,166 @@
+"""``python -m tensorcast.bench``: a quick run under torchrun on 4 gloo ranks, checked
+through its JSON, with a user's batch from a file and one from ``module:function``; and
+the batch file format on its own."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from subprocs import LAUNCHER_ENV, run_killable
+
+import tensorcast as tc
+from tensorcast.bench import load_batch, save_batch
+from tensorcast.bench.batches import digest, user_batch
+from tensorcast.bench.report import Progress
+from tensorcast.bench.timing import METHODS
+from tensorcast.bench.workloads import WORKLOADS, make_workload
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 150.0
+
+USER_MODULE = """
+import torch
+
+def one_batch():
+    return {"input_ids": torch.arange(512).reshape(4, 128), "lengths": [128, 100, 90, 64]}
+"""
+
+
+def user_files(tmp_path: Path) -> tuple[Path, str]:
+    """A batch file saved with save_batch, and a module:function on the path."""
+    path = tmp_path / "mine.tcb"
+    save_batch(path, {"feats": torch.randn(8, 80, 50), "ids": ["a", "b"], "n": 8})
+    (tmp_path / "my_batches.py").write_text(USER_MODULE)
+    return path, "my_batches:one_batch"
+
+
+@pytest.mark.dist
+def test_quick_run_under_torchrun(tmp_path: Path) -> None:
+    path, function = user_files(tmp_path)
+    out_json = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    python_path = [str(tmp_path), str(ROOT), env.get("PYTHONPATH", "")]
+    env.update(
+        OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=os.pathsep.join(python_path)
+    )
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            "4", "-m", "tensorcast.bench", "--quick", "--workloads", ",".join(WORKLOADS),
+            "--batch", str(path), "--batch", function, "--json", str(out_json)]  # fmt: skip
+    rc, out = run_killable(args, tmp_path, env, TIMEOUT)
+    assert rc == 0, out[-6000:]
+    report = json.loads(out_json.read_text())
+    assert report["backend"] == "gloo" and report["world_size"] == 4
+    assert report["mesh"] == {"dp": 1, "cp": 1, "tp": 4} and report["device"] == "cpu"
+    names = [wl["workload"] for wl in report["workloads"]]
+    assert names == [*WORKLOADS, "mine.tcb", function]
+    for wl in report["workloads"]:
+        assert wl["check_failures"] == [], wl["check_failures"]
+        assert wl["nbytes"] > 0
+        assert [r["method"] for r in wl["rows"]] == list(METHODS)
+        for row in wl["rows"]:
+            assert row["median_ms"] > 0 and row["p90_ms"] >= row["median_ms"]
+            assert row["gbps"] > 0 and row["x_floor"] > 0 and row["x_floor_paired"] > 0
+    assert "| workload | floor ms | tc.broadcast |" in out  # the table for a README
+    assert "[####" not in out  # no progress bar when the output is not a terminal
+
+
+@pytest.mark.dist
+def test_a_batch_the_source_cannot_load_fails_every_rank(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            "2", "-m", "tensorcast.bench", "--batch", "no_such_module_here:fn",
+            "--timeout", "60"]  # fmt: skip
+    rc, out = run_killable(args, tmp_path, env, 60.0)  # a hang would be the collective timeout
+    assert rc != 0
+    assert "error on rank 0: --batch no_such_module_here:fn: ModuleNotFoundError" in out
+    assert "error on rank 1: --batch no_such_module_here:fn: a source rank could not" in out
+
+
+def test_a_batch_file_round_trips(tmp_path: Path) -> None:
+    batch = {"audio": torch.randn(2, 100), "lens": torch.tensor([100, 50]), "text": ["a", "b"]}
+    nbytes = save_batch(tmp_path / "b.tcb", batch)
+    assert nbytes == tc.pack(batch).nbytes
+    assert digest(load_batch(tmp_path / "b.tcb")) == digest(batch)
+    assert digest(user_batch(str(tmp_path / "b.tcb"))) == digest(batch)
+
+
+def test_a_torch_save_of_tensors_loads_with_weights_only(tmp_path: Path) -> None:
+    batch = {"x": torch.arange(6).reshape(2, 3), "y": [torch.ones(2)]}
+    torch.save(batch, tmp_path / "b.pt")
+    assert digest(load_batch(tmp_path / "b.pt")) == digest(batch)
+
+
+def test_a_torch_save_of_objects_is_refused(tmp_path: Path) -> None:
+    torch.save({"x": torch.ones(1), "f": Progress}, tmp_path / "b.pt")
+    with pytest.raises(pickle.UnpicklingError, match=r"[Ww]eights only load failed"):
+        load_batch(tmp_path / "b.pt")
+
+
+def test_a_truncated_batch_file_says_so(tmp_path: Path) -> None:
+    save_batch(tmp_path / "b.tcb", {"x": torch.ones(100)})
+    data = (tmp_path / "b.tcb").read_bytes()
+    (tmp_path / "b.tcb").write_bytes(data[:-10])
+    with pytest.raises(ValueError, match="the prefix promises"):
+        load_batch(tmp_path / "b.tcb")
+
+
+def test_a_lying_header_is_a_header_error(tmp_path: Path) -> None:
+    save_batch(tmp_path / "b.tcb", {"x": torch.ones(100)})
+    data = bytearray((tmp_path / "b.tcb").read_bytes())
+    data[24:28] = b"XXXX"  # the header's magic
+    (tmp_path / "b.tcb").write_bytes(bytes(data))
+    with pytest.raises(tc.HeaderError):
+        load_batch(tmp_path / "b.tcb")
+
+
+def test_other_files_and_specs_are_value_errors(tmp_path: Path) -> None:
+    (tmp_path / "b.bin").write_bytes(b"hello")
+    with pytest.raises(ValueError, match="neither a tensorcast batch file"):
+        load_batch(tmp_path / "b.bin")
+    with pytest.raises(ValueError, match="not of the form module:function"):
+        user_batch("no/such/file.tcb")
+    with pytest.raises(ValueError, match="has no callable 'nope'"):
+        user_batch("tensorcast.bench.workloads:nope")
+
+
+def test_the_progress_bar_is_silent_off_a_terminal() -> None:
+    stream = io.StringIO()
+    bar = Progress(3, enabled=True, stream=stream)
+    for _ in range(3):
+        bar.advance("tiny: floor")
+    bar.close()
+    assert stream.getvalue() == ""
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_bar_draws_on_a_terminal_and_clears_its_line() -> None:
+    stream = _Terminal()
+    bar = Progress(4, enabled=True, stream=stream)
+    for _ in range(4):
+        bar.advance("tiny: floor")
+    assert "[" + "#" * 30 + "] 100% tiny: floor" in stream.getvalue()
+    bar.close()
+    assert stream.getvalue().endswith("\r")
+
+
+def test_quick_workloads_keep_their_structure() -> None:
+    for name in WORKLOADS:
+        full, quick = make_workload(name), make_workload(name, quick=True)
+        assert tc.read_header(tc.pack(quick).header).leaves.__len__() == len(
+            tc.read_header(tc.pack(full).header).leaves
+        )
+    gpt = make_workload("gpt", quick=True)
+    assert set(gpt) == {"tokens", "labels", "loss_mask", "attention_mask", "position_ids"}
+    assert torch.equal(gpt["tokens"][:, 1:], gpt["labels"][:, :-1])

@@ -125,10 +125,10 @@ def diagnose(
         ask("set", verdict, text)
         return text
     except _Silent:
-        return f"{_unread(src, store)}: the store did not answer within {ask.limit_s:g} s"
+        return _unread(src, store, f"did not answer within {ask.limit_s:g} s")
     except RuntimeError as e:
         first = str(e).splitlines()[0] if str(e) else ""
-        return f"{_unread(src, store)}: the store failed ({type(e).__name__}: {first})"
+        return _unread(src, store, f"failed ({type(e).__name__}: {first})")
 
 
 def _watch(
@@ -195,16 +195,16 @@ def _gone(src: int, last: Beat, watched: float, timed_out: bool) -> str:
     )
 
 
-def _unread(src: int, store: Any) -> str:
-    """The start of the message when the store cannot be read."""
+def _unread(src: int, store: Any, why: str) -> str:
+    """The message when the store cannot be read: it ``why``."""
     where = ""
     base = getattr(store, "_underlying_non_prefix_store", store)
     if hasattr(base, "host") and hasattr(base, "port"):
         where = f" (a TCPStore at {base.host}:{base.port})"
-    host = "the source rank 0 itself" if src == 0 else "rank 0"
+    host = "rank 0, here the source itself" if src == 0 else "rank 0"
     return (
-        f"the source rank {src}'s heartbeat cannot be read: the store{where} is not "
-        f"answering, so the process that hosts it is frozen or gone; under mp.spawn, "
-        f"Lightning's launcher and env:// (without torchrun's agent store) that is "
-        f"{host}"
+        f"the source rank {src}'s heartbeat cannot be read: the store{where} {why}, so "
+        f"the process that hosts it is frozen or gone (under mp.spawn, Lightning's "
+        f"launcher and env:// without torchrun's agent store, that is {host}); find "
+        f"what stopped that process, and restart the job"
     )

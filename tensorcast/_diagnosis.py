@@ -141,12 +141,19 @@ def _watch(
             f"(or called tensorcast.broadcast) yet, or it died before"
         )
     start = time.monotonic()
-    window = 2 * first.period + hold
+    # A closed connection already says the process is gone or tore its group down: a
+    # short look tells which, without waiting out a healthy source's slow period.
+    window = 2 * first.period + hold if timed_out else min(2 * first.period, 3.0)
     while True:
         time.sleep(max(0.1, min(1.0, first.period / 2)))
         watched = time.monotonic() - start
         beat = ask.beat(src)
         if beat is not None and beat.beats != first.beats:
+            if not timed_out:
+                return (
+                    f"the source rank {src} is alive, but closed its connection: it failed "
+                    f"and tore its group down (its own error says why)"
+                )
             return _alive(src, beat, channel, timeout_s + watched)
         if watched >= window:
             return _gone(src, first, watched, timed_out)
@@ -155,7 +162,7 @@ def _watch(
 def _alive(src: int, beat: Beat, channel: int, waited: float) -> str:
     who = f"the source rank {src} is alive"
     longer = "give it a longer timeout (init_process_group(timeout=...) or timeout=)"
-    if beat.held and beat.held_ago <= waited + 1.0:
+    if beat.held and beat.held_ago <= waited + 1.0:  # while this rank waited
         where = " inside next(source)" if beat.held_inside else ""
         return (
             f"{who}, but its process kept its heartbeat from running for {beat.held:.1f} s"
@@ -186,7 +193,8 @@ def _gone(src: int, last: Beat, watched: float, timed_out: bool) -> str:
     if not timed_out:
         return (
             f"the source rank {src} is gone: its connection closed and its heartbeat did "
-            f"not move for {watched:.1f} s ({said}); its process died"
+            f"not move for {watched:.1f} s ({said}); its process died (or, if it still "
+            f"runs, it failed and tore its group down: its own error says why)"
         )
     return (
         f"the source rank {src} is gone or frozen: its heartbeat did not move for "

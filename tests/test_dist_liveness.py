@@ -28,6 +28,7 @@ import tensorcast as tc
 CALL_TIMEOUT = 120.0  # pool.run's hard limit
 TIMEOUT = 3.0  # the loaders' timeout
 MARGIN = 20.0  # slack for a loaded 2-core machine, past the timeout and the watch
+FROZEN_TIMEOUT = 6.0  # the frozen store host's loader: no rank may stall that long before
 
 
 def hold_gil(seconds: float) -> None:
@@ -58,7 +59,7 @@ class Source:
 
 def _gil_at_2(i: int) -> None:
     if i == 2:
-        hold_gil(TIMEOUT + 1.0)
+        hold_gil(TIMEOUT + 2.0)
 
 
 def _reason(message: str) -> str:
@@ -144,7 +145,7 @@ def _store_host_rank(rank: int, world: int, ports: Any, out: Any) -> None:
         group=dist.group.WORLD,
         src=0,
         prefetch=0,
-        timeout=TIMEOUT,
+        timeout=FROZEN_TIMEOUT,
     )
     last = time.monotonic()
     try:
@@ -184,9 +185,9 @@ def test_a_frozen_source_that_hosts_the_store_is_told_within_the_timeout() -> No
         for p in procs:
             p.kill()
             p.join(10)
-    assert sorted(got) == [1, 2], got
+    assert sorted(got) == [1, 2], got  # the receivers, and not the frozen source
     for message, waited in got.values():
         assert "the store (a TCPStore at 127.0.0.1:" in message, message
         assert "did not answer within" in message and "frozen or gone" in message, message
         assert "rank 0, here the source itself" in message, message
-        assert waited < TIMEOUT + 12.0, (waited, message)
+        assert waited < FROZEN_TIMEOUT + 12.0, (waited, message)  # 0.2.0: the store's 90 s

@@ -154,12 +154,13 @@ class Heartbeat:
         inside: tuple[float, _Busy] | None = None
         moved = False
         for mark in list(self._marks):
-            since = mark.since  # read before `inside`: the mark's thread sets it first
-            if mark.inside and (inside is None or since < inside[0]):
+            now_inside = mark.inside  # read first: entering sets `since`, then `inside`
+            since = mark.since
+            if now_inside and (inside is None or since < inside[0]):
                 inside = (since, mark)
             seen = self._seen.get(mark, 0.0)
             moved |= seen is None or seen != since  # was inside, or entered, since last
-            self._seen[mark] = None if mark.inside else since
+            self._seen[mark] = None if now_inside else since
         if inside is None and moved:
             self._out_since = now  # it left a next(source) since the last wake
         state_since = inside[0] if inside is not None else self._out_since

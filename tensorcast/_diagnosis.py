@@ -121,8 +121,15 @@ def diagnose(
                 return str(ask("get", verdict).decode())
             except RuntimeError:
                 pass  # the watcher did not say in time: watch for this rank
-        text = f"{_watch(ask, src, frame[0], hold, timed_out, timeout_s)} (seen by rank {rank})"
-        ask("set", verdict, text)
+        try:
+            text = _watch(ask, src, frame[0], hold, timed_out, timeout_s)
+        except ValueError as e:  # a key that is not a beat: say so, and still write it
+            text = (
+                f"the source rank {src}'s heartbeat does not read as one ({e}): every rank "
+                f"must run the same tensorcast"
+            )
+        text = f"{text} (seen by rank {rank})"
+        ask("set", verdict, text)  # the other receivers wait for it
         return text
     except _Silent:
         return _unread(src, store, f"did not answer within {ask.limit_s:g} s")

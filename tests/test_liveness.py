@@ -181,3 +181,10 @@ def test_receivers_of_one_frame_say_the_same() -> None:
     assert "is alive and has been outside next(source)" in texts[1], texts[1]
     text = diagnose(store, 5, rank=1, frame=(9, 0, 1), timeout_s=2.0, timed_out=True)
     assert "never sent a heartbeat" in text, text
+
+
+def test_a_key_that_is_not_a_beat_is_named_not_raised() -> None:
+    store = dist.HashStore()
+    store.set("alive/0", "not a beat")
+    text = diagnose(store, 0, rank=1, frame=(1, 0, 0), timeout_s=2.0, timed_out=True)
+    assert "does not read as one" in text and "the same tensorcast" in text, text

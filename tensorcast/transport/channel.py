@@ -24,9 +24,9 @@ from tensorcast._errors import SourceError
 from tensorcast.codec import schema as _schema
 from tensorcast.transport import groups as _groups
 from tensorcast.transport import promise as _promise
+from tensorcast.transport.diagnosis import diagnose, timed_out
 from tensorcast.transport.frame import FRAMES_VERSION, Kind, Stamp
 from tensorcast.transport.groups import Group, World
-from tensorcast.transport.liveness import diagnose
 from tensorcast.transport.receiver import Receiver
 from tensorcast.transport.sender import Outgoing, Sender
 
@@ -87,17 +87,16 @@ class Channel:
         self.pass_index = 0
         self.step = 0
         root = group.local(src)
+        self._world = world
         self._sender: Sender | None = None
         self._receiver: Receiver | None = None
         if self.is_source:
             self._sender = Sender(group, root, verify=verify, promises=promises)
             world.heartbeat.start(self.timeout.total_seconds())
             #: the context in which the heartbeat says this source is in ``next(source)``
-            self.pulling = world.heartbeat.busy("next(source)")
+            self.pulling = world.heartbeat.busy("next(source)", channel_id)
         else:
-            self._receiver = Receiver(
-                group, root, src, lambda: diagnose(world.store, src), promises=promises
-            )
+            self._receiver = Receiver(group, root, src, self._diagnose, promises=promises)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -157,6 +156,18 @@ class Channel:
         return self._sender
 
     # -- receivers (jobs) ----------------------------------------------------------------
+
+    def _diagnose(self, stamp: Stamp, error: BaseException, timeout_s: float) -> str:
+        """Why the source did not send the frame ``stamp`` (see ``transport.diagnosis``)."""
+        world = self._world
+        return diagnose(
+            world.store,
+            self.src,
+            rank=world.rank,
+            frame=(stamp.channel, stamp.pass_index, stamp.step),
+            timeout_s=timeout_s,
+            timed_out=timed_out(error),
+        )
 
     def recv(
         self, device: torch.device | None, timeout: datetime.timedelta | None = None

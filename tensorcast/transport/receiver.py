@@ -72,7 +72,8 @@ class Receiver:
         group: tensorcast's group the frames travel on.
         root: the source's group-local rank.
         src: the source's global rank (for messages).
-        diagnose: says whether the source is alive, for the error of a wait that failed.
+        diagnose: ``diagnose(stamp, error, timeout_s)`` says why the source did not send
+            the frame ``stamp``, for the error of a wait that failed with ``error``.
         promises: expect promised payloads (see NOTE [ Promised payloads ]; host wires only).
     """
 
@@ -81,7 +82,7 @@ class Receiver:
         group: Group,
         root: int,
         src: int,
-        diagnose: Callable[[], str],
+        diagnose: Callable[[Stamp, BaseException, float], str],
         *,
         promises: bool = False,
     ) -> None:
@@ -149,7 +150,8 @@ class Receiver:
         except RuntimeError as e:  # from the collective: the source died or timed out
             raise PeerError(
                 f"waiting for the source rank {self._src} on ranks {list(self._group.ranks)} "
-                f"failed after up to {timeout.total_seconds():g} s: {self._diagnose()} "
+                f"failed after up to {timeout.total_seconds():g} s: "
+                f"{self._diagnose(expect, e, timeout.total_seconds())} "
                 f"({type(e).__name__}: {e})"
             ) from e
         prefix = Prefix.unpack(first.mem, first.capacity)

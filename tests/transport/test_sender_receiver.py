@@ -38,7 +38,7 @@ def pair(
         groups[1],
         0,
         0,
-        lambda: "the fake source is fine",
+        lambda *_: "the fake source is fine",
         promises=promises if receiver_promises is None else receiver_promises,
     )
     return sender, receiver, wires[0], wires[1], groups[1]

@@ -1,0 +1,190 @@
+"""The source's heartbeat and a receiver's diagnosis, in one process.
+
+The heartbeat writes to a store the test hands it (a counting wrapper around a real
+``HashStore``); the diagnosis reads one. Rates are checked on the pure ``Schedule``
+with simulated time, and once on the real thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from stalls import hold_gil
+
+from tensorcast.transport.diagnosis import diagnose
+from tensorcast.transport.liveness import SLOW_MAX_S, Beat, Heartbeat, Schedule
+
+
+class Counting:
+    """A store that counts the writes made through it."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.sets = 0
+
+    def set(self, key: str, value: str) -> None:
+        self.sets += 1
+        self.store.set(key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+class Frozen:
+    """A store whose every request blocks, as one hosted in a stopped process does."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        def request(*args: Any) -> Any:
+            self.release.wait()
+            raise RuntimeError("the store went away")
+
+        return request
+
+
+def simulate(timeout_s: float, states: list[float], seconds: float) -> list[float]:
+    """When the heartbeat of a source writes, over ``seconds``, waking every fast period;
+    ``states``: how long each state (inside or outside next(source)) lasts, cycled."""
+    schedule = Schedule(timeout_s)
+    writes = [0.0]
+    now, since, k = 0.0, 0.0, 0
+    while now < seconds:
+        now += schedule.fast
+        while now - since >= states[k % len(states)]:
+            since += states[k % len(states)]
+            k += 1
+        if schedule.due(now, writes[-1], since, held=False):
+            writes.append(now)
+    return writes
+
+
+@settings(deadline=None, print_blob=True)
+@given(
+    timeout_s=st.floats(0.5, 7200.0),
+    states=st.lists(st.floats(0.001, 3600.0), min_size=1, max_size=5),
+)
+def test_writes_are_slow_when_healthy_and_never_far_apart(
+    timeout_s: float, states: list[float]
+) -> None:
+    """Law: two writes are never further apart than the slow period (and a wake); when
+    every state is shorter than ``timeout / 8``, writes come at most once per slow period
+    (and a wake); once one state has lasted ``timeout / 8``, at least once a fast period."""
+    schedule = Schedule(timeout_s)
+    seconds = 10 * schedule.slow
+    writes = simulate(timeout_s, states, seconds)
+    gaps = [b - a for a, b in itertools.pairwise(writes)]
+    assert max(gaps) <= schedule.slow + schedule.fast + 1e-9
+    if max(states) < schedule.long - schedule.fast:
+        assert min(gaps) >= schedule.slow - schedule.fast - 1e-9, gaps
+    if len(states) == 1 and states[0] >= seconds:  # one state, for the whole run
+        late = [
+            g for w, g in zip(writes[1:], gaps, strict=True) if w > schedule.long + schedule.fast
+        ]
+        assert all(g <= schedule.fast + 1e-9 for g in late), late
+
+
+def test_a_healthy_source_at_the_default_timeout_writes_every_30_s() -> None:
+    """The figure docs/design.md gives for 16,384 ranks: one write per source per 30 s."""
+    schedule = Schedule(1800.0)
+    assert (schedule.fast, schedule.slow, schedule.long) == (1.0, SLOW_MAX_S, 225.0)
+    writes = simulate(1800.0, [0.3, 0.7], 3600.0)  # 1 s steps, 30% in next(source)
+    assert 110 <= len(writes) <= 121, len(writes)  # today's heartbeat: 3,600
+    assert simulate(2.0, [0.3, 0.7], 60.0)[1] == pytest.approx(0.25)  # short timeouts
+
+
+@settings(deadline=None, print_blob=True)
+@given(
+    beats=st.integers(1, 2**40),
+    period=st.sampled_from([0.1, 0.25, 1.0, 30.0]),
+    inside=st.booleans(),
+    age=st.floats(0, 1e6).map(lambda x: round(x, 1)),
+    channel=st.integers(0, 2**64 - 1),
+    what=st.text(st.characters(codec="ascii", exclude_characters="\n"), min_size=1),
+)
+def test_a_beat_reads_back_as_written(
+    beats: int, period: float, inside: bool, age: float, channel: int, what: str
+) -> None:
+    """Law: ``Beat.decode(b.encode()) == b`` (ages to a tenth of a second)."""
+    beat = Beat(beats, period, inside, age, 1.5, 0.3, inside, channel, what)
+    assert Beat.decode(beat.encode()) == beat
+
+
+def test_the_thread_writes_once_while_the_source_steps_quickly() -> None:
+    """On the real thread at a 600 s timeout (1 s wakes, 10 s slow period): a source
+    stepping every 20 ms makes one write in 3 s, where the heartbeat of 0.2.0 made three."""
+    store = Counting(dist.HashStore())
+    heartbeat = Heartbeat(store, 0, 600.0, lambda: True)
+    mark = heartbeat.busy("next(source)", 7)
+    heartbeat.start(600.0)
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:
+        with mark:
+            time.sleep(0.005)
+        time.sleep(0.015)
+    assert store.sets == 1, store.sets
+
+
+def test_a_long_state_beats_fast_and_a_held_gil_is_reported() -> None:
+    """At a 2 s timeout the thread writes every 0.25 s; one call that holds the GIL for
+    about 2 s inside next(source) shows in the next beat, once the GIL is let go."""
+    store = Counting(dist.HashStore())
+    heartbeat = Heartbeat(store, 3, 2.0, lambda: True)
+    mark = heartbeat.busy("next(source)", 5)
+    heartbeat.start(2.0)
+    with mark:
+        time.sleep(1.0)
+        fast_writes = store.sets
+        hold_gil(2.0)
+        time.sleep(0.6)
+    beat = Beat.decode(store.get("alive/3").decode())
+    assert fast_writes >= 3, fast_writes
+    assert beat.held >= 1.0 and beat.held_inside, beat
+    assert beat.inside and beat.channel == 5 and beat.what == "next(source)", beat
+
+
+def test_a_store_that_does_not_answer_is_said_within_its_bound() -> None:
+    store = Frozen()
+    start = time.monotonic()
+    text = diagnose(store, 0, rank=1, frame=(1, 0, 3), timeout_s=2.0, timed_out=True)
+    took = time.monotonic() - start
+    store.release.set()
+    assert took < 3.0, took
+    assert "the store did not answer within 2 s" in text, text
+    assert "frozen or gone" in text and "rank 0, here the source itself" in text, text
+
+
+def test_receivers_of_one_frame_say_the_same() -> None:
+    """Two receivers of one frame diagnose at once: one watches, both say its words."""
+    store = dist.HashStore()
+    heartbeat = Heartbeat(store, 0, 2.0, lambda: True)
+    heartbeat.start(2.0)
+    texts: dict[int, str] = {}
+
+    def receiver(rank: int) -> None:
+        texts[rank] = diagnose(store, 0, rank=rank, frame=(9, 0, 1), timeout_s=2.0, timed_out=True)
+
+    threads = [threading.Thread(target=receiver, args=(r,)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert texts[1] == texts[2], texts
+    assert "is alive and has been outside next(source)" in texts[1], texts[1]
+    text = diagnose(store, 5, rank=1, frame=(9, 0, 1), timeout_s=2.0, timed_out=True)
+    assert "never sent a heartbeat" in text, text
+
+
+def test_a_key_that_is_not_a_beat_is_named_not_raised() -> None:
+    store = dist.HashStore()
+    store.set("alive/0", "not a beat")
+    text = diagnose(store, 0, rank=1, frame=(1, 0, 0), timeout_s=2.0, timed_out=True)
+    assert "does not read as one" in text and "the same tensorcast" in text, text

@@ -112,7 +112,10 @@ class _Steps:
             return self._fail(e, f"source iterator failed: {type(e).__name__}: {e}")
         try:
             # A deep copy: later steps advance the source before this batch is yielded.
-            state = copy.deepcopy(self.stateful.state_dict()) if self.stateful else None
+            # `is not None`: a DataLoader's truth value calls its __len__, which an unsized
+            # source (a lhotse sampler under StatefulDataLoader) raises from.
+            target = self.stateful
+            state = copy.deepcopy(target.state_dict()) if target is not None else None
         except Exception as e:
             return self._fail(e, f"source state_dict() failed: {type(e).__name__}: {e}")
         try:

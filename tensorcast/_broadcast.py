@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -77,10 +77,16 @@ def broadcast(
     dev = resolve_device(device)
     channel = _broadcast_channel(group, src)
     lane = channel.group.lane
+    frames = _frames(channel)
     if channel.is_source:
-        return lane.run(lambda: channel.send_batch(tree, dev, wait))
-    kind, value = lane.run(lambda: channel.recv(dev, wait))
+        return lane.run(lambda: channel.send_batch(tree, dev, wait), frames)
+    kind, value = lane.run(lambda: channel.recv(dev, wait), frames)
     return raise_for(kind, value, src)
+
+
+def _frames(channel: Channel) -> Callable[[], int]:
+    """The channel's count of frames, for :meth:`Lane.run` (NOTE [ Interrupts ])."""
+    return lambda: channel.step
 
 
 # The (group, src) broadcast was last called with, under which default group, and its
@@ -190,9 +196,10 @@ def broadcast_batch(
     else:
         channel = hit[1]
     lane = channel.group.lane
+    frames = _frames(channel)
     if channel.is_source:
-        return lane.run(lambda: channel.send_batch(batch, dev))
-    kind, value = lane.run(lambda: channel.recv(dev))
+        return lane.run(lambda: channel.send_batch(batch, dev), frames)
+    kind, value = lane.run(lambda: channel.recv(dev), frames)
     return raise_for(kind, value, channel.src)
 
 

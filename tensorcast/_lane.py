@@ -48,11 +48,17 @@ class Job(Generic[T]):
     :meth:`Lane.settle`).
     """
 
-    __slots__ = ("_done", "_error", "_fn", "_taken", "_value", "frames")
+    __slots__ = ("_done", "_error", "_finished", "_fn", "_taken", "_value", "frames")
 
     def __init__(self, fn: Callable[[], T]) -> None:
         self._fn = fn
-        self._done = threading.Event()
+        # Held until the job is done. Not a threading.Event: its wait enters a Condition in
+        # Python, and a signal handler that raises there leaves the Event's lock held, so
+        # the job could never be marked done (a hang under a storm of signals). A waiter
+        # blocks in the C acquire, which a handler interrupts cleanly.
+        self._done = threading.Lock()
+        self._done.acquire()
+        self._finished = False
         self._value: Any = None
         self._error: BaseException | None = None
         self._taken = False
@@ -61,7 +67,7 @@ class Job(Generic[T]):
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._finished
 
     @property
     def error(self) -> BaseException | None:
@@ -70,7 +76,9 @@ class Job(Generic[T]):
 
     def result(self) -> T:
         """The job's value, or its exception raised here; waits until it has run."""
-        self._done.wait()
+        if not self._finished:
+            self._done.acquire()  # let go at once: every later waiter sees _finished
+            self._done.release()
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[no-any-return]
@@ -82,7 +90,8 @@ class Job(Generic[T]):
             self._error = e
         finally:
             self._fn = None  # type: ignore[assignment]
-            self._done.set()
+            self._finished = True
+            self._done.release()
 
 
 class Lane:
@@ -125,13 +134,15 @@ class Lane:
 
     def _queue(self, job: Job[Any]) -> None:  # under the lock
         self._jobs.append(job)
+        self._cond.notify()
         if self._worker is None:
-            self._worker = threading.Thread(
+            # Recorded once started: an interrupt inside start() leaves None, and the next
+            # job starts another. Two workers still run one job at a time, in order.
+            worker = threading.Thread(
                 target=self._run, name=f"tensorcast-lane-{self.name}", daemon=True
             )
-            self._worker.start()
-        else:
-            self._cond.notify()
+            worker.start()
+            self._worker = worker
 
     def settle(self, jobs: Iterable[Job[Any]]) -> None:
         """Queue, in order, those of ``jobs`` that are owed a run and are not queued: what
@@ -253,7 +264,7 @@ class Lane:
             )
 
     def _run(self) -> None:
-        self._worker_id = threading.get_ident()
+        me = threading.current_thread()
         if self._cuda_device is not None:
             torch.cuda.set_device(self._cuda_device)
         while True:
@@ -261,13 +272,15 @@ class Lane:
                 if not self._jobs or self._running:
                     self._cond.wait(_IDLE_EXIT_S)
                 if not self._jobs:
-                    self._worker = self._worker_id = None
+                    if self._worker is me or self._worker is None:
+                        self._worker = self._worker_id = None
                     return
                 if self._running:  # a job runs inline; it notifies when it is done
                     continue
                 job = self._jobs.popleft()
                 job._taken = True
                 self._running = True
+                self._worker_id = me.ident
             try:
                 job._run()
             finally:

@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import os
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -262,3 +263,51 @@ def test_a_sigalrm_storm_on_the_source_never_shifts_or_hangs(
         assert got == list(range(60))
     else:  # loudly
         assert receiver["outcome"] in ("PeerError", "SourceError: True"), (source, receiver)
+
+
+# -- an interrupt inside the first agreement ----------------------------------------------------------
+
+
+def _rank_agreement(rank: int, world: int) -> list[str]:
+    """Rank 0's handler raises while it waits for rank 1 in the loader's setup; building it
+    again must not pair rank 0's next agreement with rank 1's first (their numbers would
+    differ from then on): it says what happened, at once, and rank 1 fails in its timeout."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    out = []
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        if rank == 0:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+        else:
+            time.sleep(1.0)  # rank 0 waits for this one meanwhile
+        for _ in range(2):
+            try:
+                tc.BroadcastingDataLoader(
+                    [1] if rank == 0 else None, group=dist.group.WORLD, src=0, timeout=3.0
+                )
+                out.append("built")
+            except KeyboardInterrupt:
+                out.append("interrupted")
+            except tc.DesyncError as e:
+                out.append(f"DesyncError: {e}")
+                break
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        dist.destroy_process_group()  # this rank's agreements are spent: a new world
+    return out
+
+
+def test_an_interrupt_in_the_first_agreement_is_told_on_the_retry(pool2: RankPool) -> None:
+    start = time.monotonic()
+    first, second = pool2.run(_rank_agreement, timeout=TIMEOUT)
+    assert time.monotonic() - start < 30
+    assert first[0] == "interrupted", first
+    assert first[1].startswith(
+        "DesyncError: rank 0: an earlier setup among ranks [0, 1] was "
+        "interrupted on this rank (KeyboardInterrupt"
+    ), first
+    assert len(second) == 1 and second[0].startswith("DesyncError: rank 1: "), second

@@ -75,6 +75,14 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device | No
     if device is None:
         return None
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        # else torch's bare "Torch not compiled with CUDA enabled" from deep in a step
+        built = "a CPU-only build" if torch.version.cuda is None else "no visible CUDA device"
+        raise ValueError(
+            f"device={device!r} asks for CUDA, but torch {torch.__version__} has {built}; "
+            f"pass device=None (tensors land on the group's transfer device, the CPU for "
+            f"gloo) or device='cpu', or install a CUDA build of torch on a machine with a GPU"
+        )
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev

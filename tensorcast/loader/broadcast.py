@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -75,13 +75,19 @@ def broadcast(
             "BroadcastingDataLoader are no-ops without it)"
         )
     wait = to_timedelta(timeout)
-    channel = _broadcast_channel(group, src)
     dev = resolve_device(device)
+    channel = _broadcast_channel(group, src)
     lane = channel.group.lane
+    frames = _frames(channel)
     if channel.is_source:
-        return lane.run(lambda: channel.send_batch(tree, dev, wait))
-    kind, value = lane.run(lambda: channel.recv(dev, wait))
+        return lane.run(lambda: channel.send_batch(tree, dev, wait), frames)
+    kind, value = lane.run(lambda: channel.recv(dev, wait), frames)
     return raise_for(kind, value, src)
+
+
+def _frames(channel: Channel) -> Callable[[], int]:
+    """The channel's count of frames, for :meth:`Lane.run` (NOTE [ Interrupts ])."""
+    return lambda: channel.step
 
 
 # The (group, src) broadcast was last called with, under which default group, and its
@@ -167,14 +173,17 @@ def broadcast_batch(
     (tensorcast's own, made on the first call and reused). Returns ``batch`` itself, the
     very same object, when there is nothing to do: ``torch.distributed`` not initialized,
     ``device_mesh`` None, no named axis in the mesh, or every present named axis of size 1.
+    A mesh without dimension names is a ``TypeError``; axes that miss a mesh with another
+    dimension of size > 1 (not data- or pipeline-parallel) warn once per process.
 
     Every rank of the mesh must make the first call together (it sets up the groups).
     """
     if not _initialized():
         return batch
     names = _mesh.normalize_axes(axes)
-    if not _mesh.spanning_axes(device_mesh, names):
+    if not _mesh.spanning_axes(device_mesh, names, what="tensorcast.broadcast_batch", stacklevel=2):
         return batch
+    dev = resolve_device(device)
     world = _groups.world()
     with _lock:
         cache: dict[tuple[str, ...], tuple[Any, Channel]] = device_mesh.__dict__.setdefault(
@@ -187,11 +196,11 @@ def broadcast_batch(
             cache[names] = (weakref.ref(world), channel)
     else:
         channel = hit[1]
-    dev = resolve_device(device)
     lane = channel.group.lane
+    frames = _frames(channel)
     if channel.is_source:
-        return lane.run(lambda: channel.send_batch(batch, dev))
-    kind, value = lane.run(lambda: channel.recv(dev))
+        return lane.run(lambda: channel.send_batch(batch, dev), frames)
+    kind, value = lane.run(lambda: channel.recv(dev), frames)
     return raise_for(kind, value, channel.src)
 
 

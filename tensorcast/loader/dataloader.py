@@ -40,6 +40,8 @@ from tensorcast.transport.lane import Job
 
 __all__ = ["BroadcastingDataLoader"]
 
+_WHAT = "BroadcastingDataLoader"
+
 
 class BroadcastingDataLoader:
     """Iterate a loader on one source rank per DP slot; every peer gets the same batches.
@@ -67,6 +69,13 @@ class BroadcastingDataLoader:
         ValueError: on a source rank whose ``source`` is None (and on its receivers); on
             bad arguments.
         DesyncError: the ranks' setups disagree (axes, mesh, source, prefetch, version).
+        TypeError: ``device_mesh`` has no dimension names.
+        RuntimeError: at ``iter()``, when built before ``init_process_group`` and iterated
+            in a group of more than one rank.
+
+    Warns:
+        UserWarning: none of ``axes`` is in the mesh, which has another dimension of size
+            > 1 that is not data- or pipeline-parallel (once per process).
     """
 
     def __init__(
@@ -104,10 +113,15 @@ class BroadcastingDataLoader:
         self._deferred: BaseException | None = None  # raised by a pass that was let go
         self._orphans: list[Job[Any]] = []  # steps of a pass freed on a lane thread
         self._length: int | None = None
-        self._warned = False
+        self._warned = self._warned_workers = False
         self._log_every = log_every
         self._stats = Recorder()  # the current pass's; NOTE [ Where a step's time goes ]
-        if dist.is_available() and dist.is_initialized():
+        if device_mesh is not None:  # TypeError for an unnamed mesh; axes that miss it warn
+            _mesh.present_axes(device_mesh, self.axes, what=_WHAT, stacklevel=2)
+        # Decided here, checked at iter(): a loader built before init_process_group
+        # would otherwise iterate as a no-op on every rank (see _check_still_no_op).
+        self._built_without_group = not (dist.is_available() and dist.is_initialized())
+        if not self._built_without_group:
             self._open(device_mesh, group, src, to_timedelta(timeout), verify)
 
     def _open(
@@ -122,7 +136,7 @@ class BroadcastingDataLoader:
         setup = {"prefetch": self.prefetch, "verify": verify}
         source = self.source
         extra = {"length": _length(source)} if source is not None else {}
-        what = "BroadcastingDataLoader"
+        what = _WHAT
         if group is not None and src is not None:
             ranks = group_ranks(group, src)
             if len(ranks) == 1:
@@ -150,6 +164,7 @@ class BroadcastingDataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         if self._channel is None:
+            self._check_still_no_op()
             self._stats = Recorder(self._log_every)
             source = self.source if self.source is not None else ()
             return timed(source, self._stats, unpack_if_packed)
@@ -161,6 +176,21 @@ class BroadcastingDataLoader:
         # Held weakly: a `for ... break` drops the last reference and closes the pass.
         self._active = weakref.ref(run)
         return run
+
+    def _check_still_no_op(self) -> None:
+        """A loader built before ``init_process_group`` is a no-op; iterated once there is a
+        group of more than one rank it would hand every rank its own batches (or none)."""
+        if not self._built_without_group or not (dist.is_available() and dist.is_initialized()):
+            return
+        world = dist.get_world_size()
+        if world > 1:
+            raise RuntimeError(
+                f"this BroadcastingDataLoader was built before "
+                f"torch.distributed.init_process_group() (so it is a no-op), and is iterated "
+                f"on rank {dist.get_rank()} of a group of {world}: every rank would iterate "
+                f"its own source and peers would train on different batches. Build the "
+                f"loader after init_process_group(), on every rank together"
+            )
 
     def _close_active(self) -> None:
         """Finish what the last pass still owes its peers; raise what it left behind."""
@@ -233,7 +263,8 @@ class BroadcastingDataLoader:
         """The source's state after the last batch yielded; ``{}`` on receivers.
 
         Delegates to the source, or to its batch sampler or sampler when it has no state of
-        its own (exact with ``num_workers=0``: DataLoader workers read ahead of it).
+        its own (exact with ``num_workers=0``: DataLoader workers read ahead of it, and a
+        ``UserWarning``, once, says so; ``StatefulDataLoader`` is the exact path there).
         """
         if not self.is_source:
             return {}
@@ -249,11 +280,29 @@ class BroadcastingDataLoader:
                     stacklevel=2,
                 )
             return {}
+        workers = getattr(self.source, "num_workers", None)
+        if target is not self.source and isinstance(workers, int) and workers > 0:
+            self._warn_workers_read_ahead(target, workers)
         if self._state is not None:
             # A copy: a sampler's load_state_dict may consume the dict it is given (lhotse's
             # do), and this snapshot must describe the position for every later call too.
             return copy.deepcopy(self._state)  # type: ignore[no-any-return]
         return target.state_dict()  # type: ignore[no-any-return]
+
+    def _warn_workers_read_ahead(self, target: Any, workers: int) -> None:
+        if self._warned_workers:
+            return
+        self._warned_workers = True
+        warnings.warn(
+            f"this BroadcastingDataLoader's state is its source's {type(target).__name__} "
+            f"(the source, a {type(self.source).__name__}, has no state_dict()), and with "
+            f"num_workers={workers} the sampler runs ahead of the batches yielded: a resume "
+            f"from this checkpoint will skip batches. For an exact resume use "
+            f"torchdata.stateful_dataloader.StatefulDataLoader as the source (a drop-in "
+            f"for DataLoader), or num_workers=0",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the source's position (source rank only; a no-op elsewhere)."""

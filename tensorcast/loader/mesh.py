@@ -26,6 +26,8 @@ the rank map, about a thousand times the cost of ``get_coordinate()``).
 from __future__ import annotations
 
 import math
+import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,13 +61,76 @@ def _dim_names(device_mesh: Any) -> tuple[str, ...]:
     return tuple(device_mesh.mesh_dim_names or ())
 
 
-def present_axes(device_mesh: Any, axes: Sequence[str] | str) -> tuple[str, ...]:
-    """The named axes present in the mesh, in mesh order (sizes included)."""
+def _named_dims(device_mesh: Any, what: str) -> tuple[str, ...]:
+    """The mesh's dimension names; ``TypeError`` for a mesh without them."""
+    names = getattr(device_mesh, "mesh_dim_names", None)
+    if not names:
+        raise TypeError(
+            f"{what} needs a device mesh with named dimensions, got {device_mesh!r} with "
+            f"mesh_dim_names={names!r}: without names it cannot tell which dimensions share "
+            f"a batch; create it with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+        )
+    return tuple(names)
+
+
+# NOTE [ Axes that miss the mesh ]
+# None of the named axes in the mesh is a no-op (a job without TP/CP, a mesh built from
+# the dims in use only, as torchtitan does), but when the mesh has another dimension of
+# size > 1 that is not data- or pipeline-parallel, the axes almost always name it wrongly
+# (``axes="TP"``, or the default axes on a ``("dp", "tensor")`` mesh) and every rank would
+# iterate its own loader. Raising would break the valid meshes whose TP dim is simply
+# absent, so it is a warning, once per process for each (mesh dims, axes): a training loop
+# calls broadcast_batch every step. The set grows with the distinct meshes a job builds,
+# never with the world size.
+_NOT_SHARING = ("dp", "data", "pp", "pipe")
+_warned: set[tuple[tuple[str, ...], tuple[str, ...]]] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_if_axes_miss(
+    device_mesh: Any, names: tuple[str, ...], wanted: tuple[str, ...], what: str, stacklevel: int
+) -> None:
+    others = [n for n in names if not n.lower().startswith(_NOT_SHARING)]
+    sizes = {n: _axis_size(device_mesh, n) for n in others}
+    if not any(size > 1 for size in sizes.values()):
+        return
+    with _warned_lock:
+        if (names, wanted) in _warned:
+            return
+        _warned.add((names, wanted))
+    big = [n for n, size in sizes.items() if size > 1]
+    warnings.warn(
+        f"{what}: none of axes={wanted!r} is a dimension of the device mesh, whose dims "
+        f"are {names!r}, so it does nothing and every rank is its own source: ranks along "
+        f"{big!r} (size > 1) iterate their own loaders and get different batches. Name the "
+        f"dimensions that share a batch, e.g. axes={tuple(big)!r}; if this job really has "
+        f"no tensor/context parallelism, ignore this (warned once per process)",
+        UserWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
+def present_axes(
+    device_mesh: Any,
+    axes: Sequence[str] | str,
+    *,
+    what: str = "tensorcast",
+    stacklevel: int = 1,
+) -> tuple[str, ...]:
+    """The named axes present in the mesh, in mesh order (sizes included).
+
+    Raises ``TypeError`` for a mesh without dimension names, and warns when the axes miss
+    the mesh (NOTE [ Axes that miss the mesh ]); ``what`` names the caller there, and
+    ``stacklevel`` counts the frames between the user's code and this call.
+    """
     if device_mesh is None:
         return ()
-    names = _dim_names(device_mesh)
+    names = _named_dims(device_mesh, what)
     wanted = normalize_axes(axes)
-    return tuple(n for n in names if n in wanted)
+    present = tuple(n for n in names if n in wanted)
+    if not present and wanted:
+        _warn_if_axes_miss(device_mesh, names, wanted, what, stacklevel + 1)
+    return present
 
 
 def _is_device_mesh(device_mesh: Any) -> bool:
@@ -96,16 +161,24 @@ def _axis_coordinate(device_mesh: Any, name: str, size: int) -> int:
     return int(local)
 
 
-def spanning_axes(device_mesh: Any, axes: Sequence[str] | str) -> tuple[str, ...]:
-    """The present axes of size > 1: the ones a batch must be broadcast across."""
-    return tuple(a for a in present_axes(device_mesh, axes) if _axis_size(device_mesh, a) > 1)
+def spanning_axes(
+    device_mesh: Any,
+    axes: Sequence[str] | str,
+    *,
+    what: str = "tensorcast",
+    stacklevel: int = 1,
+) -> tuple[str, ...]:
+    """The present axes of size > 1: the ones a batch must be broadcast across (the
+    checks of :func:`present_axes` included)."""
+    present = present_axes(device_mesh, axes, what=what, stacklevel=stacklevel + 1)
+    return tuple(a for a in present if _axis_size(device_mesh, a) > 1)
 
 
 def is_dp_source_rank(device_mesh: Any, axes: Sequence[str] | str = ("cp", "tp")) -> bool:
     """Whether this rank builds the real loader for its DP slot.
 
-    True when ``device_mesh`` is None, when none of ``axes`` is in the mesh, or when every
-    named axis present has size 1; otherwise True only at coordinate 0 along every present
+    True when ``device_mesh`` is None, when none of ``axes`` is in the mesh (with a warning
+    when that looks like a mistake), or when every named axis present has size 1; otherwise True only at coordinate 0 along every present
     named axis. ``device_mesh`` is a ``DeviceMesh`` or any object with ``mesh_dim_names``
     and ``mesh[name].size()`` / ``mesh[name].get_local_rank()``.
 
@@ -117,10 +190,15 @@ def is_dp_source_rank(device_mesh: Any, axes: Sequence[str] | str = ("cp", "tp")
         Whether this rank is its sub-mesh's source.
 
     Raises:
-        TypeError: ``axes`` are not names.
+        TypeError: ``axes`` are not names, or the mesh has no dimension names.
         ValueError: this rank is not part of ``device_mesh``.
+
+    Warns:
+        UserWarning: none of ``axes`` is in the mesh, which has another dimension of size
+            > 1 that is not data- or pipeline-parallel (once per process).
     """
-    for name in present_axes(device_mesh, axes):
+    present = present_axes(device_mesh, axes, what="tensorcast.is_dp_source_rank", stacklevel=2)
+    for name in present:
         size = _axis_size(device_mesh, name)
         if size > 1 and _axis_coordinate(device_mesh, name, size) != 0:
             return False

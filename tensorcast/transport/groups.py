@@ -97,6 +97,9 @@ class World:
         generation = base.add(f"tensorcast/generation/{self.rank}", 1)
         self.store = dist.PrefixStore(f"tensorcast/{generation}/", base)
         self._agreed: dict[tuple[int, ...], int] = {}
+        #: scopes whose agreement an interrupt broke off on this rank: their numbers no
+        #: longer pair with the other ranks', so no later agreement among them may start
+        self._interrupted: dict[tuple[int, ...], str] = {}
         self._groups: dict[tuple[int, ...], Group] = {}
         self._lock = threading.Lock()
         default_ref = weakref.ref(default)
@@ -132,9 +135,33 @@ class World:
             ``extra`` by global rank.
 
         Raises:
-            DesyncError: a rank disagrees, or did not come within the timeout.
+            DesyncError: a rank disagrees, or did not come within the timeout; or an
+                earlier agreement among ``scope`` was interrupted on this rank.
         """
         scope = tuple(scope)
+        if scope in self._interrupted:
+            raise DesyncError(
+                f"rank {self.rank}: an earlier setup among ranks {list(scope)} was "
+                f"interrupted on this rank ({self._interrupted[scope]}), so its agreements "
+                f"no longer pair with the other ranks'; {what} cannot be set up. Restart the "
+                f"job (the other ranks fail within their timeout)"
+            )
+        try:
+            return self._agree(scope, what, setup, extra, timeout)
+        except DesyncError:  # raised on every rank of the agreement alike
+            raise
+        except BaseException as e:  # e.g. a signal handler's, on this rank only
+            self._interrupted[scope] = f"{type(e).__name__} in the setup of {what}"
+            raise
+
+    def _agree(
+        self,
+        scope: tuple[int, ...],
+        what: str,
+        setup: dict[str, Any],
+        extra: dict[str, Any] | None,
+        timeout: datetime.timedelta | None,
+    ) -> tuple[int, dict[int, dict[str, Any]]]:
         timeout = timeout or self.timeout
         with self._lock:
             seq = self._agreed[scope] = self._agreed.get(scope, 0) + 1

@@ -26,12 +26,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 import torch
 
-from tensorcast._errors import PeerError
+from tensorcast._errors import PeerError, TensorcastError, UnsupportedLeafError
+from tensorcast.transport import interrupts as _interrupts
 
 __all__ = ["Job", "Lane"]
 
@@ -40,19 +41,33 @@ _IDLE_EXIT_S = 5.0
 
 
 class Job(Generic[T]):
-    """A transfer submitted to a lane; :meth:`result` waits for it."""
+    """A transfer submitted to a lane; :meth:`result` waits for it.
 
-    __slots__ = ("_done", "_error", "_fn", "_value")
+    ``_taken`` is set, under the lane's lock, when a thread starts running it: with its
+    presence in the lane's queue it tells whether a job is still owed a run (see
+    :meth:`Lane.settle`).
+    """
+
+    __slots__ = ("_done", "_error", "_finished", "_fn", "_taken", "_value", "frames")
 
     def __init__(self, fn: Callable[[], T]) -> None:
         self._fn = fn
-        self._done = threading.Event()
+        # Held until the job is done. Not a threading.Event: its wait enters a Condition in
+        # Python, and a signal handler that raises there leaves the Event's lock held, so
+        # the job could never be marked done (a hang under a storm of signals). A waiter
+        # blocks in the C acquire, which a handler interrupts cleanly.
+        self._done = threading.Lock()
+        self._done.acquire()
+        self._finished = False
         self._value: Any = None
         self._error: BaseException | None = None
+        self._taken = False
+        #: the channel's frame count when the job ran inline (None: on the worker)
+        self.frames: int | None = None
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._finished
 
     @property
     def error(self) -> BaseException | None:
@@ -61,7 +76,9 @@ class Job(Generic[T]):
 
     def result(self) -> T:
         """The job's value, or its exception raised here; waits until it has run."""
-        self._done.wait()
+        if not self._finished:
+            self._done.acquire()  # let go at once: every later waiter sees _finished
+            self._done.release()
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[no-any-return]
@@ -73,7 +90,8 @@ class Job(Generic[T]):
             self._error = e
         finally:
             self._fn = None  # type: ignore[assignment]
-            self._done.set()
+            self._finished = True
+            self._done.release()
 
 
 class Lane:
@@ -111,22 +129,50 @@ class Lane:
 
     def submit(self, fn: Callable[[], T]) -> Job[T]:
         """Queue ``fn`` behind every job submitted before it; it runs on the worker."""
+        job: Job[T] = Job(fn)
+        self.enqueue(job)
+        return job
+
+    def enqueue(self, job: Job[Any]) -> None:
+        """Queue ``job`` behind every job queued before it; it runs on the worker."""
+        self._not_from_a_job()
+        with self._lock:
+            self._queue(job)
+
+    def _queue(self, job: Job[Any]) -> None:  # under the lock
+        self._jobs.append(job)
+        self._cond.notify()
+        if self._worker is None:
+            # Recorded once started: an interrupt inside start() leaves None, and the next
+            # job starts another. Two workers still run one job at a time, in order.
+            worker = threading.Thread(
+                target=self._run, name=f"tensorcast-lane-{self.name}", daemon=True
+            )
+            worker.start()
+            self._worker = worker
+
+    def settle(self, jobs: Iterable[Job[Any]]) -> None:
+        """Queue, in order, those of ``jobs`` that are owed a run and are not queued: what
+        an interrupt left between recording a job and queuing it (NOTE [ Interrupts ])."""
+        with self._lock:
+            for job in jobs:
+                if not job._taken and not job.done and job not in self._jobs:
+                    self._queue(job)
+
+    def withdraw(self, job: Job[Any]) -> bool:
+        """Take ``job`` out of the queue if it has not started; whether it was there."""
+        with self._lock:
+            if job._taken or job not in self._jobs:
+                return False
+            self._jobs.remove(job)
+            return True
+
+    def _not_from_a_job(self) -> None:
         if self.on_lane_thread():
             raise RuntimeError(
                 "tensorcast was called from inside a loader's source iterator on the same "
                 "ranks; a source must not broadcast or iterate another BroadcastingDataLoader"
             )
-        job: Job[T] = Job(fn)
-        with self._lock:
-            self._jobs.append(job)
-            if self._worker is None:
-                self._worker = threading.Thread(
-                    target=self._run, name=f"tensorcast-lane-{self.name}", daemon=True
-                )
-                self._worker.start()
-            else:
-                self._cond.notify()
-        return job
 
     def idle(self) -> bool:
         """Whether nothing is queued or running (a job submitted now would run at once)."""
@@ -137,34 +183,74 @@ class Lane:
         """Whether the calling thread is running one of this lane's jobs."""
         return threading.get_ident() in (self._inline, self._worker_id)
 
-    def run(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` in its turn and return its result.
+    def run(self, fn: Callable[[], T], frames: Callable[[], int]) -> T:
+        """Run ``fn`` in its turn and return its result (``tensorcast.broadcast``).
 
-        When nothing is queued or running, ``fn`` runs right here on the caller's thread,
-        still in its turn: the hop to the worker and back is a measurable share of a small
-        batch's time (see ``docs/design.md``). A signal handler that raises there
-        in the middle of a frame breaks the lane, as any failure does (NOTE [ A frame is
-        atomic ]); on the worker it would only interrupt the wait.
+        An interrupt here leaves no job for a retry to wait on (NOTE [ Interrupts ]): a
+        job not yet started is withdrawn, one that took its frame (``frames()``, the
+        channel's count, moved) and lost its result breaks the lane, and one waited for
+        on the worker breaks it too.
+        """
+        job: Job[T] = Job(fn)
+        self.start(job, frames)
+        try:
+            if _interrupts.hook is not None:
+                _interrupts.hook("broadcast.wait")
+            return job.result()
+        except BaseException as e:
+            if not job.done:
+                if not self.withdraw(job):
+                    self.break_(e)  # it runs on the worker: its frame would pair with no call
+            elif job.error is e:
+                self.break_if_lost(job, e, frames)
+            else:
+                self.break_(e)  # it took its frame and this call loses the result
+            raise
+
+    def start(self, job: Job[Any], frames: Callable[[], int]) -> None:
+        """Run ``job`` in its turn: right here when nothing is queued or running, else on
+        the worker (:meth:`Job.result` waits for it either way).
+
+        Inline, the job runs on the caller's thread: the hop to the worker and back is a
+        measurable share of a small batch's time (see ``docs/design.md``). A job that an
+        interrupt kept from running is freed for the worker (:meth:`settle`).
         """
         me = threading.get_ident()
+        self._not_from_a_job()
         with self._lock:
             inline = not self._jobs and not self._running and me != self._worker_id
             if inline:
                 self._running = True
                 self._inline = me
+                job._taken = True
+            else:
+                self._queue(job)
         if not inline:
-            return self.submit(fn).result()
+            return
         try:
+            job.frames = frames()
+            if _interrupts.hook is not None:
+                _interrupts.hook("lane.busy")
             if torch.is_inference_mode_enabled():  # buffers made here must not be inference tensors
                 with torch.inference_mode(False):
-                    return fn()
-            return fn()
+                    job._run()
+            else:
+                job._run()
         finally:
             with self._lock:
-                self._running = False
-                self._inline = None
-                if self._jobs:
-                    self._cond.notify()
+                if self._inline == me:
+                    self._running = False
+                    self._inline = None
+                    if not job.done:  # interrupted before it ran: owed a run
+                        job._taken = False
+                    if self._jobs:
+                        self._cond.notify()
+
+    def break_if_lost(self, job: Job[Any], error: BaseException, frames: Callable[[], int]) -> None:
+        """Break the lane when an inline ``job`` took its frame and an interrupt then took
+        its result (its error is no failure tensorcast raised)."""
+        if job.frames is not None and frames() != job.frames and not _own(error):
+            self.break_(error)
 
     def break_(self, cause: BaseException) -> None:
         """Mark the lane broken after a failure in the middle of a frame (first cause wins)."""
@@ -185,7 +271,7 @@ class Lane:
             )
 
     def _run(self) -> None:
-        self._worker_id = threading.get_ident()
+        me = threading.current_thread()
         if self._cuda_device is not None:
             torch.cuda.set_device(self._cuda_device)
         while True:
@@ -193,14 +279,24 @@ class Lane:
                 if not self._jobs or self._running:
                     self._cond.wait(self._idle_exit_s)
                 if not self._jobs:
-                    self._worker = self._worker_id = None
+                    if self._worker is me or self._worker is None:
+                        self._worker = self._worker_id = None
                     return
                 if self._running:  # a job runs inline; it notifies when it is done
                     continue
                 job = self._jobs.popleft()
+                job._taken = True
                 self._running = True
+                self._worker_id = me.ident
             try:
                 job._run()
             finally:
+                job = None  # type: ignore[assignment]  # keeps no batch alive while idle
                 with self._cond:
                     self._running = False
+
+
+def _own(error: BaseException) -> bool:
+    """Whether ``error`` is a failure tensorcast raises itself (then a job's result): a
+    frame refused, a batch that cannot travel, a broken channel."""
+    return isinstance(error, (TensorcastError, UnsupportedLeafError, ValueError))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Sequence
 from unittest import mock
 
@@ -100,12 +101,68 @@ def test_no_mesh_is_a_source(axes: Sequence[str] | str) -> None:
 
 @pytest.mark.parametrize(
     ("shape", "names"),
-    [((4,), ("dp",)), ((2, 2), ("dp", "pp")), ((8,), None), ((2, 2), None)],
+    [
+        ((4,), ("dp",)),
+        ((2, 2), ("dp", "pp")),
+        ((2, 2, 2), ("data", "pipe", "tp_unused")),  # tp_unused has size 2: see below
+        ((2, 2, 1), ("dp_replicate", "dp_shard", "tensor")),
+        ((2, 2), ("DP", "PP")),
+    ],
 )
 def test_mesh_without_the_named_axes_is_a_source_everywhere(
-    shape: tuple[int, ...], names: tuple[str, ...] | None
+    shape: tuple[int, ...], names: tuple[str, ...]
 ) -> None:
-    assert sources(shape, names) == list(range(math.prod(shape)))
+    """A job without TP/CP, or a mesh of the dims in use only (torchtitan): a quiet no-op
+    when every other dimension of size > 1 is data- or pipeline-parallel."""
+    axes = ("cp", "tp") if "tp_unused" not in names else ("cp", "tp", "tp_unused")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if "tp_unused" in names:  # present: not a no-op, a real source choice
+            assert sources(shape, names, axes) == [0, 2, 4, 6][: math.prod(shape) // 2]
+        else:
+            assert sources(shape, names, axes) == list(range(math.prod(shape)))
+
+
+@pytest.mark.parametrize("names", [None, ()])
+def test_mesh_without_dim_names_is_a_type_error(names: tuple[str, ...] | None) -> None:
+    mesh = grid((2, 2), names, 0)
+    with pytest.raises(TypeError, match=r"named dimensions.*mesh_dim_names="):
+        tc.is_dp_source_rank(mesh)
+    with pytest.raises(TypeError, match=r"tensorcast\.is_dp_source_rank"):
+        tc.is_dp_source_rank(mesh, "tp")
+
+
+class _NoNames:
+    """A mesh-like without ``mesh_dim_names`` at all."""
+
+
+def test_mesh_like_without_dim_names_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="named dimensions"):
+        tc.is_dp_source_rank(_NoNames())
+
+
+@pytest.mark.parametrize(
+    ("shape", "names", "axes"),
+    [
+        ((1, 2), ("dp", "w_tp"), "TP"),  # a wrong case
+        ((2, 2), ("dp", "w_tensor"), ("cp", "tp")),  # the default axes, another TP name
+        ((2, 4), ("w_pp", "w_tensor_model_parallel"), ("cp", "tp")),
+    ],
+)
+def test_axes_that_miss_a_mesh_with_another_big_dim_warn_once(
+    shape: tuple[int, ...], names: tuple[str, ...], axes: Sequence[str] | str
+) -> None:
+    """Still a no-op (every rank a source), with one UserWarning per process naming the
+    mesh's dims and the axes asked for. (Dim names are unique to this test: the warning is
+    once per process for each mesh dims and axes.)"""
+    with pytest.warns(UserWarning) as record:
+        assert sources(shape, names, axes) == list(range(math.prod(shape)))
+        assert sources(shape, names, axes) == list(range(math.prod(shape)))
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "tensorcast.is_dp_source_rank" in message
+    assert repr(names) in message and repr(_mesh.normalize_axes(axes)) in message
+    assert record[0].filename == __file__  # points at the caller's line
 
 
 @pytest.mark.parametrize(
@@ -253,8 +310,10 @@ def test_source_rank_agrees_with_submesh_rows(
     ranks, names, axes = layout
     world = ranks.numel()
     meshes = {r: StandInMesh(ranks, names, r) for r in range(world)}
-    spanning = _mesh.spanning_axes(meshes[0], axes)
-    is_source = {r: tc.is_dp_source_rank(m, axes) for r, m in meshes.items()}
+    with warnings.catch_warnings():  # axes that miss the mesh: see the warning tests above
+        warnings.simplefilter("ignore", UserWarning)
+        spanning = _mesh.spanning_axes(meshes[0], axes)
+        is_source = {r: tc.is_dp_source_rank(m, axes) for r, m in meshes.items()}
     if not spanning:
         assert all(is_source.values())
         return
@@ -281,7 +340,9 @@ def test_dp_slot_agrees_with_submesh_rows(
     of the row that holds it, and there are ``dp_size`` rows."""
     ranks, names, axes = layout
     meshes = {r: StandInMesh(ranks, names, r) for r in range(ranks.numel())}
-    rows = _mesh.submesh_rows(meshes[0], _mesh.spanning_axes(meshes[0], axes))
+    with warnings.catch_warnings():  # axes that miss the mesh: see the warning tests above
+        warnings.simplefilter("ignore", UserWarning)
+        rows = _mesh.submesh_rows(meshes[0], _mesh.spanning_axes(meshes[0], axes))
     for r, m in meshes.items():
         dp_rank, dp_size = tc.dp_rank_and_size(m, axes)
         assert dp_size == len(rows)

@@ -21,7 +21,7 @@ def _lane(**kw: float) -> tuple[Lane, list[str]]:
 def test_an_idle_lane_runs_a_job_inline_on_the_callers_thread() -> None:
     lane, _ = _lane()
     me = threading.get_ident()
-    assert lane.run(threading.get_ident) == me
+    assert lane.run(threading.get_ident, lambda: 0) == me
     assert lane.idle()
 
 
@@ -38,7 +38,7 @@ def test_a_busy_lane_runs_the_next_job_on_its_worker_after_the_running_one() -> 
     assert not lane.idle()
     later = threading.Timer(0.1, gate.set)
     later.start()
-    got = lane.run(lambda: order.append(("second", threading.get_ident())) or 7)
+    got = lane.run(lambda: order.append(("second", threading.get_ident())) or 7, lambda: 0)
     job.result()
     assert got == 7
     assert [name for name, _ in order] == ["first", "second"]
@@ -69,7 +69,7 @@ def test_submitting_from_a_job_of_the_same_lane_is_refused() -> None:
     with pytest.raises(RuntimeError, match="inside a loader's source iterator"):
         job.result()
     with pytest.raises(RuntimeError, match="inside a loader's source iterator"):
-        lane.run(lambda: lane.run(lambda: None))
+        lane.run(lambda: lane.run(lambda: None, lambda: 0), lambda: 0)
 
 
 def test_a_jobs_exception_reaches_whoever_waits_for_it() -> None:

@@ -1,0 +1,257 @@
+"""Set-up mistakes on real gloo groups: never a silent no-op, a silent skip or a bare error.
+
+- A mesh without dim names is a ``TypeError``; axes that miss a mesh with a TP-like dim of
+  size > 1 stay a no-op with one ``UserWarning`` per process (contract section 2), for
+  ``is_dp_source_rank``, ``broadcast_batch`` and ``BroadcastingDataLoader``.
+- A loader built before ``init_process_group`` raises at ``iter()`` (contract 3.1).
+- A resume taken from a sampler under DataLoader workers warns that it will skip batches,
+  naming ``StatefulDataLoader`` (contract 3.10).
+- ``packed_collate()`` under ``batch_size=None`` (lhotse's samplers) and ``device="cuda"``
+  on a build of torch without CUDA.
+
+Each warning is once per process for one mesh layout and axes, and the pool's ranks live
+for the whole session: the dim names used here are used nowhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing as mp
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from lhotse import CutSet
+from lhotse.dataset import DynamicBucketingSampler
+from rankpool import RankPool
+from test_dist_lhotse import corpus, digest
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.data import DataLoader, Dataset
+
+import tensorcast as tc
+
+TIMEOUT = 120.0
+
+
+# -- axes and meshes ---------------------------------------------------------------------------
+
+
+def _rank_axes(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    batch = {"x": torch.full((3,), float(rank))}
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tensor"))
+    for what, call in {
+        "is_dp_source_rank": lambda: tc.is_dp_source_rank(mesh),
+        "broadcast_batch": lambda: tc.broadcast_batch(batch, mesh, axes="TP") is batch,
+        "loader": lambda: [
+            b["x"].tolist()
+            for b in tc.BroadcastingDataLoader([batch], mesh, axes=("cp", "tp", "sp"))
+        ],
+    }.items():
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            first, again = call(), call()
+        out[what] = (first, again, [str(w.message) for w in record])
+    unnamed = init_device_mesh("cpu", (world,))
+    errors = []
+    for call in (
+        lambda: tc.is_dp_source_rank(unnamed),
+        lambda: tc.broadcast_batch(batch, unnamed),
+        lambda: tc.BroadcastingDataLoader([batch], unnamed),
+    ):
+        try:
+            call()
+            errors.append("no error")
+        except TypeError as e:
+            errors.append(str(e))
+    out["unnamed"] = errors
+    return out
+
+
+def test_axes_that_miss_the_mesh_warn_once_and_unnamed_meshes_raise(pool2: RankPool) -> None:
+    """Contract 2: a quiet no-op would hand TP peers different batches."""
+    for r, out in enumerate(pool2.run(_rank_axes, timeout=TIMEOUT)):
+        first, again, caught = out["is_dp_source_rank"]
+        assert first is again is True
+        assert len(caught) == 1, caught
+        assert "tensorcast.is_dp_source_rank" in caught[0]
+        assert "('dp', 'tensor')" in caught[0] and "('cp', 'tp')" in caught[0]
+        assert "axes=('tensor',)" in caught[0]  # how to fix it
+        first, again, caught = out["broadcast_batch"]
+        assert first is again is True  # the very same object: still a no-op
+        assert len(caught) == 1 and "tensorcast.broadcast_batch" in caught[0]
+        assert "('TP',)" in caught[0]
+        first, again, caught = out["loader"]
+        assert first == again == [[float(r)] * 3]  # every rank its own batch, as warned
+        assert len(caught) == 1 and "BroadcastingDataLoader" in caught[0]
+        assert "('cp', 'tp', 'sp')" in caught[0]
+        assert len(out["unnamed"]) == 3
+        for message, what in zip(
+            out["unnamed"],
+            [
+                "tensorcast.is_dp_source_rank",
+                "tensorcast.broadcast_batch",
+                "BroadcastingDataLoader",
+            ],
+        ):
+            assert message.startswith(f"{what} needs a device mesh with named dimensions")
+            assert "mesh_dim_names=" in message
+
+
+# -- a loader built before init_process_group ----------------------------------------------------
+
+
+def _rank_built_too_early(rank: int, world: int, store_dir: str) -> list[str]:
+    dist.destroy_process_group()  # as before init_process_group in a real script
+    early = tc.BroadcastingDataLoader([torch.zeros(1)] if rank == 0 else None)
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(os.path.join(store_dir, "store"), world),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    out = []
+    try:
+        for _ in range(2):  # every pass, not only the first
+            try:
+                iter(early)
+                out.append("no error")
+            except RuntimeError as e:
+                out.append(str(e))
+        late = tc.BroadcastingDataLoader([torch.zeros(1)] * 2)  # built after: a plain no-op
+        out.append(f"late: {len(list(late))}")
+    finally:
+        dist.destroy_process_group()  # the pool makes its own group again
+    return out
+
+
+def test_a_loader_built_before_init_process_group_raises_at_iter(
+    pool2: RankPool, tmp_path: Any
+) -> None:
+    """Contract 3.1: it would be a no-op on every rank (rank 1 yielding nothing)."""
+    for r, out in enumerate(pool2.run(_rank_built_too_early, str(tmp_path), timeout=TIMEOUT)):
+        assert len(out) == 3
+        for message in out[:2]:
+            assert message.startswith("this BroadcastingDataLoader was built before "), message
+            assert f"on rank {r} of a group of 2" in message
+            assert "Build the loader after init_process_group()" in message
+        assert out[2] == "late: 2"
+
+
+# -- state from a sampler under DataLoader workers; packed_collate under batch_size=None ----------
+
+
+class CutBatches(Dataset[dict[str, Any]]):
+    """A lhotse-style dataset: a mini-batch of cuts to a collated dict (and the cuts)."""
+
+    def __getitem__(self, cuts: CutSet) -> dict[str, Any]:
+        lens = torch.tensor([c.num_samples for c in cuts])
+        return {"lens": lens, "ids": [c.id for c in cuts], "cuts": cuts}
+
+
+@contextlib.contextmanager
+def _may_start_workers() -> Iterator[None]:
+    """The pool's ranks are daemons, which may not start DataLoader workers otherwise."""
+    config = mp.current_process()._config  # type: ignore[attr-defined]
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = daemon
+
+
+def _sampler() -> DynamicBucketingSampler:
+    return DynamicBucketingSampler(
+        corpus(16, seed=5),
+        max_duration=1.0,
+        num_buckets=2,
+        shuffle=True,
+        seed=2,
+        world_size=1,
+        rank=0,
+    )
+
+
+def _rank_workers_and_collate(rank: int, world: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    tp = mesh.get_group("tp")
+    is_source = tc.is_dp_source_rank(mesh)
+    out: dict[str, Any] = {}
+    with _may_start_workers():
+        plain = [digest(b) for b in DataLoader(CutBatches(), sampler=_sampler(), batch_size=None)]
+        for workers in (0, 2):
+            source = DataLoader(
+                CutBatches(),
+                sampler=_sampler(),
+                batch_size=None,
+                num_workers=workers,
+                collate_fn=tc.packed_collate(),  # a whole batch per item: nothing to collate
+                multiprocessing_context="fork" if workers else None,
+            )
+            loader = tc.BroadcastingDataLoader(source if is_source else None, mesh, prefetch=1)
+            got = []
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                for step, b in enumerate(loader):
+                    # the model: its own collective on the mesh's group, at its own moments
+                    time.sleep(0.01 * ((rank + step) % 2))
+                    dist.all_reduce(torch.ones(1), group=tp)
+                    got.append(digest(b))
+                    if step in (1, 2):
+                        loader.state_dict()
+            out[workers] = {"same": got == plain, "warnings": [str(w.message) for w in record]}
+        del source, loader
+    return out
+
+
+def test_sampler_state_under_workers_warns_and_packed_collate_takes_whole_batches(
+    pool2: RankPool,
+) -> None:
+    """Contract 3.10 (a resume from the sampler's state under workers skips batches: say
+    so, once, naming the exact path) and packed_collate() with lhotse's batch_size=None."""
+    source, receiver = pool2.run(_rank_workers_and_collate, timeout=TIMEOUT)
+    for r in (source, receiver):
+        assert r[0]["same"] and r[2]["same"]  # packed in the workers, equal to a plain loader
+        assert r[0]["warnings"] == []  # exact without workers
+    assert receiver[2]["warnings"] == []  # receivers hold no state
+    caught = source[2]["warnings"]
+    assert len(caught) == 1, caught
+    assert "num_workers=2" in caught[0] and "will skip batches" in caught[0]
+    assert "torchdata.stateful_dataloader.StatefulDataLoader" in caught[0]
+    assert "DynamicBucketingSampler" in caught[0]
+
+
+# -- device="cuda" without CUDA -----------------------------------------------------------------
+
+
+def _rank_cuda_without_cuda(rank: int, world: int) -> list[str]:
+    out = []
+    for call in (
+        lambda: tc.broadcast(torch.ones(2) if rank == 0 else None, 0, device="cuda"),
+        lambda: tc.BroadcastingDataLoader([torch.ones(2)] if rank == 0 else None, device="cuda"),
+    ):
+        try:
+            call()
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e))
+    # nothing was left half set up: the same ranks broadcast right after
+    out.append(str(tc.broadcast(torch.ones(2) if rank == 0 else None, 0).tolist()))
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_cuda_device_without_cuda_says_what_to_change(pool2: RankPool) -> None:
+    for out in pool2.run(_rank_cuda_without_cuda, timeout=TIMEOUT):
+        for message in out[:2]:
+            assert message.startswith("device='cuda' asks for CUDA, but torch "), message
+            assert "pass device=None" in message
+        assert out[2] == "[1.0, 1.0]"

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tensorcast import _mesh
+from tensorcast._agreement import ranks_name
 from tensorcast._broadcast import mesh_channel, unpack_if_packed
 from tensorcast._channel import Channel, group_ranks, open_channel, to_timedelta
 from tensorcast._codec import resolve_device
@@ -121,8 +122,9 @@ class BroadcastingDataLoader:
                 return
             setup["src"] = src
             self._channel, extras = open_channel(
-                ranks, ranks, src, what, setup, extra=extra, timeout=timeout, verify=verify
-            )
+                ranks_name(ranks), ranks, src, what, setup, extra=extra, timeout=timeout,
+                verify=verify,
+            )  # fmt: skip
         elif _mesh.spanning_axes(device_mesh, self.axes):
             self._channel, extras = mesh_channel(
                 device_mesh, self.axes, what, setup, extra=extra, timeout=timeout, verify=verify

@@ -92,7 +92,7 @@ def broadcast(
 _last: tuple[Any, int, Any, Channel] | None = None
 
 
-def _broadcast_channel(group: Any, src: int, setup: datetime.timedelta | None) -> Channel:
+def _broadcast_channel(group: Any, src: int, setup: datetime.timedelta | None = None) -> Channel:
     global _last
     default = dist.distributed_c10d._get_default_group()
     last = _last
@@ -182,9 +182,9 @@ def broadcast_batch(
     ``timeout`` (seconds or a timedelta) bounds every wait of the call, the first call's
     setup included; None means the default process group's timeout.
     """
+    wait = to_timedelta(timeout)
     if not _initialized():
         return batch
-    wait = to_timedelta(timeout)
     names = _mesh.normalize_axes(axes)
     if not _mesh.spanning_axes(device_mesh, names):
         return batch

@@ -24,6 +24,7 @@ tree, for the before column).
     python benchmarks/bench_setup.py --worlds 64 256 1024 4096 --group 4
     python benchmarks/bench_setup.py --group 8 --json bench-results/setup-8.json
     python benchmarks/bench_setup.py real --worlds 4 8 16 32
+    python benchmarks/bench_setup.py plot setup-4.json setup-8.json --out docs/setup_scale.png
 """
 
 from __future__ import annotations
@@ -325,16 +326,20 @@ def real(args: argparse.Namespace) -> list[dict[str, Any]]:
                 row = {
                     "world": n,
                     "mesh": f"({', '.join(map(str, shape))}) {tuple(names)}",
-                    "build_s": statistics.median(max(t for t, _, _ in b) for b in builds),
+                    "first_build_s": max(t for t, _, _ in builds[0]),
+                    "first_requests_max": max(q for _, q, _ in builds[0]),
+                    "build_s": statistics.median(max(t for t, _, _ in b) for b in builds[1:]),
                     "requests_median": statistics.median(q for _, q, _ in builds[-1]),
                     "requests_max": max(q for _, q, _ in builds[-1]),
                     "exact": all(e for b in builds for _, _, e in b),
                 }
                 rows.append(row)
                 print(
-                    f"world {n:3d}  mesh {row['mesh']:<28} build {row['build_s'] * 1e3:8.1f} ms"
-                    f"  requests/rank median {row['requests_median']:5.0f} max "
-                    f"{row['requests_max']:4d}  batches {'exact' if row['exact'] else 'WRONG'}",
+                    f"world {n:3d}  mesh {row['mesh']:<28} first build (groups made) "
+                    f"{row['first_build_s'] * 1e3:8.1f} ms, requests/rank max "
+                    f"{row['first_requests_max']:4d}; later builds {row['build_s'] * 1e3:8.1f} ms,"
+                    f" requests/rank median {row['requests_median']:5.0f} max "
+                    f"{row['requests_max']:4d}; batches {'exact' if row['exact'] else 'WRONG'}",
                     flush=True,
                 )
         finally:
@@ -343,19 +348,52 @@ def real(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def plot(inputs: list[Path], out: Path) -> None:
+    """Requests per rank and build time against world size, old and new (from --json)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for p in inputs for r in json.loads(p.read_text()) if r.get("scheme") != "mismatch"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for scheme, group in sorted({(r["scheme"], r["group"]) for r in rows if "scheme" in r}):
+        mine = sorted((r for r in rows if (r.get("scheme"), r.get("group")) == (scheme, group)),
+                      key=lambda r: r["world"])  # fmt: skip
+        label = f"{'whole mesh (0.2.0)' if scheme == 'old' else 'group-scoped'}, groups of {group}"
+        style = "--o" if scheme == "old" else "-s"
+        worlds = [r["world"] for r in mine]
+        left.plot(worlds, [r["requests_max"] for r in mine], style, label=label)
+        right.plot(worlds, [r["build_s"] for r in mine], style, label=label)
+    for axis, title in ((left, "store requests per rank (most)"), (right, "build wall time, s")):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("world size (simulated ranks, one TCPStore)")
+        axis.set_title(title)
+        axis.grid(True, which="both", alpha=0.3)
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", nargs="?", choices=("sim", "real"), default="sim")
+    parser.add_argument("mode", nargs="?", choices=("sim", "real", "plot"), default="sim")
+    parser.add_argument("inputs", nargs="*", type=Path, help="plot: --json files of sim")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "setup_scale.png")
     parser.add_argument("--worlds", type=int, nargs="+", default=None)
     parser.add_argument("--group", type=int, default=4, help="(cp, tp) group size (sim)")
     parser.add_argument("--old-max", type=int, default=256, help="largest world for the old")
-    parser.add_argument("--builds", type=int, default=3)
+    parser.add_argument("--builds", type=int, default=4, help="per world (real: 2 or more)")
     parser.add_argument("--call-timeout", type=float, default=600.0)
     parser.add_argument("--root", type=Path, default=None, help="a tensorcast checkout to run")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.root is not None:
         sys.path.insert(0, str(args.root.resolve()))
+    if args.mode == "plot":
+        plot(args.inputs, args.out)
+        return 0
     if args.mode == "sim":
         args.worlds = args.worlds or [64, 256, 1024, 4096]
         rows = sim(args)

@@ -95,6 +95,7 @@ def _build(n: int, builds: list[Callable[[], None]]) -> float:
         try:
             builds[r]()
         except BaseException as e:
+            print(f"rank {r}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             errors.append(e)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
@@ -161,8 +162,9 @@ def _sim_mismatch(n: int, group: int, clients: list[Any]) -> dict[str, Any]:
         a = Agreement(dist.PrefixStore(f"mismatch/{n}/", clients[r]), r, timeout)
         row = list(range(r - r % group, r - r % group + group))
         setup = SETUP
-        if r == odd:
-            row, setup = row[: group // 2], {**SETUP, "axes": ["tp"]}
+        if r == odd:  # it believes its group is the half of its real one that holds it
+            half = group // 2
+            row, setup = list(range(r - r % half, r - r % half + half)), {**SETUP, "axes": ["tp"]}
 
         def run() -> None:
             try:

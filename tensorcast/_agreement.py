@@ -151,13 +151,8 @@ class Agreement:
         self._round_one(keys, ranks, what, ours, timeout)
         values = [json.loads(v) for v in self.store.multi_get(keys)]
         theirs = dict(zip(group, values))
-        for r, other in theirs.items():
-            if other["setup"] != mine:
-                self._disagree(base, what, mine, r, other["setup"])
-        if first is not None:
-            anchor = {**values[-1]["setup"], "group": mine["group"]}
-            if anchor != mine:
-                self._disagree(base, what, mine, first[0], anchor, "the mesh's first rank")
+        anchor = (first[0], values[-1]["setup"]) if first is not None else None
+        self._compare(base, what, mine, theirs, anchor)
         if self._pause is not None:
             self._pause()
         self._round_two(ours, list(group), what, timeout)
@@ -167,6 +162,24 @@ class Agreement:
             self._forget(base + "first/done", [base + "first"], first[1])
         digest = hashlib.blake2b(ours.encode(), digest_size=4).digest()
         return int.from_bytes(digest, "little"), {r: v["extra"] for r, v in theirs.items()}
+
+    def _compare(
+        self,
+        base: str,
+        what: str,
+        mine: dict[str, Any],
+        theirs: dict[int, dict[str, Any]],
+        first: tuple[int, dict[str, Any]] | None,
+    ) -> None:
+        """Raise on the first of the group's setups (or the mesh's first rank's, but for
+        its group) that differs from this rank's."""
+        for r, other in theirs.items():
+            if other["setup"] != mine:
+                self._disagree(base, what, mine, r, other["setup"])
+        if first is not None:
+            anchor = {**first[1], "group": mine["group"]}
+            if anchor != mine:
+                self._disagree(base, what, mine, first[0], anchor, "the mesh's first rank")
 
     def _round_one(
         self, keys: list[str], group: list[int], what: str, ours: str, timeout: datetime.timedelta

@@ -306,10 +306,29 @@ def _real_rank(rank: int, world: int, shape: list[int], names: list[str], builds
                 for a, b in zip(got, want, strict=True)
             )
             out.append((took, requests, exact))
+        if names == ["dp", "cp", "tp"] and world >= 16:
+            out.append(_other_axes(rank, mesh))
         dist.barrier()
         return out
     finally:
         dist.destroy_process_group()
+
+
+def _other_axes(rank: int, mesh: Any) -> tuple[str, float]:
+    """Rank 5 builds with axes=("tp",), the others with ("cp", "tp"), timeout 60 s: what
+    each rank got, and how long it took."""
+    import tensorcast as tc
+
+    axes = ("tp",) if rank == 5 else ("cp", "tp")
+    source = [{"x": 1}] if tc.is_dp_source_rank(mesh, axes) else None
+    dist.barrier()
+    began = time.monotonic()
+    try:
+        tc.BroadcastingDataLoader(source, mesh, axes=axes, timeout=60)
+        said = "ok"
+    except tc.DesyncError as e:
+        said = f"DesyncError: {e}"
+    return said, time.monotonic() - began
 
 
 def real(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -325,6 +344,13 @@ def real(args: argparse.Namespace) -> list[dict[str, Any]]:
                     continue
                 res = pool.run(_real_rank, shape, names, args.builds, timeout=args.call_timeout)
                 builds = [[res[r][b] for r in range(n)] for b in range(args.builds)]
+                if len(res[0]) > args.builds:  # the rank with other axes
+                    odd = [res[r][-1] for r in range(n)]
+                    caught = [r for r in range(n) if odd[r][0].startswith("DesyncError")]
+                    slowest = max(odd[r][1] for r in caught)
+                    print(f"world {n:3d}  rank 5 with other axes: DesyncError on ranks {caught} "
+                          f"within {slowest:.2f} s (timeout 60 s)", flush=True)  # fmt: skip
+                    rows.append({"world": n, "other_axes_caught_by": caught, "slowest_s": slowest})
                 row = {
                     "world": n,
                     "mesh": f"({', '.join(map(str, shape))}) {tuple(names)}",

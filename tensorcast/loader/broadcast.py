@@ -8,6 +8,7 @@ travels on it.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from tensorcast.codec.packed import Packed, resolve_device, unpack
 from tensorcast.loader import mesh as _mesh
 from tensorcast.transport import groups as _groups
+from tensorcast.transport.agreement import ranks_name
 from tensorcast.transport.channel import Channel, group_ranks, open_channel, raise_for, to_timedelta
 
 __all__ = ["broadcast", "broadcast_batch", "mesh_channel", "unpack_if_packed"]
@@ -76,7 +78,7 @@ def broadcast(
         )
     wait = to_timedelta(timeout)
     dev = resolve_device(device)
-    channel = _broadcast_channel(group, src)
+    channel = _broadcast_channel(group, src, wait)
     lane = channel.group.lane
     frames = _frames(channel)
     if channel.is_source:
@@ -97,7 +99,7 @@ def _frames(channel: Channel) -> Callable[[], int]:
 _last: tuple[Any, int, Any, Channel] | None = None
 
 
-def _broadcast_channel(group: Any, src: int) -> Channel:
+def _broadcast_channel(group: Any, src: int, setup: datetime.timedelta | None = None) -> Channel:
     global _last
     default = dist.distributed_c10d._get_default_group()
     last = _last
@@ -113,8 +115,10 @@ def _broadcast_channel(group: Any, src: int) -> Channel:
     key = (ranks, src)
     channel = world.broadcast_channels.get(key)
     if channel is None:
+        what = f"tensorcast.broadcast(src={src})"
+        # The call's timeout bounds this setup; later calls give their own for messages.
         channel, _ = open_channel(
-            ranks, ranks, src, f"tensorcast.broadcast(src={src})", {"src": src}
+            ranks_name(ranks), ranks, src, what, {"src": src}, setup_timeout=setup
         )
         world.broadcast_channels[key] = channel
     _last = (None if group is None else weakref.ref(group), src, weakref.ref(default), channel)
@@ -129,12 +133,14 @@ def mesh_channel(
     *,
     extra: dict[str, Any] | None = None,
     timeout: datetime.timedelta | None = None,
+    setup_timeout: datetime.timedelta | None = None,
     verify: bool = False,
 ) -> tuple[Channel, dict[int, dict[str, Any]]]:
     """A channel over this rank's flattened sub-mesh of ``axes``, from its first rank.
 
-    Every rank of the mesh calls this together: they agree on ``setup`` (with the mesh's
-    shape and the axes), and each sub-mesh gets tensorcast's group over its ranks.
+    Every rank of the mesh calls this together: the ranks of each sub-mesh agree on
+    ``setup`` (with the mesh's shape, rank layout and the axes), numbered among the
+    mesh's ranks, and each sub-mesh gets tensorcast's group over its ranks.
     """
     spanning = _mesh.spanning_axes(device_mesh, axes)
     rows = _mesh.submesh_rows(device_mesh, spanning)
@@ -142,20 +148,24 @@ def mesh_channel(
     mine = next((r for r in rows if rank in r), None)
     if mine is None:
         raise ValueError(f"rank {rank} is not part of the device mesh {device_mesh}")
-    scope = sorted(r for row in rows for r in row)
+    layout = device_mesh.mesh.to(torch.int64).contiguous().numpy().tobytes()
     full = {
         **setup,
         "axes": list(axes),
         "mesh": [list(device_mesh.mesh_dim_names), list(device_mesh.mesh.shape)],
+        "layout": hashlib.blake2b(layout, digest_size=8).hexdigest(),
     }
+    everyone = sorted(r for row in rows for r in row)
     return open_channel(
-        scope,
-        tuple(sorted(mine)),
+        ranks_name(everyone),
+        mine,
         mine[0],
         what,
         full,
         extra=extra,
         timeout=timeout,
+        setup_timeout=setup_timeout,
+        first=(everyone[0], len(everyone)) if len(rows) > 1 else None,
         verify=verify,
     )
 
@@ -166,6 +176,7 @@ def broadcast_batch(
     axes: Sequence[str] | str = ("cp", "tp"),
     *,
     device: torch.device | str | None = None,
+    timeout: float | datetime.timedelta | None = None,
 ) -> Any:
     """Broadcast ``batch`` across this rank's ``(cp, tp)`` sub-mesh, from its first rank.
 
@@ -177,7 +188,10 @@ def broadcast_batch(
     dimension of size > 1 (not data- or pipeline-parallel) warn once per process.
 
     Every rank of the mesh must make the first call together (it sets up the groups).
+    ``timeout`` (seconds or a timedelta) bounds every wait of the call, the first call's
+    setup included; None means the default process group's timeout.
     """
+    wait = to_timedelta(timeout)
     if not _initialized():
         return batch
     names = _mesh.normalize_axes(axes)
@@ -191,7 +205,9 @@ def broadcast_batch(
         )
         hit = cache.get(names)
     if hit is None or hit[0]() is not world:
-        channel, _ = mesh_channel(device_mesh, names, "tensorcast.broadcast_batch", {})
+        channel, _ = mesh_channel(
+            device_mesh, names, "tensorcast.broadcast_batch", {}, setup_timeout=wait
+        )
         with _lock:
             cache[names] = (weakref.ref(world), channel)
     else:
@@ -199,8 +215,8 @@ def broadcast_batch(
     lane = channel.group.lane
     frames = _frames(channel)
     if channel.is_source:
-        return lane.run(lambda: channel.send_batch(batch, dev), frames)
-    kind, value = lane.run(lambda: channel.recv(dev), frames)
+        return lane.run(lambda: channel.send_batch(batch, dev, wait), frames)
+    kind, value = lane.run(lambda: channel.recv(dev, wait), frames)
     return raise_for(kind, value, channel.src)
 
 

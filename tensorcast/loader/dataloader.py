@@ -35,6 +35,7 @@ from tensorcast.loader import mesh as _mesh
 from tensorcast.loader.broadcast import mesh_channel, unpack_if_packed
 from tensorcast.loader.stats import WINDOW, LoaderStats, Recorder, timed
 from tensorcast.loader.steps import Pass, stateful
+from tensorcast.transport.agreement import ranks_name
 from tensorcast.transport.channel import Channel, group_ranks, open_channel, to_timedelta
 from tensorcast.transport.lane import Job
 
@@ -143,8 +144,9 @@ class BroadcastingDataLoader:
                 return
             setup["src"] = src
             self._channel, extras = open_channel(
-                ranks, ranks, src, what, setup, extra=extra, timeout=timeout, verify=verify
-            )
+                ranks_name(ranks), ranks, src, what, setup, extra=extra, timeout=timeout,
+                verify=verify,
+            )  # fmt: skip
         elif _mesh.spanning_axes(device_mesh, self.axes):
             self._channel, extras = mesh_channel(
                 device_mesh, self.axes, what, setup, extra=extra, timeout=timeout, verify=verify

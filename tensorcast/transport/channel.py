@@ -7,8 +7,8 @@ that communicates (:meth:`Channel.send_batch`, :meth:`send_end`, :meth:`send_err
 is stamped with the channel's agreed id, its pass and its step, so a receiver that is
 handed another channel's frame raises ``DesyncError`` instead of taking it.
 
-:func:`open_channel` sets one up: agreement among the ranks that build it together, then
-the group (made on first use), then the channel.
+:func:`open_channel` sets one up: agreement among the ranks of its group, then the group
+(made on first use), then the channel.
 """
 
 from __future__ import annotations
@@ -201,26 +201,36 @@ def raise_for(kind: Kind, value: Any, src: int) -> Any:
 
 
 def open_channel(
-    scope: Sequence[int],
-    ranks: tuple[int, ...],
+    scope: str,
+    group: Sequence[int],
     src: int,
     what: str,
     setup: dict[str, Any],
     *,
     extra: dict[str, Any] | None = None,
     timeout: datetime.timedelta | None = None,
+    setup_timeout: datetime.timedelta | None = None,
+    first: tuple[int, int] | None = None,
     verify: bool = False,
 ) -> tuple[Channel, dict[int, dict[str, Any]]]:
-    """Agree on ``setup`` among ``scope``, then open a channel on the group over ``ranks``.
+    """Agree on ``setup`` among ``group``, then open a channel on tensorcast's group over it.
 
     Args:
-        scope: every global rank that builds this together (a mesh's ranks, a group's).
-        ranks: this rank's group: the source and its receivers (global, sorted).
+        scope: names the ranks that number their setups together (``ranks_name`` of a
+            mesh's ranks, or of the group's); see NOTE [ Agreement before anything
+            collective ].
+        group: this rank's group: the source and its receivers (global ranks, in mesh
+            order where there is a mesh).
         src: the source's global rank.
         what: names the thing in errors.
-        setup: what must agree on every rank of ``scope``; the format and frame versions
+        setup: what must agree on every rank of ``group``; the format and frame versions
             are added, and whether payloads are promised.
-        extra: what this rank tells the others (see :meth:`World.agree`).
+        extra: what this rank tells the others (see :meth:`Agreement.agree`).
+        timeout: the channel's wait for one message; None means the default group's.
+        setup_timeout: bounds the agreement's waits and the group's creation; None means
+            ``timeout``.
+        first: for a mesh of several groups, its first rank and number of ranks (see
+            :meth:`Agreement.agree`).
 
     Returns:
         The channel, and every rank's ``extra``.
@@ -236,9 +246,12 @@ def open_channel(
         "frames": FRAMES_VERSION,
         "promises": promises,
     }
-    channel_id, extras = world.agree(scope, what, full, extra, timeout=timeout)
-    group = world.group(ranks)
+    wait = setup_timeout or timeout
+    channel_id, extras = world.agreement.agree(
+        scope, group, what, full, extra, first=first, timeout=wait
+    )
+    made = world.group(tuple(sorted(group)), wait)
     channel = Channel(
-        world, group, src, channel_id, timeout=timeout, verify=verify, promises=promises
+        world, made, src, channel_id, timeout=timeout, verify=verify, promises=promises
     )
     return channel, extras

@@ -1,6 +1,9 @@
-"""An in-memory :class:`~tensorcast.transport.wire.Wire` for tests: two ranks, one process.
+"""Fakes of the transport's seams, for tests: an in-memory wire and a counting store.
 
-The transport's fake ships with it, so tests and anyone extending the transport fake
+:class:`FakeWire` is an in-memory :class:`~tensorcast.transport.wire.Wire`: two ranks,
+one process.
+
+They ship with the transport, so tests and anyone extending the transport fake
 the same interface the real wires implement, and pass it in instead of patching a wire::
 
     source_wire, receiver_wire = FakeWire.pair()
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FakeWire"]
+__all__ = ["CountingStore", "FakeWire"]
 
 
 class FakeWire:
@@ -101,3 +104,21 @@ class _Posted:
 
     def wait(self, timeout: datetime.timedelta) -> Any:
         self._wait()
+
+
+class CountingStore:
+    """A store that counts the requests made through it (one per call), for tests and
+    benchmarks of what an agreement costs: ``CountingStore(store).requests``."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.requests = 0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.store, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.requests += 1
+            return method(*args, **kwargs)
+
+        return counted

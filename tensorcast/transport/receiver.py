@@ -19,9 +19,8 @@ travels and nothing waits on them: they are made after the posting, before the w
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,31 +106,26 @@ class Receiver:
         """
         first = self._messages.take(self._cutter.capacity)
         try:
-            with self._breaks_lane():
+            try:
                 frame = self._read(first, expect, timeout)
+            except BaseException as e:
+                self._break(e)
+                raise
             self._cutter.done(frame.cut, frame.prefix.next_capacity)
             return self._open(frame, expect, device)
         finally:
             first.drop_ahead()  # when the frame did not use them
 
-    @contextlib.contextmanager
-    def _breaks_lane(self) -> Iterator[None]:
-        """Until a frame is in whole, any failure breaks the lane: this rank cannot skip
-        the rest of a frame it cannot read."""
+    def _break(self, error: BaseException) -> None:
+        """Until a frame is in whole, any failure breaks the lane (this rank cannot skip
+        the rest of a frame it cannot read); one from the collective is a ``PeerError``."""
         group = self._group
-        try:
-            yield
-        except (TensorcastError, RuntimeError) as e:
-            group.lane.break_(e)
-            if isinstance(e, TensorcastError):
-                raise
+        group.lane.break_(error)
+        if isinstance(error, RuntimeError) and not isinstance(error, TensorcastError):
             raise PeerError(
                 f"receiving the rest of a frame from the source rank {self._src} on ranks "
-                f"{list(group.ranks)} failed: {type(e).__name__}: {e}"
-            ) from e
-        except BaseException as e:  # e.g. a signal handler's: raised as it is
-            group.lane.break_(e)
-            raise
+                f"{list(group.ranks)} failed: {type(error).__name__}: {error}"
+            ) from error
 
     def _read(self, first: Message, expect: Stamp, timeout: datetime.timedelta) -> _Incoming:
         """Post, wait for the first message, check its prefix, cut the frame, take the

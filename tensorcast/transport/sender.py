@@ -2,7 +2,7 @@
 
 Two phases, so that a frame is atomic (NOTE [ A frame is atomic ]):
 
-1. :meth:`Sender.data` / :meth:`end` / :meth:`error` do everything that can fail:
+1. :meth:`Sender.data` / :meth:`end` / :meth:`close` / :meth:`error` do everything that can fail:
    flatten, detach, allocate, copy, write the first message and build this rank's own
    tree. Nothing has been sent, so a failure can still be announced with an ERROR frame.
 2. :meth:`Sender.send` runs the collectives, and nothing else. A failure there breaks
@@ -124,6 +124,9 @@ class Sender:
 
     def end(self, stamp: Stamp) -> Outgoing:
         return self._control(Kind.END, b"", stamp)
+
+    def close(self, stamp: Stamp) -> Outgoing:
+        return self._control(Kind.CLOSE, b"", stamp)
 
     def error(self, message: str, stamp: Stamp) -> Outgoing:
         return self._control(

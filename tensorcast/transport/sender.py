@@ -251,7 +251,9 @@ class Sender:
             raise PeerError(
                 f"source rank (group rank {root}) of ranks {list(self._group.ranks)}: sending "
                 f"a frame failed: a receiver died, or did not take it within "
-                f"{timeout.total_seconds():g} s ({type(e).__name__}: {e})"
+                f"{timeout.total_seconds():g} s (a receiver that broke out of a loader's "
+                f"loop after another batch than this rank says so in its own error) "
+                f"({type(e).__name__}: {e})"
             ) from e
         except BaseException as e:  # e.g. a signal handler's: raised as it is
             self._group.lane.break_(e)

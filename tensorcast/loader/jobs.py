@@ -201,8 +201,9 @@ class Steps:
         """The ranks left a pass after different batches: the lane breaks on every rank."""
         channel = self.channel
         error = DesyncError(
-            f"ranks {list(channel.ranks)}, pass {channel.pass_index}: {what}. The ranks broke "
-            f"out of the loop after different batches; {_FIX}"
+            f"ranks {list(channel.ranks)}, pass {channel.pass_index}: {what}. The ranks left "
+            f"the pass (broke out of the loop, or called iter(loader) again) after different "
+            f"batches; {_FIX}"
         )
         channel.group.lane.break_(error)
         return error

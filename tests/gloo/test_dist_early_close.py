@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import tensorcast as tc
 
-TIMEOUT_S = 3.0  # the loader's: a rank waiting past it would show in `took`
+TIMEOUT_S = 2.0  # the loader's: a rank that waited for a frame would show in `took`
 N = 8
 
 

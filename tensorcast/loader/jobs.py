@@ -43,7 +43,7 @@ from tensorcast.transport import interrupts as _interrupts
 from tensorcast.transport.channel import Channel
 from tensorcast.transport.frame import Kind
 
-__all__ = ["END", "Failure", "Item", "Steps", "stateful"]
+__all__ = ["END", "End", "Failure", "Item", "Steps", "stateful"]
 
 _FIX = (
     "break on every rank after the same batch (decide the break together, e.g. with an "
@@ -64,11 +64,11 @@ def stateful(source: Any) -> Any:
     return None
 
 
-class _End:
+class End:
     """The source is exhausted."""
 
 
-END = _End()
+END = End()
 _NOTHING = object()  # no batch pulled and kept
 
 
@@ -172,8 +172,8 @@ class Steps:
             channel = self.channel
             raise self._desync(
                 f"the source rank {channel.src} broke out of its loop and closed the pass "
-                f"at step {channel.step - 1}, and this rank asked for that step: this rank "
-                f"went on past the batch the source stopped at"
+                f"at step {channel.step - 1}, and rank {channel.rank} asked for that step: "
+                f"it went on past the batch the source stopped at"
             )
         if kind == Kind.END:
             return END
@@ -192,7 +192,7 @@ class Steps:
         if kind != Kind.CLOSE:
             what = "a batch" if kind == Kind.DATA else f"its {kind.name} frame"
             raise self._desync(
-                f"this rank broke out of its loop and closed the pass at step "
+                f"rank {channel.rank} broke out of its loop and closed the pass at step "
                 f"{channel.step - 1}, but the source rank {channel.src} went on: it sent "
                 f"{what} there"
             )

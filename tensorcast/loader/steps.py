@@ -12,7 +12,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from tensorcast.loader.jobs import Failure, Item, Steps, _End, stateful
+from tensorcast.loader.jobs import End, Failure, Item, Steps, stateful
 from tensorcast.transport import interrupts as _interrupts
 from tensorcast.transport.channel import Channel
 from tensorcast.transport.lane import Job
@@ -41,7 +41,7 @@ class Pass:
         self._pending: collections.deque[Job[Any]] = collections.deque()
         self._opening: Job[Any] | None = None  # the job that numbers the pass's frames
         self._closing: Job[Any] | None = None  # NOTE [ An early close ]
-        self._ending: _End | Failure | None = None  # how the pass ended, until raised
+        self._ending: End | Failure | None = None  # how the pass ended, until raised
         self._started = self._finished = self._unsettled = False
         steps = self._steps = Steps(channel, loader.device, loader.source, self._depth)
         steps.stats = self._stats = loader._stats  # NOTE [ Where a step's time goes ]

@@ -177,7 +177,7 @@ class Pass:
         if it broke the channel."""
         if self._finished and not self._pending:
             return
-        if not self._finished and self._ending is None and self._opening is not None:
+        if self._owes_close():
             self._record_close()
         self._finished = True
         if self._unsettled:
@@ -194,6 +194,17 @@ class Pass:
             del self._pending[0]
         if error is not None and self._lane.broken is not None:
             raise error
+
+    def _owes_close(self) -> bool:
+        """Whether the pass was left early, not ended, and the channel still works: a
+        broken one fails every rank anyway, and a pass freed by the garbage collector
+        after a failure then has nothing to wait for."""
+        return (
+            not self._finished
+            and self._ending is None
+            and self._opening is not None
+            and self._lane.broken is None
+        )
 
     def _record_close(self) -> None:
         """The close job, recorded behind the steps owed, then queued; idempotent, so an
@@ -213,7 +224,7 @@ class Pass:
         # runs anywhere), waiting would wait on itself: the loader then finishes the steps
         # at its next use.
         if self._lane.on_lane_thread():
-            if not self._finished and self._ending is None and self._opening is not None:
+            if self._owes_close():
                 self._record_close()
             elif self._unsettled:
                 self._settle()

@@ -37,6 +37,7 @@ def _rank_breaks_at(rank: int, world: int, prefetch: int, breaks: tuple[int, int
         try:
             for b in loader:
                 got.append(int(b["i"]))
+                started = time.monotonic()  # `took` counts from the last batch handed out
                 if len(got) <= both:  # the model's step; a rank that goes on alone has none
                     dist.all_reduce(torch.ones(1))
                 if len(got) == mine:

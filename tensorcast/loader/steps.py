@@ -242,7 +242,8 @@ class Pass:
                 f"tensorcast: rank {channel.rank} ({role}) left pass {self._index} of a "
                 f"BroadcastingDataLoader early, and closing it failed: "
                 f"{type(e).__name__}: {e} (raised again at this loader's next use). Ranks "
-                f"that break out of the loop must do so after the same batch, on every rank",
+                f"that break out of the loop must do so after the same batch, on every rank: "
+                f"decide the break together, e.g. with an all_reduce of a stop flag",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -1,23 +1,7 @@
-"""One pass of a BroadcastingDataLoader: its steps as jobs on the lane, and their results.
+"""One pass of a BroadcastingDataLoader: its steps, queued on the lane, handed out in order.
 
-Each step is one job (see NOTE [ One ordered lane ]): on the source it pulls the next
-batch and sends its frame, on a receiver it receives a frame. A step whose pass already
-ended (an END or ERROR frame came before it) does nothing on any rank: every rank
-learns of the end from the same frame, so all of them skip alike.
-
-What a step hands back to the consumer:
-
-    ============  ================================  ====================================
-    result        source                            receivers
-    ============  ================================  ====================================
-    ``_Item``     the batch was sent                a batch arrived
-    ``_END``      the source is exhausted           an END frame arrived
-    ``_Failure``  the source raised: that very      an ERROR frame arrived: a
-                  exception, raised again there     ``SourceError``
-    ============  ================================  ====================================
-
-A job's own exception (``PeerError``, ``DesyncError``, ``HeaderError``) is raised to
-the consumer as it is.
+The jobs themselves, and what they hand back, are in ``loader.jobs``; a pass left early
+runs one more (NOTE [ An early close ]).
 """
 
 from __future__ import annotations
@@ -25,142 +9,18 @@ from __future__ import annotations
 import collections
 import copy
 import time
-from collections.abc import Iterator
+import warnings
 from typing import TYPE_CHECKING, Any
 
-from tensorcast._errors import SourceError
-from tensorcast.loader.stats import Recorder
+from tensorcast.loader.jobs import End, Failure, Item, Steps, stateful
 from tensorcast.transport import interrupts as _interrupts
 from tensorcast.transport.channel import Channel
-from tensorcast.transport.frame import Kind
 from tensorcast.transport.lane import Job
 
 if TYPE_CHECKING:
     from tensorcast.loader.dataloader import BroadcastingDataLoader
 
 __all__ = ["Pass", "stateful"]
-
-
-def stateful(source: Any) -> Any:
-    """What holds the source's position: the source, or its batch sampler or sampler
-    (a plain DataLoader over a lhotse sampler); None when nothing has a state."""
-    for target in (
-        source,
-        getattr(source, "batch_sampler", None),
-        getattr(source, "sampler", None),
-    ):
-        if target is not None and callable(getattr(target, "state_dict", None)):
-            return target
-    return None
-
-
-class _End:
-    """The source is exhausted."""
-
-
-_END = _End()
-_NOTHING = object()  # no batch pulled and kept
-
-
-class _Failure:
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-class _Item:
-    __slots__ = ("state", "tree")
-
-    def __init__(self, tree: Any, state: Any) -> None:
-        self.tree = tree
-        self.state = state
-
-
-class _Steps:
-    """The job side of a pass: what its steps share, run on the lane's worker.
-
-    Kept apart from :class:`Pass` so that queued steps hold no reference to it: a
-    ``for ... break`` then frees the pass at once, on the caller's thread.
-    """
-
-    def __init__(self, channel: Channel, device: Any, source: Any, depth: int) -> None:
-        self.channel = channel
-        self.device = device
-        self.ended = False  # the pass's END or ERROR frame went by
-        self.source_iter: Iterator[Any] | None = None
-        self.start_error: BaseException | None = None
-        self.stateful = stateful(source) if depth and channel.is_source else None
-        self.stats = Recorder()  # replaced by the pass's own
-        # A batch pulled whose frame an interrupt kept from going out: the next step sends
-        # it (NOTE [ Interrupts ], ``step.pulled``).
-        self.pulled: Any = _NOTHING
-
-    def source(self) -> Any:
-        channel = self.channel
-        if self.ended:
-            return _END
-        channel.group.lane.check()
-        batch = self.pulled
-        pulled = 0.0
-        if batch is _NOTHING:
-            try:
-                if self.start_error is not None:
-                    raise self.start_error
-                with channel.pulling:
-                    started = time.perf_counter()
-                    batch = next(self.source_iter)  # type: ignore[arg-type]
-                    pulled = time.perf_counter() - started
-            except StopIteration:
-                self.ended = True
-                channel.send_end()
-                return _END
-            except BaseException as e:
-                return self._fail(e, f"source iterator failed: {type(e).__name__}: {e}")
-            self.pulled = batch
-        if _interrupts.hook is not None:
-            _interrupts.hook("step.pulled")
-        try:
-            # A deep copy: later steps advance the source before this batch is yielded.
-            # `is not None`: a DataLoader's truth value calls its __len__, which an unsized
-            # source (a lhotse sampler under StatefulDataLoader) raises from.
-            target = self.stateful
-            state = copy.deepcopy(target.state_dict()) if target is not None else None
-        except Exception as e:
-            return self._fail(e, f"source state_dict() failed: {type(e).__name__}: {e}")
-        try:
-            frame, own = channel.prepare(batch, self.device)
-        except Exception as e:
-            return self._fail(e, f"batch serialization failed: {type(e).__name__}: {e}")
-        item = _Item(own, state)
-        started = time.perf_counter()
-        channel.send(frame)  # a failure in it breaks the lane
-        self.pulled = _NOTHING
-        if _interrupts.hook is not None:
-            _interrupts.hook("step.took")
-        self.stats.job(pulled, time.perf_counter() - started, frame.plan.payload_len)
-        return item
-
-    def _fail(self, error: BaseException, message: str) -> _Failure:
-        self.ended = True
-        self.pulled = _NOTHING
-        self.channel.send_error(message)
-        return _Failure(error)
-
-    def receiver(self) -> Any:
-        if self.ended:
-            return _END
-        started = time.perf_counter()
-        kind, value = self.channel.recv(self.device)
-        if _interrupts.hook is not None:
-            _interrupts.hook("step.took")
-        if kind == Kind.DATA:
-            self.stats.job(0.0, time.perf_counter() - started, self.channel.received_nbytes)
-            return _Item(value, None)
-        self.ended = True
-        if kind == Kind.END:
-            return _END
-        return _Failure(SourceError(f"source rank {self.channel.src} reported: {value}"))
 
 
 class Pass:
@@ -180,9 +40,10 @@ class Pass:
         self._depth = loader.prefetch
         self._pending: collections.deque[Job[Any]] = collections.deque()
         self._opening: Job[Any] | None = None  # the job that numbers the pass's frames
-        self._ending: _End | _Failure | None = None  # how the pass ended, until raised
+        self._closing: Job[Any] | None = None  # NOTE [ An early close ]
+        self._ending: End | Failure | None = None  # how the pass ended, until raised
         self._started = self._finished = self._unsettled = False
-        steps = self._steps = _Steps(channel, loader.device, loader.source, self._depth)
+        steps = self._steps = Steps(channel, loader.device, loader.source, self._depth)
         steps.stats = self._stats = loader._stats  # NOTE [ Where a step's time goes ]
         self._called = 0.0  # when the current next() began
         self._step = steps.source if channel.is_source else steps.receiver
@@ -283,7 +144,7 @@ class Pass:
     def _hand_out(self, item: Any) -> Any:
         # Until the step leaves the queue, an interruption hands out the same batch on the
         # next call: a caught Ctrl-C never skips a batch on one rank only.
-        if isinstance(item, _Item):
+        if isinstance(item, Item):
             if _interrupts.hook is not None:
                 _interrupts.hook("next.hand_out")
             if self._depth:
@@ -305,16 +166,19 @@ class Pass:
         item = self._ending
         self.close()
         self._ending = None
-        if isinstance(item, _Failure):
+        if isinstance(item, Failure):
             raise item.error
         raise StopIteration
 
     def close(self) -> None:
-        """Finish the steps owed to the peers (their batches are dropped). Safe to call
-        again, also after an interrupt; raises what a step that was let go raised, if it
-        broke the channel."""
+        """Finish the steps owed to the peers (their batches are dropped); a pass left
+        before its end then agrees with them on where (NOTE [ An early close ]). Safe to
+        call again, also after an interrupt; raises what a step that was let go raised,
+        if it broke the channel."""
         if self._finished and not self._pending:
             return
+        if self._owes_close():
+            self._record_close()
         self._finished = True
         if self._unsettled:
             self._settle()
@@ -331,13 +195,38 @@ class Pass:
         if error is not None and self._lane.broken is not None:
             raise error
 
+    def _owes_close(self) -> bool:
+        """Whether the pass was left early, not ended, and the channel still works: a
+        broken one fails every rank anyway, and a pass freed by the garbage collector
+        after a failure then has nothing to wait for."""
+        return (
+            not self._finished
+            and self._ending is None
+            and self._opening is not None
+            and self._lane.broken is None
+        )
+
+    def _record_close(self) -> None:
+        """The close job, recorded behind the steps owed, then queued; idempotent, so an
+        interrupt anywhere here is repaired by the next close (``settle`` queues it).
+        Queued from a lane thread too (``settle`` may be: see ``__del__``)."""
+        self._unsettled = True
+        if self._closing is None:
+            self._closing = Job(self._steps.close)
+        if self._closing not in self._pending:
+            self._pending.append(self._closing)
+        self._settle()
+
     def __del__(self) -> None:
         # A `for ... break` drops the pass: finish its steps now, so that no collective is
         # left pending, and keep a failure for the loader's next use (it cannot be raised
-        # from here). Freed on a lane thread (the garbage collector runs anywhere), waiting
-        # would wait on itself: the loader then finishes the steps at its next use.
+        # from here: it is warned of now). Freed on a lane thread (the garbage collector
+        # runs anywhere), waiting would wait on itself: the loader then finishes the steps
+        # at its next use.
         if self._lane.on_lane_thread():
-            if self._unsettled:
+            if self._owes_close():
+                self._record_close()
+            elif self._unsettled:
                 self._settle()
             self._loader._orphans.extend(self._pending)
             self._pending.clear()
@@ -347,3 +236,14 @@ class Pass:
             self.close()
         except Exception as e:
             self._loader._deferred = e
+            channel = self._channel
+            role = "the source" if channel.is_source else f"a receiver of rank {channel.src}"
+            warnings.warn(
+                f"tensorcast: rank {channel.rank} ({role}) left pass {self._index} of a "
+                f"BroadcastingDataLoader early, and closing it failed: "
+                f"{type(e).__name__}: {e} (raised again at this loader's next use). Ranks "
+                f"that break out of the loop must do so after the same batch, on every rank: "
+                f"decide the break together, e.g. with an all_reduce of a stop flag",
+                RuntimeWarning,
+                stacklevel=2,
+            )

@@ -2,10 +2,11 @@
 
 A loader, a mesh's ``broadcast_batch`` and each ``(group, src)`` of ``broadcast`` own a
 channel. Channels on the same ranks share one group and its lane, and every method
-that communicates (:meth:`Channel.send_batch`, :meth:`send_end`, :meth:`send_error`,
-:meth:`recv`) must run as a job on that lane (see NOTE [ One ordered lane ]). Each frame
-is stamped with the channel's agreed id, its pass and its step, so a receiver that is
-handed another channel's frame raises ``DesyncError`` instead of taking it.
+that communicates (:meth:`Channel.send_batch`, :meth:`send_end`, :meth:`send_close`,
+:meth:`send_error`, :meth:`recv`) must run as a job on that lane (see NOTE [ One
+ordered lane ]). Each frame is stamped with the channel's agreed id, its pass and its
+step, so a receiver that is handed another channel's frame raises ``DesyncError``
+instead of taking it.
 
 :func:`open_channel` sets one up: agreement among the ranks of its group, then the group
 (made on first use), then the channel.
@@ -83,6 +84,7 @@ class Channel:
         self.src = src
         self.id = channel_id
         self.timeout = timeout or world.timeout
+        self.rank = world.rank
         self.is_source = world.rank == src
         self.pass_index = 0
         self.step = 0
@@ -146,6 +148,11 @@ class Channel:
         self.group.lane.check()
         self.send(self._source().end(self._stamp()), timeout)
 
+    def send_close(self, timeout: datetime.timedelta | None = None) -> None:
+        """The pass was left early at this step (a loader's ``for ... break``)."""
+        self.group.lane.check()
+        self.send(self._source().close(self._stamp()), timeout)
+
     def send_error(self, message: str, timeout: datetime.timedelta | None = None) -> None:
         self.group.lane.check()
         self.send(self._source().error(message, self._stamp()), timeout)
@@ -172,8 +179,8 @@ class Channel:
     def recv(
         self, device: torch.device | None, timeout: datetime.timedelta | None = None
     ) -> tuple[Kind, Any]:
-        """The next frame from the source: ``(DATA, tree)``, ``(END, None)`` or
-        ``(ERROR, message)``."""
+        """The next frame from the source: ``(DATA, tree)``, ``(END, None)``,
+        ``(CLOSE, None)`` or ``(ERROR, message)``."""
         self.group.lane.check()
         if self._receiver is None:
             raise RuntimeError(f"rank {self.src} is the source of this channel")

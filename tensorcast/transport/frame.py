@@ -1,9 +1,9 @@
 """A frame: what one step puts on the wire, and how it is cut into messages.
 
-Each step (one batch, the end of a pass, or a source's failure) is one *frame*: a first
-message of a *capacity* every rank knows before it arrives (a 44-byte :class:`Prefix`,
-the header unless it spills, and an inline payload at its end when it fits), then a
-spilled header and a separate payload only where :func:`plan_frame` says so. Both sides
+Each step (one batch, the end of a pass, its early close, or a source's failure) is one
+*frame*: a first message of a *capacity* every rank knows before it arrives (a 44-byte
+:class:`Prefix`, the header unless it spills, and an inline payload at its end when it
+fits), then a spilled header and a separate payload only where :func:`plan_frame` says so. Both sides
 cut a frame with that one pure function of the prefix's numbers, so they cannot drift
 apart. The prefix names the channel, the pass and the step, so a receiver out of step
 raises ``DesyncError`` instead of taking another loader's batch. Nothing here
@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 #: How frames are laid out and follow one another; part of every setup agreement.
-FRAMES_VERSION = 5
+FRAMES_VERSION = 6
 INITIAL_CAPACITY = 4096
 #: The largest first message: larger payloads always follow in a message of their own.
 MAX_CAPACITY = 256 << 10
@@ -75,6 +75,7 @@ class Kind(IntEnum):
     DATA = 1
     END = 2
     ERROR = 3
+    CLOSE = 4  # the source's loop left the pass early, at this step
 
 
 class Flags(IntFlag):
@@ -150,7 +151,7 @@ class Prefix:
             raise HeaderError(f"a {hlen}-byte header is over the {MAX_HEADER_BYTES}-byte limit")
         if not capacity <= nxt <= MAX_CAPACITY or nxt & (nxt - 1):
             raise HeaderError(f"invalid next capacity {nxt} (this one is {capacity})")
-        if kind != Kind.DATA and (plen or (kind == Kind.END and hlen)):
+        if kind != Kind.DATA and (plen or (kind in (Kind.END, Kind.CLOSE) and hlen)):
             raise HeaderError(f"a {Kind(kind).name} frame with a header or payload")
         if kind == Kind.ERROR and hlen > MAX_ERROR_BYTES:
             raise HeaderError(f"an error message of {hlen} bytes is over the limit")

@@ -26,7 +26,8 @@ land, and what holds when it does (the ranks stay in step, loudly or not at all)
     ``next.hand_out``   a step's batch in hand, the next  the retry hands out the same
                         step being submitted              batch (submitting is idempotent)
     ``close.wait``      an early close waiting for the    the steps stay; the next close
-                        steps owed to the peers           (or next use) waits for them
+                        steps owed to the peers, and its  (or next use) waits for them;
+                        close job (loader ``jobs``)       the close job is recorded once
     ``broadcast.wait``  ``broadcast`` waiting for its     not yet started: withdrawn, as
                         job on the lane's worker          if never called; else the channel
                                                           breaks (no retry can pair it)

@@ -97,7 +97,8 @@ class Receiver:
     def recv(
         self, expect: Stamp, device: torch.device | None, timeout: datetime.timedelta
     ) -> tuple[Kind, Any]:
-        """The next frame: ``(DATA, tree)``, ``(END, None)`` or ``(ERROR, message)``.
+        """The next frame: ``(DATA, tree)``, ``(END, None)``, ``(CLOSE, None)`` or
+        ``(ERROR, message)``.
 
         Raises:
             PeerError: the source died or did not send within ``timeout``.
@@ -182,8 +183,8 @@ class Receiver:
         """A frame that is in whole, as what it stands for; a bad CRC or bad small values
         are an error of this step alone."""
         prefix, payload, decoded = frame.prefix, frame.payload, frame.decoded
-        if prefix.kind == Kind.END:
-            return Kind.END, None
+        if prefix.kind in (Kind.END, Kind.CLOSE):
+            return prefix.kind, None
         if prefix.kind == Kind.ERROR or decoded is None or payload is None:
             return Kind.ERROR, frame.header.decode("utf-8", "replace")
         if int(prefix.flags) & _CRC and crc32(payload) != prefix.crc:

@@ -2,7 +2,7 @@
 
 Two phases, so that a frame is atomic (NOTE [ A frame is atomic ]):
 
-1. :meth:`Sender.data` / :meth:`end` / :meth:`error` do everything that can fail:
+1. :meth:`Sender.data` / :meth:`end` / :meth:`close` / :meth:`error` do everything that can fail:
    flatten, detach, allocate, copy, write the first message and build this rank's own
    tree. Nothing has been sent, so a failure can still be announced with an ERROR frame.
 2. :meth:`Sender.send` runs the collectives, and nothing else. A failure there breaks
@@ -124,6 +124,9 @@ class Sender:
 
     def end(self, stamp: Stamp) -> Outgoing:
         return self._control(Kind.END, b"", stamp)
+
+    def close(self, stamp: Stamp) -> Outgoing:
+        return self._control(Kind.CLOSE, b"", stamp)
 
     def error(self, message: str, stamp: Stamp) -> Outgoing:
         return self._control(
@@ -248,7 +251,9 @@ class Sender:
             raise PeerError(
                 f"source rank (group rank {root}) of ranks {list(self._group.ranks)}: sending "
                 f"a frame failed: a receiver died, or did not take it within "
-                f"{timeout.total_seconds():g} s ({type(e).__name__}: {e})"
+                f"{timeout.total_seconds():g} s (a receiver that broke out of a loader's "
+                f"loop after another batch than this rank says so in its own error) "
+                f"({type(e).__name__}: {e})"
             ) from e
         except BaseException as e:  # e.g. a signal handler's: raised as it is
             self._group.lane.break_(e)

@@ -241,6 +241,7 @@ def test_prefix_round_trip_keeps_large_sizes_exact() -> None:
         Prefix(Kind.DATA, Flags.SPILL | Flags.CRC, 2**32 - 1, 2**32 - 1, 2**64 - 1,
                MAX_HEADER_BYTES, (6 << 30) + 3, MAX_CAPACITY, 0xDEADBEEF),
         Prefix(Kind.END, Flags.INLINE, 0, 0, 5, 0, 0, 8192),
+        Prefix(Kind.CLOSE, Flags.INLINE, 0, 3, 7, 0, 0, INITIAL_CAPACITY),
         Prefix(Kind.ERROR, Flags.NONE, 3, 4, 5, MAX_ERROR_BYTES, 0, INITIAL_CAPACITY),
     ]  # fmt: skip
     for prefix in prefixes:
@@ -282,7 +283,7 @@ def test_prefix_unpack_inverts_pack_into(
     """``Prefix.unpack(pack_into(p)) == p`` for every prefix a sender can write."""
     if kind != Kind.DATA:
         payload_len = 0
-    if kind == Kind.END:
+    if kind in (Kind.END, Kind.CLOSE):
         header_len = 0
     nxt = min(capacity << grow, MAX_CAPACITY)
     prefix = Prefix(kind, flags, channel, pass_index, step, header_len, payload_len, nxt, crc)
@@ -311,6 +312,7 @@ def test_prefix_unpack_inverts_pack_into(
         ({"next_capacity": 0}, INITIAL_CAPACITY, "next capacity"),
         ({"kind": int(Kind.END), "payload_len": 0}, INITIAL_CAPACITY, "END frame with a"),
         ({"kind": int(Kind.END), "header_len": 0}, INITIAL_CAPACITY, "END frame with a"),
+        ({"kind": int(Kind.CLOSE), "payload_len": 0}, INITIAL_CAPACITY, "CLOSE frame with a"),
         ({"kind": int(Kind.ERROR), "header_len": 3}, INITIAL_CAPACITY, "ERROR frame with a"),
         (
             {"kind": int(Kind.ERROR), "header_len": MAX_ERROR_BYTES + 1, "payload_len": 0},

@@ -258,7 +258,11 @@ def test_a_sigalrm_storm_on_the_source_never_shifts_or_hangs(
     # The receiver got batches 0, 1, 2, ... with no gap. The source's own loop may lose a
     # batch that next() had returned when the handler ran: a subsequence, never a shift.
     assert got == list(range(len(got))), receiver
-    assert theirs == sorted(set(theirs)) and set(theirs) <= set(got), (source, receiver)
+    # A channel the storm broke may have cut off, in transit, the frame of a batch the
+    # source's next() had already handed out: then the receiver raises PeerError at that
+    # batch, one behind the source, and every rank has failed loudly.
+    reached = set(got) | ({len(got)} if receiver["outcome"] == "PeerError" else set())
+    assert theirs == sorted(set(theirs)) and set(theirs) <= reached, (source, receiver)
     if receiver["outcome"] == "ended":
         assert got == list(range(60))
     else:  # loudly

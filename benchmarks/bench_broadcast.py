@@ -67,21 +67,13 @@ import torch.multiprocessing as mp
 import tensorcast as tc
 from tensorcast.bench import baselines
 from tensorcast.bench.batches import mismatch
-from tensorcast.bench.timing import Feed
+from tensorcast.bench.report import LABELS as _CHART
+from tensorcast.bench.timing import METHODS, Feed
 from tensorcast.bench.timing import LoaderMethod as _LoaderMethod
 from tensorcast.bench.workloads import make_workload, next_step
 
 SRC = 0  # the source's global rank
 WORKLOADS = ("audio_large", "audio_medium", "many_small", "tiny")  # of tensorcast.bench's
-METHODS = (
-    "tc.broadcast",
-    "tc.loader",
-    "tc.loader+packed",
-    "pickled_packet",
-    "object_list",
-    "per_tensor",
-    "floor",
-)
 # Timed iterations per workload when --iters is not given: small batches are cheap and
 # noisy, and on a shared 2-core host a 61 MB transfer varies 2x from one iteration to the
 # next, so even the audio medians need a few dozen.
@@ -509,16 +501,6 @@ def format_profile(report: dict[str, Any]) -> str:
                 lines.append(text.strip())
     return "\n".join(lines)
 
-
-# How the chart names and colours each method: tensorcast in blues, the peers apart.
-_CHART = {
-    "tc.broadcast": ("tc.broadcast", "#08519c"),
-    "tc.loader": ("tc.loader", "#3182bd"),
-    "tc.loader+packed": ("tc.loader + packed_collate", "#9ecae1"),
-    "pickled_packet": ("pickled packet (NeMo)", "#e6550d"),
-    "object_list": ("broadcast_object_list", "#a50f15"),
-    "per_tensor": ("one broadcast per tensor", "#969696"),
-}
 
 
 def _size(nbytes: int) -> str:

@@ -1,6 +1,6 @@
 """A receiver's side of a channel: a frame off the wire, validated, rebuilt as views.
 
-A frame is read in the order the source cut it (``_frame.plan_frame`` on both sides):
+A frame is read in the order the source cut it (``transport.frame.plan_frame``, through the ``Cutter``, on both sides):
 the first message, then a spilled header, then a separate payload. The prefix and the
 header are validated before anything is allocated from their sizes. Until the whole
 frame is in, any failure breaks the lane (this rank cannot skip the rest of a frame it

@@ -16,6 +16,8 @@ A rank function may tear the process group down; the next call initialises a new
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -55,6 +57,33 @@ def _init(rank: int, world: int, store_path: str, timeout_s: float) -> None:
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def in_a_new_process_group(
+    fn: Callable[..., Any], *, pg_timeout: float = 60.0
+) -> Callable[..., Any]:
+    """Run the rank function ``fn`` on a new default group over a new store, and tear it
+    down after, whatever happened: tensorcast's state for it (agreements, groups,
+    channels) starts empty, and a scenario that breaks a group on purpose leaves nothing
+    for the next call on the pool."""
+
+    @functools.wraps(fn)
+    def run(rank: int, world: int, *args: Any, **kwargs: Any) -> Any:
+        import torch.distributed as dist
+
+        name: list[Any] = [f"tensorcast-tests-{uuid.uuid4().hex}"] if rank == 0 else [None]
+        dist.broadcast_object_list(name, src=0)  # the test's own traffic: pickling is fine
+        dist.destroy_process_group()
+        _init(rank, world, os.path.join(tempfile.gettempdir(), name[0]), pg_timeout)
+        try:
+            return fn(rank, world, *args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+            # Free tensorcast's groups of this default group here, not in some thread of
+            # the next call: gloo waits for a pending operation when its group is freed.
+            gc.collect()
+
+    return run
 
 
 def _worker(rank: int, world: int, tasks: Any, results: Any) -> None:

@@ -108,6 +108,30 @@ class Encoded:
         """The tree of a buffer this batch was written into (a copy of one, elsewhere)."""
         return self._tree(leaf_views(self.layout.read_spec(), len(self.leaves), buffer))
 
+    def device_tree(self, buffer: torch.Tensor, host: torch.Tensor | None = None) -> Any:
+        """The tree of a device buffer this batch is (being) written into, read nowhere
+        but on the device: tensor leaves view ``buffer``; the other leaves come from
+        ``host`` (a host copy of the same bytes) or else from the batch itself."""
+        spec = self.layout.read_spec()
+        tensors = spec.tensor_views(buffer)
+        if not spec.others:
+            return self._tree(tensors)
+        values = spec.placed(tensors, len(self.leaves))
+        if host is not None:
+            others = leaf_views(spec, len(self.leaves), host[: self.nbytes])
+            for i, _ in spec.others:
+                values[i] = others[i]
+        else:
+            for i, (kind, _code, shape, _off, _n) in spec.others:
+                data = self.leaves[i][3]
+                if kind == "bytes":
+                    values[i] = data
+                elif kind == "str":
+                    values[i] = data.decode("utf-8", "surrogatepass")
+                else:
+                    values[i] = np.array(data, copy=True).reshape(shape)
+        return self._tree(values)
+
     def _tree(self, leaf_values: list[Any]) -> Any:
         program, consts = self.layout.compiled(self.smalls)
         return run(program, leaf_values, consts)

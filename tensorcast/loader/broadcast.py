@@ -82,9 +82,9 @@ def broadcast(
     lane = channel.group.lane
     frames = _frames(channel)
     if channel.is_source:
-        return lane.run(lambda: channel.send_batch(tree, dev, wait), frames)
+        return channel.hand_out(lane.run(lambda: channel.send_batch(tree, dev, wait), frames))
     kind, value = lane.run(lambda: channel.recv(dev, wait), frames)
-    return raise_for(kind, value, src)
+    return channel.hand_out(raise_for(kind, value, src))
 
 
 def _frames(channel: Channel) -> Callable[[], int]:
@@ -215,9 +215,9 @@ def broadcast_batch(
     lane = channel.group.lane
     frames = _frames(channel)
     if channel.is_source:
-        return lane.run(lambda: channel.send_batch(batch, dev, wait), frames)
+        return channel.hand_out(lane.run(lambda: channel.send_batch(batch, dev, wait), frames))
     kind, value = lane.run(lambda: channel.recv(dev, wait), frames)
-    return raise_for(kind, value, channel.src)
+    return channel.hand_out(raise_for(kind, value, channel.src))
 
 
 def unpack_if_packed(batch: Any) -> Any:

@@ -147,19 +147,49 @@ class Pass:
         if isinstance(item, Item):
             if _interrupts.hook is not None:
                 _interrupts.hook("next.hand_out")
+            tree = self._take(item)
             if self._depth:
                 self._refill(1)
+            self._post_ahead()
             if item.state is not None:
                 self._loader._state = item.state
             self._stats.handed_out(self._called)
             # From here to the return there is no call, so no point where a signal handler
             # runs (NOTE [ Interrupts ]); the pass keeps no reference to the batch after.
-            tree = item.tree
             item.tree = None
             del self._pending[0]
             return tree
         self._ending = item  # kept until raised: a retry after an interrupt raises it
         return self._end()
+
+    def _take(self, item: Item) -> Any:
+        """The batch for the caller's stream (NOTE [ Device work at next() ]). A device
+        frame refused here on this rank only (a bad CRC, bad values) is its step's
+        failure, as a job's is: the step leaves, and the next ``next()`` goes on."""
+        try:
+            return self._channel.hand_out(item.tree)
+        except Exception:
+            if self._lane.broken is None:
+                del self._pending[0]
+                self._refill()
+            raise
+
+    def _post_ahead(self) -> None:
+        """With ``prefetch >= 2``, post the next batch's device work now, so that its
+        transfer overlaps the step the caller is about to run; on every rank at the same
+        ``next()``, in lane order. Waits for that batch's host work, which has had a step
+        to run."""
+        if self._depth < 2 or len(self._pending) < 2:
+            return
+        job = self._pending[1]
+        try:
+            ahead = job.result()
+        except BaseException:
+            if job.done:
+                return  # the step's own failure: raised at its own next()
+            raise
+        if isinstance(ahead, Item):
+            self._channel.post(ahead.tree)
 
     def _end(self) -> Any:
         """The pass ended (END or ERROR): finish the steps owed, then raise the ending."""

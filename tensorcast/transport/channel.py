@@ -25,6 +25,7 @@ from tensorcast._errors import SourceError
 from tensorcast.codec import schema as _schema
 from tensorcast.transport import groups as _groups
 from tensorcast.transport import promise as _promise
+from tensorcast.transport.device import DevicePart
 from tensorcast.transport.diagnosis import diagnose, timed_out
 from tensorcast.transport.frame import FRAMES_VERSION, Kind, Stamp
 from tensorcast.transport.groups import Group, World
@@ -93,7 +94,9 @@ class Channel:
         self._sender: Sender | None = None
         self._receiver: Receiver | None = None
         if self.is_source:
-            self._sender = Sender(group, root, verify=verify, promises=promises)
+            self._sender = Sender(
+                group, root, verify=verify, promises=promises, timeout=self.timeout
+            )
             world.heartbeat.start(self.timeout.total_seconds())
             #: the context in which the heartbeat says this source is in ``next(source)``
             self.pulling = world.heartbeat.busy("next(source)", channel_id)
@@ -114,15 +117,17 @@ class Channel:
 
     # -- source (jobs) -------------------------------------------------------------------
 
-    def prepare(self, batch: Any, device: torch.device | None) -> tuple[Outgoing, Any]:
+    def prepare(
+        self, batch: Any, device: torch.device | None, timeout: datetime.timedelta | None = None
+    ) -> tuple[Outgoing, Any]:
         """Everything before the first message of ``batch``'s frame: the frame, written,
-        and this rank's own tree (see NOTE [ A frame is atomic ]).
+        and this rank's own tree (see NOTE [ A frame is atomic ]), or its device part.
 
         Raises:
             UnsupportedLeafError, ValueError, HeaderError: the batch cannot travel.
         """
         self.group.lane.check()
-        return self._source().data(batch, self._stamp(), device)
+        return self._source().data(batch, self._stamp(), device, timeout or self.timeout)
 
     def send(self, frame: Outgoing, timeout: datetime.timedelta | None = None) -> None:
         """Post a frame :meth:`prepare` made (or an END / ERROR frame)."""
@@ -137,7 +142,7 @@ class Channel:
         A batch that cannot travel is announced with an ERROR frame, then raised.
         """
         try:
-            frame, own = self.prepare(batch, device)
+            frame, own = self.prepare(batch, device, timeout)
         except Exception as e:
             self.send_error(f"batch serialization failed: {type(e).__name__}: {e}", timeout)
             raise
@@ -191,6 +196,23 @@ class Channel:
             # this step's: the stream goes on in step. A broken lane has no next step.
             if self.group.lane.broken is None:
                 self.step += 1
+
+    # -- the caller's thread ------------------------------------------------------------
+
+    def hand_out(self, value: Any) -> Any:
+        """What a job returned, as the caller gets it: a frame's device part is posted
+        (if it was not yet) and taken for the caller's current stream (NOTE [ Device work
+        at next() ]); anything else as it is. Only on the caller's thread, in lane order."""
+        if isinstance(value, DevicePart):
+            self.group.lane.check()
+            return value.take()
+        return value
+
+    @staticmethod
+    def post(value: Any) -> None:
+        """Post a frame's device part ahead of its hand-out (a loader's ``prefetch``)."""
+        if isinstance(value, DevicePart):
+            value.post()
 
     @property
     def received_nbytes(self) -> int:

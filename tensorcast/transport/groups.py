@@ -9,17 +9,27 @@ their setup (see NOTE [ Agreement before anything collective ] in ``transport.ag
 then are groups created, so a disagreement never hangs inside group creation. The store
 is also where a source keeps its heartbeat (see ``transport.liveness``).
 
-The groups are raw c10d backends over a prefix of the default store, owned here and torn
-down with the default group: a loader built per epoch makes no new group or thread.
-State lives on a :class:`World`, one per default process group (a job that destroys and
-re-initialises the default group gets a new one).
+The groups are raw c10d backends over a prefix of the default store, owned here and shut
+down with the default group (``destroy_process_group``): a loader built per epoch makes
+no new group or thread. State lives on a :class:`World`, one per default process group (a
+job that destroys and re-initialises the default group gets a new one).
+
+On an NCCL job a group's payloads travel on an NCCL backend bound to the rank's own
+device (:func:`rank_device`), connected eagerly when the group is made and
+non-blocking, so that a broken channel can abort it with kernels in flight.
+
+Each group's wire is made by :func:`make_wire`; :func:`wrapping_wires` wraps the wires
+of the groups made inside it (tests inject faults that way), and a group's ``wire`` is
+read at every message, so one can be wrapped later too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,10 +41,11 @@ from tensorcast.transport.lane import Lane
 from tensorcast.transport.liveness import Heartbeat
 from tensorcast.transport.wire import GlooWire, NcclWire, Wire
 
-__all__ = ["Group", "World", "world"]
+__all__ = ["Group", "World", "make_wire", "rank_device", "world", "wrapping_wires"]
 
 _lock = threading.Lock()
 _worlds: weakref.WeakKeyDictionary[Any, World] = weakref.WeakKeyDictionary()
+_wraps: list[Callable[[Wire], Wire]] = []  # see wrapping_wires
 
 
 def world() -> World:
@@ -47,8 +58,21 @@ def world() -> World:
         return state
 
 
+@contextlib.contextmanager
+def wrapping_wires(wrap: Callable[[Wire], Wire]) -> Iterator[None]:
+    """Groups made inside get ``wrap(wire)`` for their wire (a tap, a fault injector)."""
+    _wraps.append(wrap)
+    try:
+        yield
+    finally:
+        _wraps.remove(wrap)
+
+
 class Group:
-    """One of tensorcast's groups: its global ranks, its wire and its lane."""
+    """One of tensorcast's groups: its global ranks, its wire and its lane.
+
+    ``wire`` is read at every message: assigning a wrapped one taps a group made earlier.
+    """
 
     def __init__(self, ranks: tuple[int, ...], wire: Wire, lane: Lane) -> None:
         self.ranks = ranks
@@ -60,6 +84,60 @@ class Group:
 
     def local(self, global_rank: int) -> int:
         return self.ranks.index(global_rank)
+
+
+def rank_device(default: Any) -> torch.device:
+    """The CUDA device this rank's NCCL traffic uses: ``init_process_group(device_id=)``,
+    else the current device once the rank has chosen one.
+
+    Raises:
+        RuntimeError: the rank chose none (every rank would land on ``cuda:0``).
+    """
+    bound = getattr(default, "bound_device_id", None)
+    if bound is not None:
+        return torch.device(bound)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    raise RuntimeError(
+        "tensorcast on an NCCL process group needs this rank's GPU: call "
+        "torch.cuda.set_device(local_rank) before the first loader or broadcast (or pass "
+        "device_id=torch.device('cuda', local_rank) to init_process_group); without it "
+        "every rank would use cuda:0"
+    )
+
+
+def make_wire(
+    store: Any,
+    rank: int,
+    size: int,
+    *,
+    connect: datetime.timedelta,
+    timeout: datetime.timedelta,
+    device: torch.device | None,
+) -> Wire:
+    """The wire of a new group over ``store``: gloo heads, and payloads on gloo, or on an
+    NCCL backend bound to ``device``, connected now and non-blocking (see the module).
+
+    ``connect`` bounds how long the ranks wait for each other to connect; the group's
+    collectives then wait up to ``timeout``.
+    """
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, connect)
+    set_default = getattr(gloo, "_set_default_timeout", None)
+    if set_default is not None and connect != timeout:
+        set_default(timeout)
+    if device is None:
+        return GlooWire(gloo, rank)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    opts.is_high_priority_stream = False
+    config = getattr(opts, "config", None)
+    if config is not None and hasattr(config, "blocking"):
+        config.blocking = 0  # abort() is safe with kernels in flight only when non-blocking
+    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, opts)
+    eager = getattr(nccl, "eager_connect_single_device", None)
+    if eager is not None:  # now, on the caller's thread, not inside the first batch
+        eager(device)
+    return NcclWire(gloo, nccl, rank, device)
 
 
 class World:
@@ -77,6 +155,8 @@ class World:
         self.store = dist.PrefixStore(f"tensorcast/{generation}/", base)
         #: compares setups before a group is made (and before a channel on one opens)
         self.agreement = Agreement(self.store, self.rank, self.timeout, exits=base)
+        #: where NCCL payloads travel (None: a host job)
+        self.device = rank_device(default) if "nccl" in self.backend else None
         self._groups: dict[tuple[int, ...], Group] = {}
         self._lock = threading.Lock()
         default_ref = weakref.ref(default)
@@ -85,6 +165,8 @@ class World:
         )
         #: channels of ``tensorcast.broadcast``, by (group ranks, source)
         self.broadcast_channels: dict[tuple[tuple[int, ...], int], Any] = {}
+        # Shut the groups down with the default group, in the thread that destroys it.
+        weakref.finalize(default, _shut_down, self._groups)
 
     # -- groups ----------------------------------------------------------------------
 
@@ -105,23 +187,33 @@ class World:
         local = ranks.index(self.rank)
         name = ranks_name(ranks)
         store = dist.PrefixStore(f"group/{name}/", self.store)
-        # Connecting waits for every peer up to the timeout it is made with; the group's
-        # own collectives then wait up to the default group's.
-        gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), local, len(ranks), connect)
-        set_default = getattr(gloo, "_set_default_timeout", None)
-        if set_default is not None and connect != self.timeout:
-            set_default(self.timeout)
-        wire: Wire
-        cuda: int | None = None
-        if "nccl" in self.backend:
-            cuda = torch.cuda.current_device()
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = self.timeout
-            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), local, len(ranks), opts)
-            wire = NcclWire(gloo, nccl, local, torch.device("cuda", cuda))
-        else:
-            wire = GlooWire(gloo, local)
-        return Group(ranks, wire, Lane(name, wire.abort, cuda))
+        wire = make_wire(
+            store, local, len(ranks), connect=connect, timeout=self.timeout, device=self.device
+        )
+        for wrap in _wraps:
+            wire = wrap(wire)
+        lane = Lane(
+            name, wire.abort, _worker_device(self.device), device_group=wire.streams is not None
+        )
+        return Group(ranks, wire, lane)
+
+
+def _worker_device(device: torch.device | None) -> int | None:
+    """The CUDA device a lane's worker sets: the rank's NCCL device, or on a host job the
+    current device once this process uses CUDA (a source iterator or a receiver's
+    ``device="cuda"`` on the worker would otherwise make a context on ``cuda:0``)."""
+    if device is not None:
+        return device.index
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.current_device())
+    return None
+
+
+def _shut_down(groups: dict[tuple[int, ...], Group]) -> None:
+    for group in list(groups.values()):
+        with contextlib.suppress(Exception):
+            group.wire.shutdown()
+    groups.clear()
 
 
 def _default_timeout(default: Any) -> datetime.timedelta:

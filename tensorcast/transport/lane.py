@@ -18,7 +18,8 @@ interrupted while waiting (Ctrl-C, a signal handler that raises) leaves the job 
 to the end of its frame, and waiting again picks up its result.
 
 The worker leaves after a few idle seconds and comes back with the next job, so idle
-lanes hold no thread.
+lanes hold no thread. While device work of a frame is in flight (NOTE [ Device work at
+next() ]) it stays, to break the lane if that work is not done by its deadline.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
@@ -33,6 +35,7 @@ import torch
 
 from tensorcast._errors import PeerError, TensorcastError, UnsupportedLeafError
 from tensorcast.transport import interrupts as _interrupts
+from tensorcast.transport.device import Inflight
 
 __all__ = ["Job", "Lane"]
 
@@ -100,7 +103,9 @@ class Lane:
     Args:
         name: names the lane's thread and its errors (e.g. the group's ranks).
         abort: tears the group down; called once, when the lane breaks.
-        cuda_device: the CUDA device jobs run on (the caller's current one), if any.
+        cuda_device: the CUDA device the worker sets, if any; on a device group (one
+            whose payloads travel on it, ``device_group``) the worker also packs with
+            one intra-op thread, as torch's pin-memory thread does.
         idle_exit_s: how long the worker waits for a job before it leaves.
     """
 
@@ -110,12 +115,16 @@ class Lane:
         abort: Callable[[], None],
         cuda_device: int | None = None,
         *,
+        device_group: bool = False,
         idle_exit_s: float = _IDLE_EXIT_S,
     ) -> None:
         self.name = name
         self._idle_exit_s = idle_exit_s
         self._abort = abort
         self._cuda_device = cuda_device
+        self._device_group = device_group
+        #: device work posted by the caller's thread, watched here until its deadline
+        self.inflight = Inflight(self._watch)
         self._jobs: collections.deque[Job[Any]] = collections.deque()
         # The state below is read and set under the lock; the worker waits on the condition.
         # A plain lock where no wait is needed: entering a Condition runs Python code.
@@ -141,6 +150,14 @@ class Lane:
 
     def _queue(self, job: Job[Any]) -> None:  # under the lock
         self._jobs.append(job)
+        self._start_worker()
+
+    def _watch(self) -> None:
+        """Device work was posted: make sure a worker watches its deadline."""
+        with self._lock:
+            self._start_worker()
+
+    def _start_worker(self) -> None:  # under the lock
         self._cond.notify()
         if self._worker is None:
             # Recorded once started: an interrupt inside start() leaves None, and the next
@@ -274,26 +291,55 @@ class Lane:
         me = threading.current_thread()
         if self._cuda_device is not None:
             torch.cuda.set_device(self._cuda_device)
+        if self._device_group:
+            torch.set_num_threads(
+                1
+            )  # this thread's packing only: the loader's workers need the cores
         while True:
             with self._cond:
                 if not self._jobs or self._running:
-                    self._cond.wait(self._idle_exit_s)
-                if not self._jobs:
+                    self._cond.wait(self._wait_s())
+                if not self._jobs and not len(self.inflight):
                     if self._worker is me or self._worker is None:
                         self._worker = self._worker_id = None
                     return
-                if self._running:  # a job runs inline; it notifies when it is done
-                    continue
-                job = self._jobs.popleft()
-                job._taken = True
-                self._running = True
-                self._worker_id = me.ident
+                if self._running or not self._jobs:  # inline job, or device work only
+                    job = None
+                else:
+                    job = self._jobs.popleft()
+                    job._taken = True
+                    self._running = True
+                    self._worker_id = me.ident
+            if job is None:
+                self._check_deadlines()
+                continue
             try:
                 job._run()
             finally:
                 job = None  # type: ignore[assignment]  # keeps no batch alive while idle
                 with self._cond:
                     self._running = False
+
+    def _wait_s(self) -> float:
+        """How long the worker may sleep: until a job, its idle exit, or a deadline."""
+        deadline = self.inflight.next_deadline()
+        if deadline is None:
+            return self._idle_exit_s
+        return min(self._idle_exit_s, max(0.0, deadline - time.monotonic()) + 0.01)
+
+    def _check_deadlines(self) -> None:
+        """Break the lane when device work is past its deadline and not done: a peer
+        died, or never posted its side (NOTE [ Device work at next() ])."""
+        late = self.inflight.overdue()
+        if late is None:
+            return
+        self.inflight.clear()
+        self.break_(
+            TimeoutError(
+                f"a payload posted on the GPU was not done {late:.1f} s after its deadline "
+                f"(the channel's timeout): a peer died, or did not post its side of the frame"
+            )
+        )
 
 
 def _own(error: BaseException) -> bool:

@@ -129,10 +129,15 @@ class BufferPool:
 
     Args:
         max_buffers: how many idle buffers to keep per device; older ones are dropped.
+        allocate: ``allocate(nbytes)`` makes a host buffer (pinned staging for a GPU);
+            by default plain memory on the device asked for.
     """
 
-    def __init__(self, *, max_buffers: int = 6) -> None:
+    def __init__(
+        self, *, max_buffers: int = 6, allocate: Callable[[int], torch.Tensor] | None = None
+    ) -> None:
         self._max_buffers = max_buffers
+        self._allocate_host = allocate
         self._lock = threading.Lock()
         self._takes = 0  # a clock: how many takes this pool has served
         # key -> entries, most recently used last
@@ -190,7 +195,10 @@ class BufferPool:
             return entry.views(buffer, key, make)
 
     def _allocate(self, entries: list[_Entry], nbytes: int, device: torch.device) -> torch.Tensor:
-        buf = torch.empty(_capacity(nbytes), dtype=torch.uint8, device=device)
+        if self._allocate_host is not None and device.type == "cpu":
+            buf = self._allocate_host(_capacity(nbytes))
+        else:
+            buf = torch.empty(_capacity(nbytes), dtype=torch.uint8, device=device)
         entry = _Entry(buf, self._takes)
         entries.append(entry)
         self._by_storage[entry.cdata] = entry

@@ -30,6 +30,7 @@ from tensorcast._errors import DesyncError, HeaderError, PeerError, TensorcastEr
 from tensorcast.codec import packed as _codec
 from tensorcast.codec import schema as _schema
 from tensorcast.codec.views import KeepsViews
+from tensorcast.transport.device import DevicePart, streams_for
 from tensorcast.transport.frame import (
     PREFIX_SIZE,
     Flags,
@@ -47,6 +48,7 @@ from tensorcast.transport.wire import Posted
 __all__ = ["Receiver"]
 
 _CUT = int(Flags.INLINE | Flags.SPILL)
+_STAGING_BUFFERS = 4  # pinned staging kept, as on the source
 _CRC = int(Flags.CRC)
 _PROMISED = int(Flags.PROMISED)
 
@@ -62,6 +64,10 @@ class _Incoming:
     decoded: _schema.Decoded | None = None
     payload: torch.Tensor | None = None
     pool: KeepsViews | None = None
+
+
+def _local(error: BaseException) -> None:
+    """A failure of this rank's own upload, raised as it is (the frame is in whole)."""
 
 
 class Receiver:
@@ -91,6 +97,9 @@ class Receiver:
         self._diagnose = diagnose
         self._messages = FramePool()  # first messages
         self._pool = BufferPool()  # payloads that travel on their own
+        self._staging: BufferPool | None = None  # pinned, for a host payload put on a GPU
+        #: the wire's device streams: a payload is then received by a DevicePart
+        self._streams = group.wire.streams
         self._cutter = Cutter(group, promises=promises)
         self.last_nbytes = 0  # the last batch's payload, for the loader's stats
 
@@ -98,7 +107,9 @@ class Receiver:
         self, expect: Stamp, device: torch.device | None, timeout: datetime.timedelta
     ) -> tuple[Kind, Any]:
         """The next frame: ``(DATA, tree)``, ``(END, None)``, ``(CLOSE, None)`` or
-        ``(ERROR, message)``.
+        ``(ERROR, message)``. Where the payload travels on a GPU, or lands on one, the
+        tree is a :class:`DevicePart` to post and take on the caller's thread (NOTE
+        [ Device work at next() ]).
 
         Raises:
             PeerError: the source died or did not send within ``timeout``.
@@ -113,7 +124,7 @@ class Receiver:
                 self._break(e)
                 raise
             self._cutter.done(frame.cut, frame.prefix.next_capacity)
-            return self._open(frame, expect, device)
+            return self._open(frame, expect, device, timeout)
         finally:
             first.drop_ahead()  # when the frame did not use them
 
@@ -172,30 +183,93 @@ class Receiver:
             return _Incoming(prefix, cut, header, decoded, first.payload(cut.payload_at, n), first)
         if cut.in_promise and buffer is not None:
             return _Incoming(prefix, cut, header, decoded, buffer, self._pool)
+        if self._streams is not None:  # received when posted (NOTE [ Device work at next() ])
+            return _Incoming(prefix, cut, header, decoded)
         payload = self._pool.take(n, wire.device)
         if n:
             wire.payload(payload, root, timeout).wait(timeout)
         return _Incoming(prefix, cut, header, decoded, payload, self._pool)
 
     def _open(
-        self, frame: _Incoming, expect: Stamp, device: torch.device | None
+        self,
+        frame: _Incoming,
+        expect: Stamp,
+        device: torch.device | None,
+        timeout: datetime.timedelta,
     ) -> tuple[Kind, Any]:
-        """A frame that is in whole, as what it stands for; a bad CRC or bad small values
-        are an error of this step alone."""
+        """A frame that is in whole (or whose payload a device part receives), as what it
+        stands for; a bad CRC or bad small values are an error of this step alone."""
         prefix, payload, decoded = frame.prefix, frame.payload, frame.decoded
         if prefix.kind in (Kind.END, Kind.CLOSE):
             return prefix.kind, None
-        if prefix.kind == Kind.ERROR or decoded is None or payload is None:
+        if prefix.kind == Kind.ERROR or decoded is None:
             return Kind.ERROR, frame.header.decode("utf-8", "replace")
+        self.last_nbytes = prefix.payload_len
+        if payload is None:
+            return Kind.DATA, self._receive_on_device(decoded, prefix, expect, device, timeout)
+        self._check_crc(payload, prefix, expect)
+        if device is not None and device != payload.device:
+            return Kind.DATA, self._upload(decoded, payload, device, timeout)
+        return Kind.DATA, _codec.rebuild(decoded, payload, pool=frame.pool)
+
+    def _check_crc(self, payload: torch.Tensor, prefix: Prefix, expect: Stamp) -> None:
         if int(prefix.flags) & _CRC and crc32(payload) != prefix.crc:
             raise HeaderError(
                 f"step {expect.step}: the payload's CRC32 does not match the source's: the "
                 f"bytes were corrupted in transit"
             )
-        self.last_nbytes = prefix.payload_len
-        if device is not None and device != payload.device:
-            return Kind.DATA, _codec.rebuild(decoded, _codec.copy_to_device(payload, device))
-        return Kind.DATA, _codec.rebuild(decoded, payload, pool=frame.pool)
+
+    def _receive_on_device(
+        self,
+        decoded: _schema.Decoded,
+        prefix: Prefix,
+        expect: Stamp,
+        device: torch.device | None,
+        timeout: datetime.timedelta,
+    ) -> DevicePart:
+        streams = self._streams
+        assert streams is not None
+        wire, root, n = self._group.wire, self._root, prefix.payload_len
+
+        def build(buffer: torch.Tensor) -> Any:
+            self._check_crc(buffer, prefix, expect)  # verify=True: one copy to the host
+            if device is not None and device != buffer.device:
+                buffer = buffer.to(device)  # asked for another device than the wire's
+            return _codec.rebuild(decoded, buffer)
+
+        return DevicePart(
+            streams,
+            n,
+            build,
+            send=(lambda buffer: wire.payload(buffer, root, timeout)) if n else None,
+            inflight=self._group.lane.inflight,
+            timeout_s=timeout.total_seconds(),
+            on_error=self._break,
+        )
+
+    def _upload(
+        self,
+        decoded: _schema.Decoded,
+        payload: torch.Tensor,
+        device: torch.device,
+        timeout: datetime.timedelta,
+    ) -> DevicePart:
+        """A host payload for a GPU (``device="cuda"`` on a host wire): through pinned
+        staging here, uploaded on the caller's thread when posted."""
+        streams = streams_for(device)
+        if self._staging is None:
+            self._staging = BufferPool(max_buffers=_STAGING_BUFFERS, allocate=streams.host)
+        staging = self._staging.take(payload.numel(), torch.device("cpu")).copy_(payload)
+        return DevicePart(
+            streams,
+            payload.numel(),
+            lambda buffer: _codec.rebuild(decoded, buffer),
+            fill=lambda buffer: buffer.copy_(staging, non_blocking=True),
+            kept=staging,
+            inflight=self._group.lane.inflight,
+            timeout_s=timeout.total_seconds(),
+            on_error=_local,
+        )
 
     def _plan(self, prefix: Prefix, expect: Stamp, promised: int) -> FramePlan:
         """The frame's plan, once its prefix is the expected step's and cut as its own

@@ -20,6 +20,9 @@ not inference tensors) or none of them does.
 
 from __future__ import annotations
 
+import datetime
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +32,7 @@ from tensorcast._errors import PeerError
 from tensorcast.codec import packed as _codec
 from tensorcast.codec import schema as _schema
 from tensorcast.codec.packed import Packed
+from tensorcast.transport.device import DevicePart, Streams, streams_for
 from tensorcast.transport.frame import (
     MAX_ERROR_BYTES,
     PREFIX_SIZE,
@@ -47,6 +51,24 @@ __all__ = ["Outgoing", "Sender"]
 
 # A pre-packed buffer up to this size is copied into a pooled one (see Sender._prepacked).
 _COPY_BELOW = 1 << 20
+_CPU = torch.device("cpu")
+# Pinned staging buffers kept: one per frame between its packing and its upload's end.
+_STAGING_BUFFERS = 4
+_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default process group timeout
+
+
+def _upload_from(source: torch.Tensor) -> Any:
+    """A fill that copies ``source`` into the buffer, on the transfer stream."""
+    return lambda buffer: buffer.copy_(source, non_blocking=True)
+
+
+def _local(error: BaseException) -> None:
+    """A failure of this rank's own copy, raised as it is."""
+
+
+def _on_device(build: Any, device: torch.device) -> Any:
+    """``build``, its tree made from a copy of the buffer on ``device`` (asked for)."""
+    return lambda buffer: build(buffer.to(device))
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,24 +93,47 @@ class Sender:
     """
 
     def __init__(
-        self, group: Group, root: int, *, verify: bool = False, promises: bool = False
+        self,
+        group: Group,
+        root: int,
+        *,
+        verify: bool = False,
+        promises: bool = False,
+        timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
     ) -> None:
         self._group = group
         self._root = root
         self._verify = verify
+        self._timeout = timeout  # a device payload's deadline, unless a call gives one
         self._device = group.wire.device
+        #: the wire's device streams: payloads are then posted by DevicePart
+        self._streams = group.wire.streams
         self._pool = BufferPool()  # payloads that travel on their own
+        self._staging = (  # pinned staging of host batches for a device wire
+            BufferPool(max_buffers=_STAGING_BUFFERS, allocate=self._streams.host)
+            if self._streams is not None
+            else self._pool
+        )
+        self._upload_staging: BufferPool | None = None  # see _upload
         self._messages = FramePool()  # first messages
         self._layout: _codec.Layout | None = None  # the last batch's, reused when it repeats
         self._cutter = Cutter(group, promises=promises)  # frames as they are sent
 
     # -- phase 1: everything that can fail ---------------------------------------------
 
-    def data(self, batch: Any, stamp: Stamp, device: torch.device | None) -> tuple[Outgoing, Any]:
+    def data(
+        self,
+        batch: Any,
+        stamp: Stamp,
+        device: torch.device | None,
+        timeout: datetime.timedelta | None = None,
+    ) -> tuple[Outgoing, Any]:
         """The frame of ``batch`` (a tree or a :class:`Packed`) and this rank's own tree.
 
         The payload is written where it travels: into the first message when it fits
-        there (inline), else into a buffer of its own.
+        there (inline), else into a buffer of its own. Where the payload, or this rank's
+        tree, lives on a GPU, the own tree is a :class:`DevicePart` to post and take on
+        the caller's thread (NOTE [ Device work at next() ]); ``timeout`` is its deadline.
 
         Raises:
             UnsupportedLeafError, ValueError, HeaderError: the batch cannot travel.
@@ -102,6 +147,14 @@ class Sender:
             header, n = encoded.header, encoded.nbytes
         frame = self._plan(len(header), n)
         message = self._message(frame)
+        wait = timeout or self._timeout
+        if self._streams is not None:
+            if isinstance(batch, Packed):
+                part, host = self._device_prepacked(batch, decoded, device, wait)
+            else:
+                part, host = self._device_packed(encoded, device, wait)
+            out = self._finish(message, frame, Kind.DATA, header, host, stamp, n)
+            return out, part
         if frame.inline:
             payload = message.payload(frame.payload_at, n)
             if isinstance(batch, Packed):
@@ -114,13 +167,15 @@ class Sender:
             payload, own = self._prepacked(batch, decoded)
         else:
             payload, own = self._packed(encoded)
+        out = self._finish(message, frame, Kind.DATA, header, payload, stamp, n)
         if device is not None and device != payload.device:
-            copy = _codec.copy_to_device(payload, device)
+            build: Callable[[torch.Tensor], Any]
             if isinstance(batch, Packed):
-                own = _codec.rebuild(decoded, copy)
+                build = functools.partial(_codec.rebuild, decoded)
             else:
-                own = encoded.view_tree(copy)
-        return self._finish(message, frame, Kind.DATA, header, payload, stamp), own
+                build = encoded.view_tree
+            own = self._upload(payload, device, build, wait)
+        return out, own
 
     def end(self, stamp: Stamp) -> Outgoing:
         return self._control(Kind.END, b"", stamp)
@@ -137,6 +192,14 @@ class Sender:
         frame = self._plan(len(text), 0)
         return self._finish(self._message(frame), frame, kind, text, None, stamp)
 
+    @staticmethod
+    def _no_staging() -> torch.Tensor:
+        raise ValueError(
+            "verify=True on an NCCL group needs the payload's CRC32 on the host, and a "
+            "batch already on the GPU has no host copy: pass CPU batches (they are staged "
+            "through pinned memory anyway), or verify=False"
+        )
+
     def _plan(self, header_len: int, payload_len: int) -> FramePlan:
         # Frames are cut in the order they are sent: a frame is sent in the job that
         # prepares it (an ERROR frame in place of one that failed to prepare).
@@ -144,21 +207,14 @@ class Sender:
         return cutter.cut(header_len, payload_len, cutter.promised())
 
     def _packed(self, encoded: _codec.Encoded) -> tuple[torch.Tensor, Any]:
-        if self._device.type == "cuda" and encoded.device.type == "cpu":
-            # Packed on the host into pinned memory, then one asynchronous copy to the GPU.
-            staging = torch.empty(encoded.nbytes, dtype=torch.uint8, pin_memory=True)
-            with torch.no_grad():
-                encoded.write(staging)
-            payload = _codec.copy_to_device(staging, self._device)
-            return payload, encoded.view_tree(payload)
         payload = self._pool.take(encoded.nbytes, self._device)
         return payload, encoded.write_tree(payload, self._pool)
 
     def _prepacked(self, batch: Packed, decoded: _schema.Decoded) -> tuple[torch.Tensor, Any]:
         payload = batch.buffer
-        if payload.device != self._device:
-            payload = _codec.copy_to_device(payload, self._device)
-        elif payload.numel() <= _COPY_BELOW and payload.is_cpu:
+        if not payload.is_cpu:
+            payload = payload.cpu()  # a host wire: the bytes travel from the host
+        elif payload.numel() <= _COPY_BELOW:
             # Views of a pooled buffer are kept and handed out again as detached copies,
             # while a buffer of the caller's needs each view made anew: for a small batch
             # of many leaves a copy into a pooled buffer is the cheaper of the two.
@@ -167,6 +223,115 @@ class Sender:
         elif payload.is_inference():
             payload = payload.clone()  # this rank's tree must not be made of inference tensors
         return payload, _codec.rebuild(decoded, payload)
+
+    # -- device frames (NOTE [ Device work at next() ]): host work here, the rest later --
+
+    def _device_packed(
+        self, encoded: _codec.Encoded, device: torch.device | None, timeout: datetime.timedelta
+    ) -> tuple[DevicePart, torch.Tensor | None]:
+        """A tree for a device wire: packed into pinned staging here when it is on the
+        host, else (a CUDA batch) packed on the transfer stream when posted."""
+        streams = self._streams
+        assert streams is not None
+        n = encoded.nbytes
+        if encoded.device.type == "cpu":
+            staging = self._staging.take(n, _CPU)
+            with torch.no_grad():
+                encoded.write(staging)
+            own = functools.partial(encoded.device_tree, host=staging)
+            part = self._part(n, own, device, timeout, fill=_upload_from(staging), kept=staging)
+            return part, staging
+
+        def write(buffer: torch.Tensor) -> None:
+            with torch.no_grad():
+                encoded.write(buffer)
+
+        ready = streams.record()  # the batch was made on this thread's stream
+        part = self._part(
+            n, encoded.device_tree, device, timeout, fill=write, kept=encoded, ready=ready
+        )
+        return part, None
+
+    def _device_prepacked(
+        self,
+        batch: Packed,
+        decoded: _schema.Decoded,
+        device: torch.device | None,
+        timeout: datetime.timedelta,
+    ) -> tuple[DevicePart, torch.Tensor | None]:
+        """A :class:`Packed` for a device wire: a host buffer through pinned staging, a
+        buffer on the wire's device as it is (its views are this rank's tree)."""
+        streams = self._streams
+        assert streams is not None
+        buffer, n = batch.buffer, decoded.nbytes
+        build = functools.partial(_codec.rebuild, decoded)
+        if buffer.is_cpu:
+            staging = self._staging.take(n, _CPU).copy_(buffer)
+            part = self._part(n, build, device, timeout, fill=_upload_from(staging), kept=staging)
+            return part, staging
+        if buffer.is_inference() or buffer.device != streams.device:
+            source = buffer
+            part = self._part(
+                n,
+                build,
+                device,
+                timeout,
+                fill=_upload_from(source),
+                kept=source,
+                ready=streams.record(),
+            )
+        else:
+            part = self._part(n, build, device, timeout, buffer=buffer, ready=streams.record())
+        return part, None
+
+    def _part(
+        self,
+        n: int,
+        build: Any,
+        device: torch.device | None,
+        timeout: datetime.timedelta,
+        **work: Any,
+    ) -> DevicePart:
+        """The device side of a frame of ``n`` payload bytes: ``work`` fills the buffer,
+        then the payload goes to the receivers; ``build`` makes this rank's tree of it."""
+        streams = self._streams
+        assert streams is not None
+        wire, root = self._group.wire, self._root
+        if device is not None and device != streams.device:
+            build = _on_device(build, device)
+        return DevicePart(
+            streams,
+            n,
+            build,
+            send=(lambda buffer: wire.payload(buffer, root, timeout)) if n else None,
+            inflight=self._group.lane.inflight,
+            timeout_s=timeout.total_seconds(),
+            on_error=self._failed,
+            **work,
+        )
+
+    def _upload(
+        self, payload: torch.Tensor, device: torch.device, build: Any, timeout: datetime.timedelta
+    ) -> DevicePart:
+        """This rank's tree on ``device`` (a host wire's source asked for CUDA tensors):
+        the payload through pinned staging, uploaded when posted."""
+        streams = streams_for(device)
+        staging = self._staging_for(streams).take(payload.numel(), _CPU).copy_(payload)
+        return DevicePart(
+            streams,
+            payload.numel(),
+            build,
+            fill=_upload_from(staging),
+            kept=staging,
+            inflight=self._group.lane.inflight,
+            timeout_s=timeout.total_seconds(),
+            on_error=_local,  # the frame went out whole: a failure here is this rank's
+        )
+
+    def _staging_for(self, streams: Streams) -> BufferPool:
+        if self._upload_staging is None:
+            self._upload_staging = BufferPool(max_buffers=_STAGING_BUFFERS, allocate=streams.host)
+        return self._upload_staging
 
     def _message(self, frame: FramePlan) -> Message:
         """A first message for ``frame``, every byte zero but where the frame writes: no
@@ -197,12 +362,14 @@ class Sender:
         header: bytes,
         payload: torch.Tensor | None,
         stamp: Stamp,
+        nbytes: int = 0,
     ) -> Outgoing:
-        """Write the prefix and the header (the payload is in place already)."""
+        """Write the prefix and the header (the payload is in place already; on a device
+        wire ``payload`` is its host staging, or None, and travels later)."""
         flags, crc = frame.flags, 0
-        if self._verify and payload is not None:
+        if self._verify and (payload is not None or nbytes):
             flags |= Flags.CRC
-            crc = crc32(payload)
+            crc = crc32(payload if payload is not None else self._no_staging())
         mem = message.mem
         Prefix(
             kind,
@@ -220,7 +387,8 @@ class Sender:
             spilled = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         else:
             mem[PREFIX_SIZE : PREFIX_SIZE + len(header)] = header
-        separate = payload if frame.separate_payload else None
+        on_host = self._streams is None
+        separate = payload if frame.separate_payload and on_host else None
         promised: torch.Tensor | None = None
         if frame.in_promise:
             promised = payload
@@ -229,6 +397,21 @@ class Sender:
         return Outgoing(frame, message, promised, spilled, separate)
 
     # -- phase 2: the collectives --------------------------------------------------------
+
+    def _failed(self, error: BaseException) -> None:
+        """Posting a device payload failed: the frame is half sent (see :meth:`send`)."""
+        self._group.lane.break_(error)
+        if isinstance(error, RuntimeError):
+            raise self._peer_error(error, self._timeout) from error
+
+    def _peer_error(self, error: BaseException, timeout: datetime.timedelta) -> PeerError:
+        return PeerError(
+            f"source rank (group rank {self._root}) of ranks {list(self._group.ranks)}: sending "
+            f"a frame failed: a receiver died, or did not take it within "
+            f"{timeout.total_seconds():g} s (a receiver that broke out of a loader's "
+            f"loop after another batch than this rank says so in its own error) "
+            f"({type(error).__name__}: {error})"
+        )
 
     def send(self, out: Outgoing, timeout: Any) -> None:
         """Post the frame's messages in order; a failure breaks the lane."""
@@ -248,13 +431,7 @@ class Sender:
                 wire.payload(out.payload, root, timeout).wait(timeout)
         except RuntimeError as e:  # from the collective: a peer died or timed out
             self._group.lane.break_(e)
-            raise PeerError(
-                f"source rank (group rank {root}) of ranks {list(self._group.ranks)}: sending "
-                f"a frame failed: a receiver died, or did not take it within "
-                f"{timeout.total_seconds():g} s (a receiver that broke out of a loader's "
-                f"loop after another batch than this rank says so in its own error) "
-                f"({type(e).__name__}: {e})"
-            ) from e
+            raise self._peer_error(e, timeout) from e
         except BaseException as e:  # e.g. a signal handler's: raised as it is
             self._group.lane.break_(e)
             raise

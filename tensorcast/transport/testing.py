@@ -1,7 +1,13 @@
-"""Fakes of the transport's seams, for tests: an in-memory wire and a counting store.
+"""Fakes of the transport's seams, for tests: an in-memory wire, device streams and a
+counting store.
 
 :class:`FakeWire` is an in-memory :class:`~tensorcast.transport.wire.Wire`: two ranks,
-one process.
+one process. ``FakeWire.pair(streams=True)`` gives each end :class:`FakeStreams`, NCCL's
+contract on the host: payloads then travel as device payloads do (posted by the
+caller's thread at ``next()``, NOTE [ Device work at next() ]), and every device call is
+recorded with the thread that made it. :class:`DeviceTap` does the same to a real wire
+(``groups.wrapping_wires(DeviceTap)``), so a multi-process gloo test runs the device path
+end to end.
 
 They ship with the transport, so tests and anyone extending the transport fake
 the same interface the real wires implement, and pass it in instead of patching a wire::
@@ -17,14 +23,126 @@ it would run on its own rank).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import queue
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["CountingStore", "FakeWire"]
+__all__ = ["CountingStore", "DeviceTap", "FakeEvent", "FakeStreams", "FakeWire"]
+
+
+class FakeEvent:
+    """An event of :class:`FakeStreams`: done at once, unless its streams hold events."""
+
+    __slots__ = ("done",)
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+
+class FakeStreams:
+    """:class:`~tensorcast.transport.device.Streams` on the host, recording every call.
+
+    Attributes:
+        calls: ``(operation, thread name)`` of every call, in order; a payload posted
+            through a wire with these streams is ``"payload"``.
+        hold: events recorded while set stay not done until :meth:`release` (device
+            work that never finishes: a dead peer).
+    """
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.hold = False
+        self._held: list[FakeEvent] = []
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    def log(self, operation: str) -> None:
+        with self._lock:
+            self.calls.append((operation, threading.current_thread().name))
+
+    @property
+    def in_transfer(self) -> bool:
+        """Whether the calling thread is inside :meth:`transfer`."""
+        return bool(getattr(self._local, "depth", 0))
+
+    def threads(self, operation: str | None = None) -> set[str]:
+        """The threads that made ``operation`` (any operation: None)."""
+        return {t for op, t in self.calls if operation is None or op == operation}
+
+    @contextlib.contextmanager
+    def transfer(self) -> Iterator[None]:
+        self.log("transfer")
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        self.log("empty")
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def host(self, nbytes: int) -> torch.Tensor:
+        self.log("host")
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def record(self) -> FakeEvent:
+        self.log("record")
+        event = FakeEvent(not self.hold)
+        if self.hold:
+            self._held.append(event)
+        return event
+
+    def release(self) -> None:
+        """Every held event is done from now on."""
+        self.hold = False
+        for event in self._held:
+            event.done = True
+        self._held.clear()
+
+    def wait(self, event: Any) -> None:
+        self.log("wait")
+
+    def hand_over(self, tensor: torch.Tensor) -> None:
+        self.log("hand_over")
+
+    def done(self, event: Any) -> bool:
+        self.log("done")
+        return bool(event.done)
+
+
+class DeviceTap:
+    """A wire whose payloads travel as device payloads do (:class:`FakeStreams`): the
+    real wire's collectives, posted on the caller's thread inside its transfer stream.
+
+    Attributes:
+        streams: the recording streams; ``payload`` calls are logged there, and one
+            posted outside :meth:`FakeStreams.transfer` is counted in ``strays``.
+    """
+
+    def __init__(self, wire: Any) -> None:
+        self._wire = wire
+        self.streams = FakeStreams()
+        self.strays = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._wire, name)
+
+    def head(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Any:
+        return self._wire.head(tensor, root, timeout)
+
+    def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Any:
+        self.streams.log("payload")
+        if not self.streams.in_transfer:
+            self.strays += 1
+        return self._wire.payload(tensor, root, timeout)
 
 
 class FakeWire:
@@ -42,29 +160,45 @@ class FakeWire:
     size = 2
 
     def __init__(
-        self, rank: int, links: dict[str, queue.Queue[bytes]], log: list[tuple[str, int]]
+        self,
+        rank: int,
+        links: dict[str, queue.Queue[bytes]],
+        log: list[tuple[str, int]],
+        streams: FakeStreams | None = None,
     ) -> None:
         self.rank = rank
         self._links = links
         self.log = log
+        self.streams = streams
         self.aborted = False
         self.corrupt_next_payload = False
+        #: payloads posted outside their streams' transfer (device wires only)
+        self.strays = 0
 
     @classmethod
-    def pair(cls) -> tuple[FakeWire, FakeWire]:
-        """The source's end (group rank 0) and a receiver's (group rank 1), joined."""
+    def pair(cls, *, streams: bool = False) -> tuple[FakeWire, FakeWire]:
+        """The source's end (group rank 0) and a receiver's (group rank 1), joined;
+        with ``streams``, each end has its own :class:`FakeStreams`."""
         links: dict[str, queue.Queue[bytes]] = {"head": queue.Queue(), "payload": queue.Queue()}
         log: list[tuple[str, int]] = []
-        return cls(0, links, log), cls(1, links, log)
+        ends = [FakeStreams() if streams else None for _ in range(2)]
+        return cls(0, links, log, ends[0]), cls(1, links, log, ends[1])
 
     def head(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> _Posted:
         return self._post("head", tensor, root, timeout)
 
     def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> _Posted:
+        if self.streams is not None:
+            self.streams.log("payload")
+            if not self.streams.in_transfer:
+                self.strays += 1
         return self._post("payload", tensor, root, timeout)
 
     def abort(self) -> None:
         self.aborted = True
+
+    def shutdown(self) -> None:
+        pass
 
     def _post(
         self, what: str, tensor: torch.Tensor, root: int, timeout: datetime.timedelta

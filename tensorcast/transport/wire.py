@@ -13,8 +13,9 @@ GlooWire    gloo; sends from the source to each     gloo broadcast (a tree)
             receiver on groups of up to
             ``HEAD_SENDS_MAX_RANKS`` ranks, else a
             broadcast
-NcclWire    the same gloo group (no device sync     NCCL broadcast on the current CUDA
-            to read a header)                       device
+NcclWire    the same gloo group (no device sync     NCCL broadcast on the rank's CUDA
+            to read a header)                       device, posted on the caller's
+                                                    thread
 ==========  ======================================  ===================================
 
 Why sends: ProcessGroupGloo runs a send or a receive on the calling thread but queues a
@@ -36,6 +37,8 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+from tensorcast.transport.device import Streams, streams_for
 
 __all__ = ["HEAD_SENDS_MAX_RANKS", "GlooWire", "NcclWire", "Posted", "Wire"]
 
@@ -60,8 +63,11 @@ class Posted(Protocol):
 class Wire(Protocol):
     """The collectives of one tensorcast group (group-local ranks)."""
 
-    #: where payloads travel: the host for gloo, the current CUDA device for NCCL
+    #: where payloads travel: the host for gloo, the rank's CUDA device for NCCL
     device: torch.device
+    #: the device's streams when payloads travel on a device, else None: the payload's
+    #: collective is then posted on the caller's thread (NOTE [ Device work at next() ])
+    streams: Streams | None
     size: int
 
     def head(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Posted:
@@ -77,6 +83,10 @@ class Wire(Protocol):
 
     def abort(self) -> None:
         """Tear the group down so that peers blocked on it fail now, not at their timeout."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release the group's resources for good (the default group was destroyed)."""
         ...
 
 
@@ -102,6 +112,7 @@ class GlooWire:
     """Heads and payloads on one gloo group."""
 
     device = torch.device("cpu")
+    streams: Streams | None = None
 
     def __init__(self, gloo: Any, rank: int) -> None:
         self._gloo = gloo
@@ -137,19 +148,23 @@ class GlooWire:
         _ABORTED.append(self._gloo)
         _abort(self._gloo)
 
+    def shutdown(self) -> None:
+        """Nothing to do: a gloo backend goes with its last reference."""
+
 
 class NcclWire(GlooWire):
     """Heads on a gloo group, payloads on an NCCL group over the same ranks.
 
-    The payload's broadcast is queued on the NCCL group's own stream; waiting for it
-    makes the current stream wait (no host sync), and the receive buffer is handed out
-    only after that.
+    A payload is posted on the caller's thread, inside tensorcast's stream (NOTE [ Device
+    work at next() ]): NCCL's own stream first waits on it, and waiting for the payload
+    makes it wait on NCCL's end (no host sync).
     """
 
     def __init__(self, gloo: Any, nccl: Any, rank: int, device: torch.device) -> None:
         super().__init__(gloo, rank)
         self._nccl = nccl
         self.device = device
+        self.streams = streams_for(device)
 
     def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Posted:
         return _StreamWait(self._nccl.broadcast([tensor], self._opts(root)))
@@ -158,6 +173,11 @@ class NcclWire(GlooWire):
         _ABORTED.append(self._nccl)
         super().abort()
         _abort(self._nccl)
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self._nccl, "shutdown", None)
+        if shutdown is not None and self._nccl not in _ABORTED:
+            shutdown()
 
 
 class _All:

@@ -836,7 +836,7 @@ class _FakeGroup:
     """What a ``Sender`` reads of its group: the transfer device and the capacity."""
 
     def __init__(self) -> None:
-        self.wire = types.SimpleNamespace(device=torch.device("cpu"))
+        self.wire = types.SimpleNamespace(device=torch.device("cpu"), streams=None)
         self.capacity = _frame.INITIAL_CAPACITY
 
 

@@ -6,7 +6,7 @@ before they leave or just after they arrive; nothing else is mocked. A rank dies
 SIGKILL to itself, which kills a pool process; each death forces a re-spawn, so the
 lethal scenarios are one test each and everything non-lethal is grouped into few calls.
 Scenarios that break tensorcast's group on purpose run on a default group of their own
-(``_in_a_new_process_group``), so that they leave nothing broken for the next call.
+(``rankpool.in_a_new_process_group``), so that they leave nothing broken for the next call.
 
 Every failure is timed inside the rank (``time.monotonic``) from the last batch that rank
 received, and must come within the channel's timeout plus ``MARGIN`` (the margin absorbs
@@ -22,9 +22,7 @@ import hashlib
 import itertools
 import os
 import signal
-import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from rankpool import Died, RankPool, _init
+from rankpool import Died, RankPool, in_a_new_process_group
 from torch.distributed.device_mesh import init_device_mesh
 from trees import assert_same, tensor_bytes
 
@@ -408,34 +406,6 @@ def _mutated_after_next(rank: int, world: int, prefetch: int) -> list[str]:
 PG_TIMEOUT = 60.0  # the pool's process group timeout (RankPool's default)
 
 
-def _new_process_group(rank: int, world: int) -> None:
-    """Replace the default group with a new one over a new store, so that tensorcast's
-    state for it (agreements, groups, channels) starts empty, whatever earlier calls on
-    this pool left behind."""
-    name: list[Any] = [f"tensorcast-tests-{uuid.uuid4().hex}"] if rank == 0 else [None]
-    dist.broadcast_object_list(name, src=0)  # the test's own traffic: pickling is fine
-    dist.destroy_process_group()
-    _init(rank, world, os.path.join(tempfile.gettempdir(), name[0]), PG_TIMEOUT)
-
-
-def _in_a_new_process_group(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``fn`` on a new default group and tear it down after, whatever happened: the
-    scenarios that break tensorcast's group on purpose leave nothing for the next call."""
-
-    @functools.wraps(fn)
-    def run(rank: int, world: int, *args: Any) -> Any:
-        _new_process_group(rank, world)
-        try:
-            return fn(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-            # Free tensorcast's groups of this default group here, not in some thread of
-            # the next call: gloo waits for a pending operation when its group is freed.
-            gc.collect()
-
-    return run
-
-
 @contextlib.contextmanager
 def _wire_hook(
     name: str, after: Callable[..., None] | None = None, before: Callable[..., None] | None = None
@@ -513,7 +483,7 @@ def _bad_link() -> Iterator[None]:
         yield
 
 
-@_in_a_new_process_group
+@in_a_new_process_group
 def _setups_that_disagree(rank: int, world: int) -> dict[str, Any]:
     """Ranks that build the same loader (or broadcast) with other arguments all raise
     DesyncError when they build it, naming both sides; then they are still in step."""
@@ -587,7 +557,7 @@ def _setups_that_disagree(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-@_in_a_new_process_group
+@in_a_new_process_group
 def _integrity(rank: int, world: int) -> dict[str, Any]:
     """verify=True carries a CRC32 and checks it, inline, in a message of its own and over
     megabytes; bytes corrupted in transit are caught with it, delivered silently without."""
@@ -647,7 +617,7 @@ def _integrity(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-@_in_a_new_process_group
+@in_a_new_process_group
 def _out_of_step(rank: int, world: int) -> dict[str, Any]:
     """A loader restarted on one rank mid-epoch: the receiver, closing its pass early, is
     handed a batch of the source's pass where the source's close was due (NOTE [ An early
@@ -726,7 +696,7 @@ LIES: dict[str, tuple[int, tuple[str, Callable[..., None]], str]] = {
 }
 
 
-@_in_a_new_process_group
+@in_a_new_process_group
 def _lying_frame(rank: int, world: int, name: str) -> dict[str, Any]:
     """Frames 0-2 arrive; frame 3 lies (on the source) or is garbled (on the receiver):
     the receiver raises HeaderError. Then the source sends frame 4: a receiver that could

@@ -7,19 +7,14 @@ calls on the pool do not number this one's, and nothing it leaves behind reaches
 
 from __future__ import annotations
 
-import functools
-import gc
-import os
-import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from rankpool import RankPool, _init
+from rankpool import RankPool, in_a_new_process_group
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import tensorcast as tc
@@ -27,22 +22,6 @@ import tensorcast as tc
 TIMEOUT = 3.0  # the call's timeout where a rank never comes, seconds
 MARGIN = 20.0  # slack for a loaded 2-core machine
 CALL_TIMEOUT = 180.0
-
-
-def _in_a_new_process_group(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def run(rank: int, world: int, *args: Any) -> Any:
-        name: list[Any] = [f"tensorcast-setup-{uuid.uuid4().hex}"] if rank == 0 else [None]
-        dist.broadcast_object_list(name, src=0)  # the test's own traffic
-        dist.destroy_process_group()
-        _init(rank, world, os.path.join(tempfile.gettempdir(), name[0]), 60.0)
-        try:
-            return fn(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-            gc.collect()
-
-    return run
 
 
 def _timed(build: Callable[[], Any]) -> tuple[str, float]:
@@ -56,7 +35,7 @@ def _timed(build: Callable[[], Any]) -> tuple[str, float]:
     return said, time.monotonic() - began
 
 
-@_in_a_new_process_group
+@in_a_new_process_group
 def _a_rank_never_calls(rank: int, world: int) -> dict[str, Any]:
     """Rank 3 never calls: tc.broadcast(timeout=3) on every rank, and broadcast_batch
     (timeout=3) on a (2, 2) mesh, raise on the ranks that called, within about 3 s."""
@@ -85,7 +64,7 @@ def test_a_rank_that_never_calls_fails_the_others_within_the_timeout(pool4: Rank
     assert results[0]["batch"][0] == "ok" and results[1]["batch"][0] == "ok", results
 
 
-@_in_a_new_process_group
+@in_a_new_process_group
 def _layouts_that_differ(rank: int, world: int) -> tuple[str, float]:
     """Same names, same shape, other rank layouts: ranks 0 and 2 see [[0, 1], [2, 3]],
     ranks 1 and 3 see [[0, 2], [1, 3]] (no process group is made for the mesh)."""
@@ -102,7 +81,7 @@ def test_meshes_with_other_rank_layouts_are_a_desync_error(pool4: RankPool) -> N
         assert took < MARGIN, (rank, took)  # at once, not at the 60 s timeout
 
 
-@_in_a_new_process_group
+@in_a_new_process_group
 def _other_axes_on_eight_ranks(rank: int, world: int) -> tuple[str, float, Any]:
     """Rank 5 asks for ("tp",) on a (2, 2, 2) mesh; the others for ("cp", "tp"). The
     sub-mesh [4, 5, 6, 7] holds it and raises at once; [0, 1, 2, 3] does not meet it and

@@ -1,0 +1,224 @@
+"""Device frames over a fake wire with NCCL's stream contract (``FakeWire.pair(streams=True)``).
+
+The real ``Sender`` and ``Receiver`` run their jobs on real lanes (worker threads), and a
+consumer thread per rank takes each batch, as ``next()`` would. The law: every device
+call (the transfer stream, allocation, the payload's collective, events, stream waits)
+is made by the consumer's thread, none by a lane's worker, and payloads are posted in
+lane order (NOTE [ Device work at next() ]).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tensorcast._errors import HeaderError, PeerError
+from tensorcast.transport.device import DevicePart
+from tensorcast.transport.frame import Kind, Stamp
+from tensorcast.transport.groups import Group
+from tensorcast.transport.lane import Lane
+from tensorcast.transport.receiver import Receiver
+from tensorcast.transport.sender import Sender
+from tensorcast.transport.testing import FakeWire
+
+TIMEOUT = datetime.timedelta(seconds=10)
+DEVICE_CALLS = ("transfer", "empty", "payload", "record", "wait", "hand_over")
+
+
+def device_pair(
+    *, verify: bool = False, timeout: datetime.timedelta = TIMEOUT
+) -> tuple[Sender, Receiver, Group, Group]:
+    wires = FakeWire.pair(streams=True)
+    groups = [Group((0, 1), w, Lane(f"dev{w.rank}", w.abort, idle_exit_s=0.2)) for w in wires]
+    sender = Sender(groups[0], 0, verify=verify, timeout=timeout)
+    receiver = Receiver(groups[1], 0, 0, lambda *_: "the fake source is fine")
+    return sender, receiver, groups[0], groups[1]
+
+
+def batches() -> list[Any]:
+    return [
+        {"x": torch.arange(1000.0), "step": 0},
+        {
+            "audio": torch.randn(3, 5000),
+            "names": ["a", "b"],
+            "mask": torch.ones(7, dtype=torch.bool),
+        },
+        {"feats": np.arange(12, dtype=np.float32).reshape(3, 4), "ids": torch.arange(9)},
+        {"x": torch.arange(1000.0), "step": 3},
+        {"big": torch.arange(200_000, dtype=torch.int32), "s": "x" * 3000},
+    ]
+
+
+def run_both(
+    sender: Sender,
+    receiver: Receiver,
+    trees: list[Any],
+    *,
+    ahead: int,
+    source_device: torch.device | None = None,
+) -> tuple[list[Any], list[Any]]:
+    """Both ranks, each a consumer thread submitting ``ahead`` steps to its lane before it
+    takes the first, then one more per step (a loader's ``prefetch``)."""
+    out: dict[str, Any] = {}
+
+    def consumer(name: str, lane: Lane, step_fn: Any) -> None:
+        try:
+            jobs = [lane.submit(lambda i=i: step_fn(i)) for i in range(min(ahead, len(trees)))]
+            taken = []
+            for i in range(len(trees)):
+                if len(jobs) <= i:
+                    jobs.append(lane.submit(lambda i=i: step_fn(i)))
+                part = jobs[i].result()
+                assert isinstance(part, DevicePart), type(part)
+                taken.append(part.take())
+                if i + ahead < len(trees):
+                    jobs.append(lane.submit(lambda i=i + ahead: step_fn(i)))
+            out[name] = taken
+        except BaseException as e:  # reported by the test
+            out[name] = e
+
+    def send(i: int) -> Any:
+        frame, own = sender.data(trees[i], Stamp(1, 0, i), source_device)
+        sender.send(frame, TIMEOUT)
+        return own
+
+    def recv(i: int) -> Any:
+        kind, part = receiver.recv(Stamp(1, 0, i), None, TIMEOUT)
+        assert kind == Kind.DATA
+        return part
+
+    threads = [
+        threading.Thread(
+            target=consumer, args=("source", sender._group.lane, send), name="source-main"
+        ),
+        threading.Thread(
+            target=consumer, args=("receiver", receiver._group.lane, recv), name="receiver-main"
+        ),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for name in ("source", "receiver"):
+        if isinstance(out.get(name), BaseException):
+            raise out[name]
+    return out["source"], out["receiver"]
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_device_work_runs_on_the_consumer_thread_in_lane_order(ahead: int) -> None:
+    sender, receiver, sgroup, rgroup = device_pair()
+    trees = batches()
+    own, got = run_both(sender, receiver, trees, ahead=ahead)
+    for tree, mine, theirs in zip(trees, own, got):
+        assert same(tree, mine) and same(tree, theirs)
+    for group, consumer in ((sgroup, "source-main"), (rgroup, "receiver-main")):
+        streams = group.wire.streams
+        for operation in DEVICE_CALLS:
+            assert streams.threads(operation) <= {consumer}, (operation, streams.threads(operation))
+        assert streams.threads("payload") == {consumer}
+        assert streams.threads("done") <= {consumer}  # the worker asked the device nothing
+        assert group.wire.strays == 0  # every payload was posted inside the transfer stream
+        # one upload or receive per batch: a payload each, in the lane's order
+        assert [op for op, _ in streams.calls].count("payload") == len(trees)
+
+
+def test_the_consumer_waits_on_each_batch_before_its_tree_exists() -> None:
+    sender, receiver, sgroup, rgroup = device_pair()
+    run_both(sender, receiver, batches()[:2], ahead=1)
+    for group in (sgroup, rgroup):
+        ops = [op for op, _ in group.wire.streams.calls if op in ("record", "wait", "hand_over")]
+        # each batch: its event recorded after the work, then waited on and handed over
+        assert ops == ["record", "wait", "hand_over"] * 2 or ops.count("wait") >= 2
+
+
+def test_pinned_staging_is_reused_only_once_its_upload_is_seen_done() -> None:
+    sender, receiver, sgroup, _ = device_pair()
+    streams = sgroup.wire.streams
+    tree = {"x": torch.arange(50_000, dtype=torch.int32)}
+    streams.hold = True  # the device does not finish the uploads
+
+    def allocations() -> int:
+        return sum(op == "host" for op, _ in streams.calls)
+
+    run_both(sender, receiver, [tree, tree, tree], ahead=1)
+    held = allocations()
+    assert held == 3  # each frame's staging still read by the device: a buffer each
+    streams.release()
+    got: list[Any] = []
+
+    def recv() -> None:
+        for step in range(3, 9):
+            _kind, part = receiver.recv(Stamp(1, 0, step), None, TIMEOUT)
+            got.append(part.take())
+
+    t = threading.Thread(target=recv)
+    t.start()
+    for step in range(3, 9):
+        frame, own = sender.data(tree, Stamp(1, 0, step), None)
+        sender.send(frame, TIMEOUT)
+        own.take()
+    t.join(20)
+    assert len(got) == 6
+    # The device's being done is seen at the next post, on the caller's thread: the
+    # first frame after the release packs into one more buffer, and from then on the
+    # buffers come back.
+    assert allocations() == held + 1
+
+
+def test_device_work_not_done_by_its_deadline_breaks_the_lane() -> None:
+    sender, receiver, sgroup, _ = device_pair(timeout=datetime.timedelta(seconds=0.3))
+    sgroup.wire.streams.hold = True  # a payload that never completes: a dead peer
+    got: list[Any] = []
+    t = threading.Thread(
+        target=lambda: got.append(receiver.recv(Stamp(1, 0, 0), None, TIMEOUT)[1].take())
+    )
+    t.start()
+    frame, own = sender.data({"x": torch.arange(10_000.0)}, Stamp(1, 0, 0), None)
+    sender.send(frame, TIMEOUT)
+    own.take()
+    t.join(10)
+    deadline = time.monotonic() + 5
+    while sgroup.lane.broken is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert isinstance(sgroup.lane.broken, TimeoutError), sgroup.lane.broken
+    assert "deadline" in str(sgroup.lane.broken)
+    with pytest.raises(PeerError, match="failed earlier"):
+        sgroup.lane.check()
+    assert sgroup.wire.aborted  # peers blocked on the group fail now
+
+
+def test_a_bad_crc_of_a_device_payload_is_raised_at_take_and_again() -> None:
+    sender, receiver, _, rgroup = device_pair(verify=True)
+    rgroup.wire.corrupt_next_payload = True
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(receiver.recv(Stamp(1, 0, 0), None, TIMEOUT)))
+    t.start()
+    frame, own = sender.data({"x": torch.arange(10_000.0)}, Stamp(1, 0, 0), None)
+    sender.send(frame, TIMEOUT)
+    own.take()
+    t.join(10)
+    _kind, part = got[0]
+    with pytest.raises(HeaderError, match="CRC32"):
+        part.take()
+    with pytest.raises(HeaderError, match="CRC32"):
+        part.take()
+    assert rgroup.lane.broken is None  # the frame is in whole: this step's error alone

@@ -37,7 +37,6 @@ class Layout:
         "_last",
         "_program",
         "_read_spec",
-        "_write_spec",
         "align",
         "comparable",
         "has_gaps",
@@ -46,6 +45,7 @@ class Layout:
         "prefix",
         "table",
         "tokens",
+        "write_spec",
     )
 
     def __init__(
@@ -71,7 +71,9 @@ class Layout:
         self.nbytes = nbytes
         #: whether alignment leaves gaps between leaves
         self.has_gaps = has_gaps
-        self._write_spec: ViewSpec | None = None
+        #: the views leaves are written through (bool leaves as bytes): every layout is
+        #: written, so it is made with the layout
+        self.write_spec = ViewSpec(table, bool_as_bytes=True)
         self._read_spec: ViewSpec | None = None
         self._program: Program | None = None
         self._consts: tuple[list[Any], list[Any]] | None = None  # values -> consts, last used
@@ -89,12 +91,6 @@ class Layout:
         header = _schema.encode(self.prefix, values)
         self._last = (values, header)
         return header
-
-    def write_spec(self) -> ViewSpec:
-        """The views leaves are written through (bool leaves as bytes)."""
-        if self._write_spec is None:
-            self._write_spec = ViewSpec(self.table, bool_as_bytes=True)
-        return self._write_spec
 
     def read_spec(self) -> ViewSpec:
         """The views leaves are read through, as receivers make them."""

@@ -69,7 +69,7 @@ class Encoded:
             sender's own rebuilt tree can use them (see :meth:`values`).
         """
         layout = self.layout
-        spec = layout.write_spec()
+        spec = layout.write_spec
         leaves = self.leaves
         host: np.ndarray | None = None  # the buffer's host view, made once if needed
         # Alignment gaps are zeroed: the bytes are deterministic, and no stale memory of
@@ -99,7 +99,7 @@ class Encoded:
         """Write the batch into ``buffer`` and return its tree as the receivers rebuild
         it: leaves that view ``buffer`` (fresh tensors on views ``pool`` keeps, when
         ``buffer`` came from it), plain tensors even for leaves that require grad."""
-        spec = self.layout.write_spec()
+        spec = self.layout.write_spec
         with torch.no_grad():  # copies of leaves that require grad stay out of autograd
             tensor_views = self.write(buffer, views=spec.pooled_views(buffer, pool))
         return self._tree(self._leaf_values(buffer, tensor_views))
@@ -138,7 +138,7 @@ class Encoded:
 
     def _leaf_values(self, buffer: torch.Tensor, tensor_views: list[torch.Tensor]) -> list[Any]:
         """The leaf values the receivers will see, built from what :meth:`write` returned."""
-        spec = self.layout.write_spec()
+        spec = self.layout.write_spec
         out: list[Any] = list(tensor_views)
         for j in spec.bools:
             out[j] = out[j].view(torch.bool)  # written as bytes

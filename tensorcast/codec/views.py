@@ -127,7 +127,7 @@ def views(
 
     ``pool``: the pool ``buffer`` came from, which keeps the views it was last made for.
     """
-    return leaf_views(view_spec(decoded), len(decoded.leaves), buffer, pool)
+    return leaf_views(view_spec(decoded), len(decoded.structure.leaves), buffer, pool)
 
 
 def leaf_views(

@@ -8,26 +8,44 @@ travels on it.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tensorcast._errors import SourceError
 from tensorcast.codec.packed import Packed, resolve_device, unpack
 from tensorcast.loader import mesh as _mesh
 from tensorcast.transport import groups as _groups
 from tensorcast.transport.agreement import ranks_name
-from tensorcast.transport.channel import Channel, group_ranks, open_channel, raise_for, to_timedelta
+from tensorcast.transport.channel import Channel, group_ranks, open_channel
+from tensorcast.transport.frame import Kind
 
-__all__ = ["broadcast", "broadcast_batch", "mesh_channel", "unpack_if_packed"]
+__all__ = ["broadcast", "broadcast_batch", "mesh_channel", "to_timedelta", "unpack_if_packed"]
 
 _AVAILABLE = dist.is_available()  # fixed by how torch was built
 _ATTR = "_tensorcast_channels"  # on a mesh: its channels by axes
 _lock = threading.Lock()
+
+
+def to_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
+    if timeout is None or isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return datetime.timedelta(seconds=timeout)
+
+
+def _raise_for(kind: Kind, value: Any, src: int) -> None:
+    """Raise the ``SourceError`` a received END or ERROR frame stands for."""
+    if kind == Kind.ERROR:
+        raise SourceError(f"source rank {src} reported: {value}")
+    raise SourceError(f"source rank {src} ended the stream where a batch was expected")
 
 
 def _initialized() -> bool:
@@ -70,26 +88,31 @@ def broadcast(
         DesyncError: the ranks disagree on ``src`` the first time it is used.
         PeerError: a peer died or did not answer within the timeout.
     """
-    if not _initialized():
+    if not (_AVAILABLE and dist.is_initialized()):
         raise RuntimeError(
             "tensorcast.broadcast needs torch.distributed: call "
             "torch.distributed.init_process_group() first (tensorcast.broadcast_batch and "
             "BroadcastingDataLoader are no-ops without it)"
         )
-    wait = to_timedelta(timeout)
-    dev = resolve_device(device)
+    wait = None if timeout is None else to_timedelta(timeout)
+    dev = None if device is None else resolve_device(device)
     channel = _broadcast_channel(group, src, wait)
+    return _run(channel, tree, dev, wait)
+
+
+def _run(
+    channel: Channel, tree: Any, device: torch.device | None, wait: datetime.timedelta | None
+) -> Any:
+    """One frame on the channel's lane, then handed out on this thread."""
     lane = channel.group.lane
-    frames = _frames(channel)
+    frames = functools.partial(getattr, channel, "step")  # read by the lane: no call in here
     if channel.is_source:
-        return channel.hand_out(lane.run(lambda: channel.send_batch(tree, dev, wait), frames))
-    kind, value = lane.run(lambda: channel.recv(dev, wait), frames)
-    return channel.hand_out(raise_for(kind, value, src))
-
-
-def _frames(channel: Channel) -> Callable[[], int]:
-    """The channel's count of frames, for :meth:`Lane.run` (NOTE [ Interrupts ])."""
-    return lambda: channel.step
+        own = lane.run(functools.partial(channel.send_batch, tree, device, wait), frames)
+        return channel.hand_out(own)
+    kind, value = lane.run(functools.partial(channel.recv, device, wait), frames)
+    if kind != Kind.DATA:
+        _raise_for(kind, value, channel.src)
+    return channel.hand_out(value)
 
 
 # The (group, src) broadcast was last called with, under which default group, and its
@@ -212,12 +235,7 @@ def broadcast_batch(
             cache[names] = (weakref.ref(world), channel)
     else:
         channel = hit[1]
-    lane = channel.group.lane
-    frames = _frames(channel)
-    if channel.is_source:
-        return channel.hand_out(lane.run(lambda: channel.send_batch(batch, dev, wait), frames))
-    kind, value = lane.run(lambda: channel.recv(dev, wait), frames)
-    return channel.hand_out(raise_for(kind, value, channel.src))
+    return _run(channel, batch, dev, wait)
 
 
 def unpack_if_packed(batch: Any) -> Any:

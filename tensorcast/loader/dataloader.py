@@ -32,11 +32,11 @@ import torch.distributed as dist
 
 from tensorcast.codec.packed import resolve_device
 from tensorcast.loader import mesh as _mesh
-from tensorcast.loader.broadcast import mesh_channel, unpack_if_packed
+from tensorcast.loader.broadcast import mesh_channel, to_timedelta, unpack_if_packed
 from tensorcast.loader.stats import WINDOW, LoaderStats, Recorder, timed
 from tensorcast.loader.steps import Pass, stateful
 from tensorcast.transport.agreement import ranks_name
-from tensorcast.transport.channel import Channel, group_ranks, open_channel, to_timedelta
+from tensorcast.transport.channel import Channel, group_ranks, open_channel
 from tensorcast.transport.lane import Job
 
 __all__ = ["BroadcastingDataLoader"]

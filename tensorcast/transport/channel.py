@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorcast._errors import SourceError
 from tensorcast.codec import schema as _schema
 from tensorcast.transport import groups as _groups
 from tensorcast.transport import promise as _promise
@@ -32,7 +31,7 @@ from tensorcast.transport.groups import Group, World
 from tensorcast.transport.receiver import Receiver
 from tensorcast.transport.sender import Outgoing, Sender
 
-__all__ = ["Channel", "group_ranks", "open_channel", "raise_for", "to_timedelta"]
+__all__ = ["Channel", "group_ranks", "open_channel"]
 
 
 def group_ranks(group: Any, src: int) -> tuple[int, ...]:
@@ -47,14 +46,6 @@ def group_ranks(group: Any, src: int) -> tuple[int, ...]:
             f"global rank, as in torch.distributed.broadcast"
         )
     return ranks
-
-
-def to_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
-    if timeout is None or isinstance(timeout, datetime.timedelta):
-        return timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    return datetime.timedelta(seconds=timeout)
 
 
 class Channel:
@@ -126,7 +117,8 @@ class Channel:
         Raises:
             UnsupportedLeafError, ValueError, HeaderError: the batch cannot travel.
         """
-        self.group.lane.check()
+        if self.group.lane.broken is not None:
+            self.group.lane.check()
         return self._source().data(batch, self._stamp(), device, timeout or self.timeout)
 
     def send(self, frame: Outgoing, timeout: datetime.timedelta | None = None) -> None:
@@ -186,7 +178,8 @@ class Channel:
     ) -> tuple[Kind, Any]:
         """The next frame from the source: ``(DATA, tree)``, ``(END, None)``,
         ``(CLOSE, None)`` or ``(ERROR, message)``."""
-        self.group.lane.check()
+        if self.group.lane.broken is not None:
+            self.group.lane.check()
         if self._receiver is None:
             raise RuntimeError(f"rank {self.src} is the source of this channel")
         try:
@@ -204,7 +197,8 @@ class Channel:
         (if it was not yet) and taken for the caller's current stream (NOTE [ Device work
         at next() ]); anything else as it is. Only on the caller's thread, in lane order."""
         if isinstance(value, DevicePart):
-            self.group.lane.check()
+            if self.group.lane.broken is not None:
+                self.group.lane.check()
             return value.take()
         return value
 
@@ -218,15 +212,6 @@ class Channel:
     def received_nbytes(self) -> int:
         """The payload bytes of the last batch :meth:`recv` returned."""
         return self._receiver.last_nbytes if self._receiver is not None else 0
-
-
-def raise_for(kind: Kind, value: Any, src: int) -> Any:
-    """A received frame's tree, or the ``SourceError`` it stands for."""
-    if kind == Kind.DATA:
-        return value
-    if kind == Kind.ERROR:
-        raise SourceError(f"source rank {src} reported: {value}")
-    raise SourceError(f"source rank {src} ended the stream where a batch was expected")
 
 
 def open_channel(

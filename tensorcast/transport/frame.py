@@ -124,6 +124,35 @@ class Prefix:
             self.crc,
         )
 
+    @staticmethod
+    def write(
+        buffer: memoryview | bytearray,
+        kind: int,
+        flags: int,
+        stamp: Stamp,
+        header_len: int,
+        payload_len: int,
+        next_capacity: int,
+        crc: int,
+    ) -> None:
+        """Pack a prefix of these fields into ``buffer`` (what :meth:`pack_into` writes,
+        with no object made: the source writes one per frame)."""
+        _STRUCT.pack_into(
+            buffer,
+            0,
+            _MAGIC,
+            FRAMES_VERSION,
+            kind,
+            flags,
+            stamp.channel,
+            stamp.pass_index,
+            stamp.step,
+            header_len,
+            payload_len,
+            next_capacity,
+            crc,
+        )
+
     @classmethod
     def unpack(cls, data: memoryview | bytes, capacity: int) -> Prefix:
         """Read and validate a prefix received in a first message of ``capacity`` bytes.

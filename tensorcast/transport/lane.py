@@ -201,15 +201,53 @@ class Lane:
         return threading.get_ident() in (self._inline, self._worker_id)
 
     def run(self, fn: Callable[[], T], frames: Callable[[], int]) -> T:
-        """Run ``fn`` in its turn and return its result (``tensorcast.broadcast``).
+        """Run ``fn`` in its turn and return its result (``tensorcast.broadcast``): right
+        here when the lane is idle, else on the worker.
 
-        An interrupt here leaves no job for a retry to wait on (NOTE [ Interrupts ]): a
-        job not yet started is withdrawn, one that took its frame (``frames()``, the
-        channel's count, moved) and lost its result breaks the lane, and one waited for
-        on the worker breaks it too.
+        An interrupt here leaves no job for a retry to wait on (NOTE [ Interrupts ]): one
+        before ``fn`` started leaves nothing (it is withdrawn from the queue, or never ran
+        inline); one after it took its frame (``frames()``, the channel's count, moved)
+        breaks the lane, and so does one that lost a job waited for on the worker.
         """
+        me = threading.get_ident()
+        if me == self._inline or me == self._worker_id:
+            self._not_from_a_job()
+        with self._lock:
+            inline = not self._jobs and not self._running
+            if inline:
+                self._running = True
+                self._inline = me
+        if not inline:
+            return self._run_queued(fn, frames)
+        taken = frames()
+        ran = False
+        try:
+            if _interrupts.hook is not None:
+                _interrupts.hook("lane.busy")
+            ran = True
+            if torch.is_inference_mode_enabled():  # buffers made here: no inference tensors
+                with torch.inference_mode(False):
+                    value = fn()
+            else:
+                value = fn()
+            if _interrupts.hook is not None:
+                _interrupts.hook("broadcast.wait")
+            return value
+        except BaseException as e:
+            if ran and frames() != taken and not _own(e):
+                self.break_(e)  # it took its frame and this call loses the result
+            raise
+        finally:
+            with self._lock:
+                self._running = False
+                self._inline = None
+                if self._jobs:
+                    self._cond.notify()
+
+    def _run_queued(self, fn: Callable[[], T], frames: Callable[[], int]) -> T:
+        """:meth:`run` behind the jobs queued before it, on the worker."""
         job: Job[T] = Job(fn)
-        self.start(job, frames)
+        self.enqueue(job)
         try:
             if _interrupts.hook is not None:
                 _interrupts.hook("broadcast.wait")
@@ -218,9 +256,7 @@ class Lane:
             if not job.done:
                 if not self.withdraw(job):
                     self.break_(e)  # it runs on the worker: its frame would pair with no call
-            elif job.error is e:
-                self.break_if_lost(job, e, frames)
-            else:
+            elif job.error is not e:
                 self.break_(e)  # it took its frame and this call loses the result
             raise
 

@@ -38,7 +38,6 @@ class _Entry:
 
     __slots__ = (
         "_base",
-        "_payload",
         "ahead",
         "buffer",
         "capacity",
@@ -59,22 +58,16 @@ class _Entry:
         self.kept_key: Hashable = None
         self.kept: list[torch.Tensor] = []  # detached views: each holds a storage reference
         self.ahead: list[torch.Tensor] | None = None  # see detach_ahead
-        self._payload: torch.Tensor | None = None  # a kept slice (see Message.payload)
         self._base = self.use_count()  # the references of the buffer and its storage
         self.idle = 0
         self._recount()
 
     def _recount(self) -> None:
         """Set the idle count, the one place it is set: the storage references this entry
-        holds itself (the buffer, its storage, kept views, views made ahead, a kept slice).
+        holds itself (the buffer, its storage, kept views, views made ahead).
         Holding more than these means someone else holds the buffer."""
         ahead = self.ahead
-        self.idle = (
-            self._base
-            + len(self.kept)
-            + (len(ahead) if ahead is not None else 0)
-            + (self._payload is not None)
-        )
+        self.idle = self._base + len(self.kept) + (len(ahead) if ahead is not None else 0)
 
     def use_count(self) -> int:
         return int(_use_count(self.cdata))
@@ -92,12 +85,13 @@ class _Entry:
         """Fresh tensors on the views ``make(buffer)`` returned the last time ``key`` was
         asked; ``buffer`` views this entry's storage."""
         ahead = self.ahead
-        if ahead is not None:
-            self.drop_ahead()
         if self.kept_key != key:
+            self.ahead = None  # made for another key
             self.kept, self.kept_key = [v.detach() for v in make(buffer)], key
             self._recount()
         elif ahead is not None:
+            self.ahead = None
+            self._recount()
             return ahead
         return list(map(_detach, self.kept))
 
@@ -105,10 +99,11 @@ class _Entry:
         """Make the fresh tensors of the kept views now, for the next :meth:`views` of
         the same key, while a head is on the wire (see ``transport.receiver``, NOTE [ Views made
         ahead ]). Held here, they count as idle, like the kept views."""
-        self.drop_ahead()
         if self.kept:
             self.ahead = list(map(_detach, self.kept))
             self._recount()
+        elif self.ahead is not None:
+            self.drop_ahead()
 
     def drop_ahead(self) -> None:
         if self.ahead is not None:
@@ -241,7 +236,7 @@ class Message(_Entry):
             start and end of its inline payload (see ``Sender``).
     """
 
-    __slots__ = ("_payload_at", "host", "mem", "written")
+    __slots__ = ("host", "mem", "written")
 
     def __init__(self, capacity: int) -> None:
         super().__init__(torch.zeros(capacity, dtype=torch.uint8), 0)
@@ -250,16 +245,6 @@ class Message(_Entry):
         self._base = self.use_count()  # the host views count as the entry's own
         self._recount()
         self.written = (0, capacity, capacity)
-        self._payload_at = (0, 0)
-
-    def payload(self, at: int, n: int) -> torch.Tensor:
-        """The inline payload's bytes ``[at, at + n)``, as a 1-D uint8 tensor (kept)."""
-        payload = self._payload
-        if payload is None or self._payload_at != (at, n):
-            payload = self._payload = self.buffer[at : at + n]
-            self._payload_at = (at, n)
-            self._recount()
-        return payload
 
 
 class FramePool:

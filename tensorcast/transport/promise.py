@@ -72,22 +72,20 @@ class Cutter:
         promises: whether this channel promises payloads (host payloads only).
     """
 
-    __slots__ = ("_group", "_promises", "host_payloads")
+    __slots__ = ("_group", "_promises", "host_payloads", "promised")
 
     def __init__(self, group: Any, *, promises: bool) -> None:
         self._group = group
         #: payloads live on the host, so they may travel inside the first message
         self.host_payloads = group.wire.streams is None
         self._promises = Promises(promises and self.host_payloads)
+        #: the bytes the next frame promises (0: none), posted with its first message
+        self.promised = 0
 
     @property
     def capacity(self) -> int:
         """The size of the next first message."""
         return int(self._group.capacity)
-
-    def promised(self) -> int:
-        """The bytes the next frame promises (0: none), posted with its first message."""
-        return self._promises.next()
 
     def cut(self, header_len: int, payload_len: int, promised: int) -> FramePlan:
         """Cut the next frame (see ``plan_frame``)."""
@@ -102,4 +100,5 @@ class Cutter:
     def done(self, plan: FramePlan, next_capacity: int) -> None:
         """The frame cut as ``plan`` went on, or came off, the wire whole."""
         self._promises.record(plan)
+        self.promised = self._promises.next()
         self._group.capacity = next_capacity

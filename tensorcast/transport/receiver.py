@@ -116,7 +116,7 @@ class Receiver:
             DesyncError: the frame is another step's, or another channel's.
             HeaderError: the frame is malformed or from another version.
         """
-        first = self._messages.take(self._cutter.capacity)
+        first = self._messages.take(self._group.capacity)
         try:
             try:
                 frame = self._read(first, expect, timeout)
@@ -126,7 +126,8 @@ class Receiver:
             self._cutter.done(frame.cut, frame.prefix.next_capacity)
             return self._open(frame, expect, device, timeout)
         finally:
-            first.drop_ahead()  # when the frame did not use them
+            if first.ahead is not None:  # the frame did not use them
+                first.drop_ahead()
 
     def _break(self, error: BaseException) -> None:
         """Until a frame is in whole, any failure breaks the lane (this rank cannot skip
@@ -143,7 +144,7 @@ class Receiver:
         """Post, wait for the first message, check its prefix, cut the frame, take the
         rest (a spilled header, a separate payload), decode the header."""
         wire, root = self._group.wire, self._root
-        promised = self._cutter.promised()
+        promised = self._cutter.promised
         posted: Posted | None = None
         buffer: torch.Tensor | None = None
         try:
@@ -174,13 +175,20 @@ class Receiver:
             return _Incoming(prefix, cut, header)
         decoded = _schema.decode(header)  # validated before its sizes allocate anything
         n = prefix.payload_len
-        if decoded.nbytes != n:
+        if decoded.structure.nbytes != n:
             raise HeaderError(
                 f"the header describes a {decoded.nbytes}-byte buffer but the frame carries "
                 f"{n} bytes"
             )
         if cut.inline:
-            return _Incoming(prefix, cut, header, decoded, first.payload(cut.payload_at, n), first)
+            return _Incoming(
+                prefix,
+                cut,
+                header,
+                decoded,
+                first.buffer[cut.payload_at : cut.payload_at + n],
+                first,
+            )
         if cut.in_promise and buffer is not None:
             return _Incoming(prefix, cut, header, decoded, buffer, self._pool)
         if self._streams is not None:  # received when posted (NOTE [ Device work at next() ])
@@ -207,13 +215,14 @@ class Receiver:
         self.last_nbytes = prefix.payload_len
         if payload is None:
             return Kind.DATA, self._receive_on_device(decoded, prefix, expect, device, timeout)
-        self._check_crc(payload, prefix, expect)
+        if int(prefix.flags) & _CRC:
+            self._check_crc(payload, prefix, expect)
         if device is not None and device != payload.device:
             return Kind.DATA, self._upload(decoded, payload, device, timeout)
         return Kind.DATA, _codec.rebuild(decoded, payload, pool=frame.pool)
 
     def _check_crc(self, payload: torch.Tensor, prefix: Prefix, expect: Stamp) -> None:
-        if int(prefix.flags) & _CRC and crc32(payload) != prefix.crc:
+        if crc32(payload) != prefix.crc:
             raise HeaderError(
                 f"step {expect.step}: the payload's CRC32 does not match the source's: the "
                 f"bytes were corrupted in transit"
@@ -232,7 +241,8 @@ class Receiver:
         wire, root, n = self._group.wire, self._root, prefix.payload_len
 
         def build(buffer: torch.Tensor) -> Any:
-            self._check_crc(buffer, prefix, expect)  # verify=True: one copy to the host
+            if int(prefix.flags) & _CRC:  # verify=True: one copy to the host
+                self._check_crc(buffer, prefix, expect)
             if device is not None and device != buffer.device:
                 buffer = buffer.to(device)  # asked for another device than the wire's
             return _codec.rebuild(decoded, buffer)

@@ -156,7 +156,7 @@ class Sender:
             out = self._finish(message, frame, Kind.DATA, header, host, stamp, n)
             return out, part
         if frame.inline:
-            payload = message.payload(frame.payload_at, n)
+            payload = message.buffer[frame.payload_at : frame.payload_at + n]
             if isinstance(batch, Packed):
                 source = batch.buffer if batch.buffer.is_cpu else batch.buffer.cpu()
                 message.host[frame.payload_at : frame.payload_at + n] = source.numpy()
@@ -204,7 +204,7 @@ class Sender:
         # Frames are cut in the order they are sent: a frame is sent in the job that
         # prepares it (an ERROR frame in place of one that failed to prepare).
         cutter = self._cutter
-        return cutter.cut(header_len, payload_len, cutter.promised())
+        return cutter.cut(header_len, payload_len, cutter.promised)
 
     def _packed(self, encoded: _codec.Encoded) -> tuple[torch.Tensor, Any]:
         payload = self._pool.take(encoded.nbytes, self._device)
@@ -371,17 +371,9 @@ class Sender:
             flags |= Flags.CRC
             crc = crc32(payload if payload is not None else self._no_staging())
         mem = message.mem
-        Prefix(
-            kind,
-            flags,
-            stamp.channel,
-            stamp.pass_index,
-            stamp.step,
-            len(header),
-            frame.payload_len,
-            frame.next_capacity,
-            crc,
-        ).pack_into(mem)
+        Prefix.write(
+            mem, kind, flags, stamp, len(header), frame.payload_len, frame.next_capacity, crc
+        )
         spilled: torch.Tensor | None = None
         if frame.spill:
             spilled = torch.frombuffer(bytearray(header), dtype=torch.uint8)

@@ -110,22 +110,21 @@ def test_a_first_message_is_reused_only_once_nothing_made_from_it_is_alive() -> 
     frames = FramePool()
     message = frames.take(4096)
     assert message.buffer.numel() == 4096 and message.host.shape == (4096,)
-    leaf = message.views(message.payload(4032, 16), "layout", _as_floats)[0]
+    leaf = message.views(message.buffer[4032:4048], "layout", _as_floats)[0]
     assert frames.take(4096) is not message  # the leaf views its bytes
     del leaf
-    assert frames.take(4096) is message  # kept views and the payload slice do not count
+    assert frames.take(4096) is message  # kept views do not count
 
 
 def test_a_first_message_hands_out_fresh_tensors_on_its_kept_views() -> None:
     message = FramePool().take(4096)
-    payload = message.payload(0, 4096)
-    assert message.payload(0, 4096) is payload  # kept while the cut repeats
+    payload = message.buffer[0:4096]
     first = message.views(payload, "layout", _as_floats)
     again = message.views(payload, "layout", _as_floats)
     assert all(a is not b and a.data_ptr() == b.data_ptr() for a, b in zip(first, again))
     other = message.views(payload, "another layout", lambda b: [b[:8]])
     assert len(other) == 1
-    del first, again, other
+    del first, again, other, payload  # a slice of the buffer holds it too, while alive
     assert message.is_idle()
 
 
@@ -134,20 +133,23 @@ def test_views_detached_ahead_are_the_next_views_of_that_key_and_else_dropped() 
     the kept key (fresh tensors, made once), dropped for another key or by ``drop_ahead``;
     held by the message, they do not make it look busy."""
     message = FramePool().take(4096)
-    payload = message.payload(0, 4096)
+
+    def payload() -> torch.Tensor:  # the slice a frame views, alive only while it is read
+        return message.buffer[0:4096]
+
     message.detach_ahead()  # nothing kept yet: nothing to make
     assert message.ahead is None
-    first = message.views(payload, "layout", _as_floats)
+    first = message.views(payload(), "layout", _as_floats)
     del first
     message.detach_ahead()
     assert message.ahead and message.is_idle()
     made = [id(t) for t in message.ahead]
-    again = message.views(payload, "layout", _as_floats)
+    again = message.views(payload(), "layout", _as_floats)
     assert [id(t) for t in again] == made and message.ahead is None
-    assert again[0].data_ptr() == payload.data_ptr()
+    assert again[0].data_ptr() == message.buffer.data_ptr()
     assert not message.is_idle()  # handed out: the caller holds them
     message.detach_ahead()
-    other = message.views(payload, "another layout", lambda b: [b[:8]])
+    other = message.views(payload(), "another layout", lambda b: [b[:8]])
     assert len(other) == 1 and message.ahead is None  # the layout changed: made anew
     message.detach_ahead()
     message.drop_ahead()
@@ -158,7 +160,7 @@ def test_views_detached_ahead_are_the_next_views_of_that_key_and_else_dropped() 
 def test_first_messages_of_an_outgrown_capacity_are_dropped_once_idle() -> None:
     frames = FramePool()
     small = frames.take(4096)
-    held = small.views(small.payload(0, 64), "layout", lambda b: [b[:8]])
+    held = small.views(small.buffer[0:64], "layout", lambda b: [b[:8]])
     big = frames.take(8192)
     assert big.capacity == 8192
     assert small in frames._messages  # still viewed: kept until its user lets go
@@ -172,5 +174,5 @@ def test_the_frame_pool_forgets_its_oldest_buffer_beyond_its_bound() -> None:
     held = []
     for _ in range(4):
         message = frames.take(4096)
-        held.append(message.views(message.payload(0, 64), "layout", lambda b: [b[:8]]))
+        held.append(message.views(message.buffer[0:64], "layout", lambda b: [b[:8]]))
     assert len(frames._messages) == 2

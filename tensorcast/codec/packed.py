@@ -210,10 +210,13 @@ def rebuild(
     buffer: torch.Tensor,
     values: list[Any] | None = None,
     pool: KeepsViews | None = None,
+    host: torch.Tensor | None = None,
 ) -> Any:
-    """The tree of a decoded header, its leaves viewing ``buffer`` (or ``values``)."""
+    """The tree of a decoded header, its leaves viewing ``buffer`` (or ``values``);
+    ``host``: the host block of the leaves that are not tensors (``codec.views``)."""
     program, consts = compiled(decoded)
-    return run(program, views(decoded, buffer, pool) if values is None else values, consts)
+    leaves = views(decoded, buffer, pool, host) if values is None else values
+    return run(program, leaves, consts)
 
 
 def compiled(decoded: _schema.Decoded) -> tuple[Program, list[Any]]:

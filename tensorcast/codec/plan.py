@@ -52,7 +52,7 @@ class Encoded:
         return next((leaf[3].device for leaf in self.leaves if leaf[0] == "tensor"), _CPU)
 
     def write(
-        self, buffer: torch.Tensor, views: list[torch.Tensor] | None = None
+        self, buffer: torch.Tensor, views: list[torch.Tensor] | None = None, *, others: bool = True
     ) -> list[torch.Tensor]:
         """Copy every leaf's bytes into ``buffer[:self.nbytes]`` at its offset.
 
@@ -63,6 +63,8 @@ class Encoded:
             buffer: at least ``nbytes`` bytes, on any device.
             views: what an earlier call returned for this layout and this very buffer
                 (the tensor views to write through), to save making them again.
+            others: write the leaves that are not tensors too (a GPU buffer gets them
+                from their host block instead: :meth:`upload_others`).
 
         Returns:
             The typed views the tensor leaves were copied into, in leaf order: the
@@ -91,7 +93,7 @@ class Encoded:
             views[0].copy_(srcs[0])
         elif views:
             torch._foreach_copy_(views, srcs)
-        if spec.others:
+        if spec.others and others:
             _write_others(buffer, spec.others, leaves, host)
         return views
 
@@ -108,29 +110,31 @@ class Encoded:
         """The tree of a buffer this batch was written into (a copy of one, elsewhere)."""
         return self._tree(leaf_views(self.layout.read_spec(), len(self.leaves), buffer))
 
-    def device_tree(self, buffer: torch.Tensor, host: torch.Tensor | None = None) -> Any:
+    def host_block(self, out: torch.Tensor) -> torch.Tensor:
+        """The bytes of the leaves that are not tensors (numpy arrays, bytes, str), alone,
+        written into the host tensor ``out`` as ``codec.views.leaf_views`` reads a host
+        block: what travels beside a buffer on a GPU."""
+        spec = self.layout.write_spec
+        dst = out.numpy()
+        for (i, _row), (_off, n, pos) in zip(spec.others, spec.host_spans):
+            data = self.leaves[i][3]
+            if n:
+                src = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
+                dst[pos : pos + n].view(src.dtype).reshape(src.shape)[...] = src
+        return out[: spec.host_nbytes]
+
+    def device_tree(self, buffer: torch.Tensor, host: torch.Tensor | None) -> Any:
         """The tree of a device buffer this batch is (being) written into, read nowhere
-        but on the device: tensor leaves view ``buffer``; the other leaves come from
-        ``host`` (a host copy of the same bytes) or else from the batch itself."""
-        spec = self.layout.read_spec()
-        tensors = spec.tensor_views(buffer)
-        if not spec.others:
-            return self._tree(tensors)
-        values = spec.placed(tensors, len(self.leaves))
-        if host is not None:
-            others = leaf_views(spec, len(self.leaves), host[: self.nbytes])
-            for i, _ in spec.others:
-                values[i] = others[i]
-        else:
-            for i, (kind, _code, shape, _off, _n) in spec.others:
-                data = self.leaves[i][3]
-                if kind == "bytes":
-                    values[i] = data
-                elif kind == "str":
-                    values[i] = data.decode("utf-8", "surrogatepass")
-                else:
-                    values[i] = np.array(data, copy=True).reshape(shape)
-        return self._tree(values)
+        but on the device: tensor leaves view ``buffer``, the others come from ``host``,
+        its host block (:meth:`host_block`)."""
+        return self._tree(leaf_views(self.layout.read_spec(), len(self.leaves), buffer, host=host))
+
+    def upload_others(self, buffer: torch.Tensor, host: torch.Tensor) -> None:
+        """Copy the leaves that are not tensors from their host block (pinned) into their
+        places in the device ``buffer``, asynchronously."""
+        for off, n, pos in self.layout.write_spec.host_spans:
+            if n:
+                buffer[off : off + n].copy_(host[pos : pos + n], non_blocking=True)
 
     def _tree(self, leaf_values: list[Any]) -> Any:
         program, consts = self.layout.compiled(self.smalls)

@@ -16,7 +16,7 @@ from tensorcast._errors import HeaderError
 from tensorcast.codec import schema as _schema
 from tensorcast.codec.dtypes import CODE_ITEMSIZE, numpy_dtype, torch_dtype
 
-__all__ = ["KeepsViews", "ViewSpec", "leaf_views", "view_spec", "views"]
+__all__ = ["KeepsViews", "ViewSpec", "host_block", "leaf_views", "view_spec", "views"]
 
 
 class KeepsViews(Protocol):
@@ -59,7 +59,7 @@ class ViewSpec:
     small leaves, that is most of a receiver's work.
     """
 
-    __slots__ = ("bools", "codes", "others", "specs", "tensor_index")
+    __slots__ = ("bools", "codes", "host_nbytes", "host_spans", "others", "specs", "tensor_index")
 
     def __init__(self, table: Sequence[Sequence[Any]], bool_as_bytes: bool = False):
         self.specs: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
@@ -81,6 +81,14 @@ class ViewSpec:
             shape_t = tuple(shape)
             self.specs.append((code, shape_t, _contiguous_strides(shape_t), off // isz))
             self.tensor_index.append(i)
+        #: where each other leaf's bytes sit in a *host block*: those bytes alone, one
+        #: after another (aligned), for a buffer that lives on a GPU (see :func:`leaf_views`)
+        self.host_spans: list[tuple[int, int, int]] = []  # (offset, nbytes, host position)
+        pos = 0
+        for _i, row in self.others:
+            self.host_spans.append((row[3], row[4], pos))
+            pos = (pos + row[4] + _MAX_ITEMSIZE - 1) // _MAX_ITEMSIZE * _MAX_ITEMSIZE
+        self.host_nbytes = pos
 
     def placed(self, tensors: list[Any], count: int) -> list[Any]:
         """``tensors`` (one per spec) at their leaf indices in a list of ``count`` leaves;
@@ -121,43 +129,74 @@ def view_spec(decoded: _schema.Decoded) -> ViewSpec:
 
 
 def views(
-    decoded: _schema.Decoded, buffer: torch.Tensor, pool: KeepsViews | None = None
+    decoded: _schema.Decoded,
+    buffer: torch.Tensor,
+    pool: KeepsViews | None = None,
+    host: torch.Tensor | None = None,
 ) -> list[Any]:
     """The buffer leaves of ``decoded`` as views into ``buffer`` (ndarrays: CPU views).
 
-    ``pool``: the pool ``buffer`` came from, which keeps the views it was last made for.
+    ``pool``: the pool ``buffer`` came from, which keeps the views it was last made for;
+    ``host``: the host block of the leaves that are not tensors (see :func:`leaf_views`).
     """
-    return leaf_views(view_spec(decoded), len(decoded.structure.leaves), buffer, pool)
+    return leaf_views(view_spec(decoded), len(decoded.structure.leaves), buffer, pool, host)
+
+
+def host_block(spec: ViewSpec, buffer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Copy the bytes of the leaves that are not tensors from a host ``buffer`` into
+    ``out`` (at least ``spec.host_nbytes`` bytes), as :func:`leaf_views` reads them."""
+    src, dst = buffer.numpy(), out.numpy()
+    for off, n, pos in spec.host_spans:
+        dst[pos : pos + n] = src[off : off + n]
+    return out[: spec.host_nbytes]
 
 
 def leaf_views(
-    spec: ViewSpec, count: int, buffer: torch.Tensor, pool: KeepsViews | None = None
+    spec: ViewSpec,
+    count: int,
+    buffer: torch.Tensor,
+    pool: KeepsViews | None = None,
+    host: torch.Tensor | None = None,
 ) -> list[Any]:
-    """The ``count`` buffer leaves ``spec`` describes, as views into ``buffer``."""
+    """The ``count`` buffer leaves ``spec`` describes, as views into ``buffer``.
+
+    The leaves that are not tensors (numpy arrays, bytes, str) come from ``host`` when
+    given: a host block of their bytes alone (``spec.host_spans``), which a buffer on a
+    GPU travels with, so that they need no copy back from the device.
+    """
     if buffer.storage_offset() % _MAX_ITEMSIZE:
         buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
     tensors = spec.pooled_views(buffer, pool)
     if not spec.others:
         return tensors
     values = spec.placed(tensors, count)
-    host: np.ndarray | None = None
+    if host is not None:
+        block = host.numpy()
+        for (i, (kind, code, shape, _off, n)), (_, _, pos) in zip(spec.others, spec.host_spans):
+            values[i] = _other(kind, code, shape, block[pos : pos + n])
+        return values
+    host_view: np.ndarray | None = None
     on_cpu = buffer.device.type == "cpu"
     for i, (kind, code, shape, off, n) in spec.others:
         if on_cpu:
-            if host is None:
+            if host_view is None:
                 # One holder view for all host leaves: it keeps the storage's use count up
                 # while any array views it, so a pooled buffer is not reused under them.
-                host = buffer[:].numpy()
-            piece = host[off : off + n]
+                host_view = buffer[:].numpy()
+            piece = host_view[off : off + n]
         else:
-            piece = buffer[off : off + n].cpu().numpy()
-        if kind == "ndarray":
-            values[i] = piece.view(numpy_dtype(code)).reshape(shape)
-        elif kind == "bytes":
-            values[i] = piece.tobytes()
-        else:
-            try:
-                values[i] = piece.tobytes().decode("utf-8", "surrogatepass")
-            except UnicodeDecodeError as e:
-                raise HeaderError(f"a str leaf holds invalid UTF-8: {e}") from None
+            piece = buffer[off : off + n].cpu().numpy()  # a copy back from the device
+        values[i] = _other(kind, code, shape, piece)
     return values
+
+
+def _other(kind: str, code: str, shape: Any, piece: np.ndarray) -> Any:
+    """A leaf that is not a tensor, from its bytes."""
+    if kind == "ndarray":
+        return piece.view(numpy_dtype(code)).reshape(shape)
+    if kind == "bytes":
+        return piece.tobytes()
+    try:
+        return piece.tobytes().decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError as e:
+        raise HeaderError(f"a str leaf holds invalid UTF-8: {e}") from None

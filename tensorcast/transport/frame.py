@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 #: How frames are laid out and follow one another; part of every setup agreement.
-FRAMES_VERSION = 6
+FRAMES_VERSION = 7
 INITIAL_CAPACITY = 4096
 #: The largest first message: larger payloads always follow in a message of their own.
 MAX_CAPACITY = 256 << 10

@@ -114,12 +114,15 @@ def make_wire(
     connect: datetime.timedelta,
     timeout: datetime.timedelta,
     device: torch.device | None,
+    name: str = "",
+    ranks: tuple[int, ...] = (),
 ) -> Wire:
     """The wire of a new group over ``store``: gloo heads, and payloads on gloo, or on an
     NCCL backend bound to ``device``, connected now and non-blocking (see the module).
 
     ``connect`` bounds how long the ranks wait for each other to connect; the group's
-    collectives then wait up to ``timeout``.
+    collectives then wait up to ``timeout``. ``name`` and ``ranks`` (global) name the
+    NCCL backend in torch's logs and flight-recorder dumps.
     """
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, connect)
     set_default = getattr(gloo, "_set_default_timeout", None)
@@ -130,6 +133,10 @@ def make_wire(
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     opts.is_high_priority_stream = False
+    if name and hasattr(opts, "group_name"):
+        opts.group_name = f"tensorcast:{name}"  # type: ignore[assignment]
+    if ranks and hasattr(opts, "global_ranks_in_group"):
+        opts.global_ranks_in_group = list(ranks)
     config = getattr(opts, "config", None)
     if config is not None and hasattr(config, "blocking"):
         config.blocking = 0  # abort() is safe with kernels in flight only when non-blocking
@@ -188,7 +195,14 @@ class World:
         name = ranks_name(ranks)
         store = dist.PrefixStore(f"group/{name}/", self.store)
         wire = make_wire(
-            store, local, len(ranks), connect=connect, timeout=self.timeout, device=self.device
+            store,
+            local,
+            len(ranks),
+            connect=connect,
+            timeout=self.timeout,
+            device=self.device,
+            name=name,
+            ranks=ranks,
         )
         for wrap in _wraps:
             wire = wrap(wire)

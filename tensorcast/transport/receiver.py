@@ -29,6 +29,7 @@ import torch
 from tensorcast._errors import DesyncError, HeaderError, PeerError, TensorcastError
 from tensorcast.codec import packed as _codec
 from tensorcast.codec import schema as _schema
+from tensorcast.codec import views as _views
 from tensorcast.codec.views import KeepsViews
 from tensorcast.transport.device import DevicePart, streams_for
 from tensorcast.transport.frame import (
@@ -64,6 +65,7 @@ class _Incoming:
     decoded: _schema.Decoded | None = None
     payload: torch.Tensor | None = None
     pool: KeepsViews | None = None
+    host: torch.Tensor | None = None  # a device frame's host block (``codec.views``)
 
 
 def _local(error: BaseException) -> None:
@@ -192,7 +194,13 @@ class Receiver:
         if cut.in_promise and buffer is not None:
             return _Incoming(prefix, cut, header, decoded, buffer, self._pool)
         if self._streams is not None:  # received when posted (NOTE [ Device work at next() ])
-            return _Incoming(prefix, cut, header, decoded)
+            spec = _views.view_spec(decoded)
+            host = None
+            if spec.others:  # the leaves that are not tensors travel on the host
+                host = torch.empty(spec.host_nbytes, dtype=torch.uint8)
+                if spec.host_nbytes:
+                    wire.head(host, root, timeout).wait(timeout)
+            return _Incoming(prefix, cut, header, decoded, host=host)
         payload = self._pool.take(n, wire.device)
         if n:
             wire.payload(payload, root, timeout).wait(timeout)
@@ -214,7 +222,8 @@ class Receiver:
             return Kind.ERROR, frame.header.decode("utf-8", "replace")
         self.last_nbytes = prefix.payload_len
         if payload is None:
-            return Kind.DATA, self._receive_on_device(decoded, prefix, expect, device, timeout)
+            part = self._receive_on_device(decoded, prefix, expect, device, timeout, frame.host)
+            return Kind.DATA, part
         if int(prefix.flags) & _CRC:
             self._check_crc(payload, prefix, expect)
         if device is not None and device != payload.device:
@@ -235,6 +244,7 @@ class Receiver:
         expect: Stamp,
         device: torch.device | None,
         timeout: datetime.timedelta,
+        host: torch.Tensor | None,
     ) -> DevicePart:
         streams = self._streams
         assert streams is not None
@@ -245,7 +255,7 @@ class Receiver:
                 self._check_crc(buffer, prefix, expect)
             if device is not None and device != buffer.device:
                 buffer = buffer.to(device)  # asked for another device than the wire's
-            return _codec.rebuild(decoded, buffer)
+            return _codec.rebuild(decoded, buffer, host=host)
 
         return DevicePart(
             streams,

@@ -31,6 +31,7 @@ import torch
 from tensorcast._errors import PeerError
 from tensorcast.codec import packed as _codec
 from tensorcast.codec import schema as _schema
+from tensorcast.codec import views as _views
 from tensorcast.codec.packed import Packed
 from tensorcast.transport.device import DevicePart, Streams, streams_for
 from tensorcast.transport.frame import (
@@ -80,6 +81,7 @@ class Outgoing:
     promised: torch.Tensor | None  # posted with the first message: the payload, or zeros
     header: torch.Tensor | None  # the spilled header, when it did not fit
     payload: torch.Tensor | None  # the payload, when it travels on its own
+    host_leaves: torch.Tensor | None = None  # a device frame's host block (codec.views)
 
 
 class Sender:
@@ -150,10 +152,10 @@ class Sender:
         wait = timeout or self._timeout
         if self._streams is not None:
             if isinstance(batch, Packed):
-                part, host = self._device_prepacked(batch, decoded, device, wait)
+                part, staging, block = self._device_prepacked(batch, decoded, device, wait)
             else:
-                part, host = self._device_packed(encoded, device, wait)
-            out = self._finish(message, frame, Kind.DATA, header, host, stamp, n)
+                part, staging, block = self._device_packed(encoded, device, wait)
+            out = self._finish(message, frame, Kind.DATA, header, staging, stamp, n, block)
             return out, part
         if frame.inline:
             payload = message.buffer[frame.payload_at : frame.payload_at + n]
@@ -228,29 +230,37 @@ class Sender:
 
     def _device_packed(
         self, encoded: _codec.Encoded, device: torch.device | None, timeout: datetime.timedelta
-    ) -> tuple[DevicePart, torch.Tensor | None]:
+    ) -> tuple[DevicePart, torch.Tensor | None, torch.Tensor | None]:
         """A tree for a device wire: packed into pinned staging here when it is on the
-        host, else (a CUDA batch) packed on the transfer stream when posted."""
+        host, else (a CUDA batch) packed on the transfer stream when posted. Its leaves
+        that are not tensors also travel on the host, as a host block (``codec.views``).
+
+        Returns the device part, the staging (the host copy of the payload, if any) and
+        the host block (None when every leaf is a tensor)."""
         streams = self._streams
         assert streams is not None
         n = encoded.nbytes
+        block = None
+        if encoded.layout.write_spec.others:
+            spec = encoded.layout.write_spec
+            block = encoded.host_block(self._staging.take(spec.host_nbytes, _CPU))
+        own = functools.partial(encoded.device_tree, host=block)
         if encoded.device.type == "cpu":
             staging = self._staging.take(n, _CPU)
             with torch.no_grad():
                 encoded.write(staging)
-            own = functools.partial(encoded.device_tree, host=staging)
-            part = self._part(n, own, device, timeout, fill=_upload_from(staging), kept=staging)
-            return part, staging
+            fill = _upload_from(staging)
+            return self._part(n, own, device, timeout, fill=fill, kept=staging), staging, block
 
         def write(buffer: torch.Tensor) -> None:
             with torch.no_grad():
-                encoded.write(buffer)
+                encoded.write(buffer, others=False)
+            if block is not None:
+                encoded.upload_others(buffer, block)
 
         ready = streams.record()  # the batch was made on this thread's stream
-        part = self._part(
-            n, encoded.device_tree, device, timeout, fill=write, kept=encoded, ready=ready
-        )
-        return part, None
+        kept = (encoded, block)
+        return self._part(n, own, device, timeout, fill=write, kept=kept, ready=ready), None, block
 
     def _device_prepacked(
         self,
@@ -258,31 +268,31 @@ class Sender:
         decoded: _schema.Decoded,
         device: torch.device | None,
         timeout: datetime.timedelta,
-    ) -> tuple[DevicePart, torch.Tensor | None]:
+    ) -> tuple[DevicePart, torch.Tensor | None, torch.Tensor | None]:
         """A :class:`Packed` for a device wire: a host buffer through pinned staging, a
-        buffer on the wire's device as it is (its views are this rank's tree)."""
+        buffer on the wire's device as it is (its views are this rank's tree); returns
+        as :meth:`_device_packed` does."""
         streams = self._streams
         assert streams is not None
         buffer, n = batch.buffer, decoded.nbytes
-        build = functools.partial(_codec.rebuild, decoded)
+        spec = _views.view_spec(decoded)
+        block = None
+        if spec.others:
+            out = self._staging.take(spec.host_nbytes, _CPU)
+            # A GPU buffer's other leaves come back to the host once, here (a sync).
+            block = _views.host_block(spec, buffer if buffer.is_cpu else buffer.cpu(), out)
+        build = functools.partial(_codec.rebuild, decoded, host=block)
         if buffer.is_cpu:
             staging = self._staging.take(n, _CPU).copy_(buffer)
-            part = self._part(n, build, device, timeout, fill=_upload_from(staging), kept=staging)
-            return part, staging
+            fill = _upload_from(staging)
+            return self._part(n, build, device, timeout, fill=fill, kept=staging), staging, block
+        ready = streams.record()  # the buffer was made on this thread's stream
         if buffer.is_inference() or buffer.device != streams.device:
-            source = buffer
-            part = self._part(
-                n,
-                build,
-                device,
-                timeout,
-                fill=_upload_from(source),
-                kept=source,
-                ready=streams.record(),
-            )
+            fill = _upload_from(buffer)
+            part = self._part(n, build, device, timeout, fill=fill, kept=buffer, ready=ready)
         else:
-            part = self._part(n, build, device, timeout, buffer=buffer, ready=streams.record())
-        return part, None
+            part = self._part(n, build, device, timeout, buffer=buffer, ready=ready)
+        return part, None, block
 
     def _part(
         self,
@@ -363,6 +373,7 @@ class Sender:
         payload: torch.Tensor | None,
         stamp: Stamp,
         nbytes: int = 0,
+        block: torch.Tensor | None = None,
     ) -> Outgoing:
         """Write the prefix and the header (the payload is in place already; on a device
         wire ``payload`` is its host staging, or None, and travels later)."""
@@ -386,7 +397,8 @@ class Sender:
             promised = payload
         elif frame.promised:  # a promise this frame cannot keep: its receivers drop these
             promised = torch.zeros(frame.promised, dtype=torch.uint8, device=self._device)
-        return Outgoing(frame, message, promised, spilled, separate)
+        host_leaves = block if block is not None and block.numel() else None
+        return Outgoing(frame, message, promised, spilled, separate, host_leaves)
 
     # -- phase 2: the collectives --------------------------------------------------------
 
@@ -419,6 +431,8 @@ class Sender:
                 promised.wait(timeout)
             if out.header is not None:
                 wire.head(out.header, root, timeout).wait(timeout)
+            if out.host_leaves is not None:  # a device frame's leaves that are not tensors
+                wire.head(out.host_leaves, root, timeout).wait(timeout)
             if out.payload is not None:
                 wire.payload(out.payload, root, timeout).wait(timeout)
         except RuntimeError as e:  # from the collective: a peer died or timed out

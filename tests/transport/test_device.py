@@ -222,3 +222,26 @@ def test_a_bad_crc_of_a_device_payload_is_raised_at_take_and_again() -> None:
     with pytest.raises(HeaderError, match="CRC32"):
         part.take()
     assert rgroup.lane.broken is None  # the frame is in whole: this step's error alone
+
+
+def test_leaves_that_are_not_tensors_travel_on_the_host_beside_a_device_payload() -> None:
+    """A device frame carries its numpy, bytes and str leaves in one more head message
+    (their host block), so that no receiver copies them back from the GPU."""
+    from tensorcast.codec import packed as _codec
+    from tensorcast.codec import views as _views
+
+    sender, receiver, sgroup, _ = device_pair()
+    tree = {
+        "x": torch.arange(100.0),
+        "feats": np.arange(30, dtype=np.float64).reshape(5, 6),
+        "text": "é" * 2000,
+        "raw": bytes(range(256)) * 8,
+    }
+    spec = _views.view_spec(_codec.read_prepacked(_codec.pack(tree)))
+    assert spec.host_nbytes > 0
+    log = sgroup.wire.log
+    own, got = run_both(sender, receiver, [tree, tree], ahead=1)
+    assert same(tree, own[1]) and same(tree, got[1])
+    heads = [n for kind, n in log if kind == "head"]
+    assert heads.count(spec.host_nbytes) == 2  # one host block per frame
+    assert not got[1]["feats"].flags.owndata  # a view of the block it came in, no copy

@@ -26,7 +26,14 @@ from tensorcast.transport.agreement import ranks_name
 from tensorcast.transport.channel import Channel, group_ranks, open_channel
 from tensorcast.transport.frame import Kind
 
-__all__ = ["broadcast", "broadcast_batch", "mesh_channel", "to_timedelta", "unpack_if_packed"]
+__all__ = [
+    "broadcast",
+    "broadcast_batch",
+    "mesh_channel",
+    "output_device",
+    "to_timedelta",
+    "unpack_if_packed",
+]
 
 _AVAILABLE = dist.is_available()  # fixed by how torch was built
 _ATTR = "_tensorcast_channels"  # on a mesh: its channels by axes
@@ -46,6 +53,19 @@ def _raise_for(kind: Kind, value: Any, src: int) -> None:
     if kind == Kind.ERROR:
         raise SourceError(f"source rank {src} reported: {value}")
     raise SourceError(f"source rank {src} ended the stream where a batch was expected")
+
+
+def output_device(device: torch.device | str | int | None) -> torch.device | None:
+    """Where output tensors land: ``device`` normalised, a bare ``"cuda"`` meaning this
+    rank's GPU: the one ``init_process_group(device_id=)`` bound, else the current one."""
+    if device is None:
+        return None
+    dev = torch.device(device) if not isinstance(device, int) else None
+    if dev is not None and dev.type == "cuda" and dev.index is None and _initialized():
+        bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+        if bound is not None and bound.type == "cuda":
+            return resolve_device(bound)
+    return resolve_device(device)
 
 
 def _initialized() -> bool:
@@ -95,7 +115,7 @@ def broadcast(
             "BroadcastingDataLoader are no-ops without it)"
         )
     wait = None if timeout is None else to_timedelta(timeout)
-    dev = None if device is None else resolve_device(device)
+    dev = None if device is None else output_device(device)
     channel = _broadcast_channel(group, src, wait)
     return _run(channel, tree, dev, wait)
 
@@ -119,7 +139,7 @@ def _run(
 # channel: a training loop calls with the same arguments every step, and the lookup below
 # (the group's ranks, tensorcast's state) is most of a tiny batch's cost on a receiver.
 # Weak references: a destroyed group is not kept alive by it.
-_last: tuple[Any, int, Any, Channel] | None = None
+_last: tuple[Any, int, Any, Any] | None = None
 
 
 def _broadcast_channel(group: Any, src: int, setup: datetime.timedelta | None = None) -> Channel:
@@ -131,8 +151,9 @@ def _broadcast_channel(group: Any, src: int, setup: datetime.timedelta | None = 
         and last[1] == src
         and last[2]() is default
         and (last[0] is None if group is None else last[0] is not None and last[0]() is group)
+        and (hit := last[3]()) is not None
     ):
-        return last[3]
+        return hit  # type: ignore[no-any-return]
     ranks = group_ranks(group, src)
     world = _groups.world()
     key = (ranks, src)
@@ -144,7 +165,13 @@ def _broadcast_channel(group: Any, src: int, setup: datetime.timedelta | None = 
             ranks_name(ranks), ranks, src, what, {"src": src}, setup_timeout=setup
         )
         world.broadcast_channels[key] = channel
-    _last = (None if group is None else weakref.ref(group), src, weakref.ref(default), channel)
+    # The channel too, weakly: it lives with its world, which goes with the default group.
+    _last = (
+        None if group is None else weakref.ref(group),
+        src,
+        weakref.ref(default),
+        weakref.ref(channel),
+    )
     return channel  # type: ignore[no-any-return]
 
 
@@ -220,7 +247,7 @@ def broadcast_batch(
     names = _mesh.normalize_axes(axes)
     if not _mesh.spanning_axes(device_mesh, names, what="tensorcast.broadcast_batch", stacklevel=2):
         return batch
-    dev = resolve_device(device)
+    dev = output_device(device)
     world = _groups.world()
     with _lock:
         cache: dict[tuple[str, ...], tuple[Any, Channel]] = device_mesh.__dict__.setdefault(

@@ -30,9 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorcast.codec.packed import resolve_device
 from tensorcast.loader import mesh as _mesh
-from tensorcast.loader.broadcast import mesh_channel, to_timedelta, unpack_if_packed
+from tensorcast.loader.broadcast import mesh_channel, output_device, to_timedelta, unpack_if_packed
 from tensorcast.loader.stats import WINDOW, LoaderStats, Recorder, timed
 from tensorcast.loader.steps import Pass, stateful
 from tensorcast.transport.agreement import ranks_name
@@ -105,7 +104,7 @@ class BroadcastingDataLoader:
             )
         self.source = source
         self.prefetch = prefetch
-        self.device = resolve_device(device)
+        self.device = output_device(device)
         self.axes = _mesh.normalize_axes(axes)
         self._channel: Channel | None = None
         self._passes = 0

@@ -195,6 +195,7 @@ class Pass:
         """The pass ended (END or ERROR): finish the steps owed, then raise the ending."""
         item = self._ending
         self.close()
+        self._lane.inflight.reap()  # let go of what the device is done with, here and now
         self._ending = None
         if isinstance(item, Failure):
             raise item.error

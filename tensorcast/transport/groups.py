@@ -131,7 +131,10 @@ def make_wire(
     if device is None:
         return GlooWire(gloo, rank)
     opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
+    # NCCL's watchdog ends the process when a collective outlives the group's timeout:
+    # give it twice the default group's, so that a channel's own deadline (NOTE [ Device
+    # work at next() ]) breaks the lane and raises PeerError first.
+    opts._timeout = 2 * timeout
     opts.is_high_priority_stream = False
     if name and hasattr(opts, "group_name"):
         opts.group_name = f"tensorcast:{name}"  # type: ignore[assignment]
@@ -225,6 +228,8 @@ def _worker_device(device: torch.device | None) -> int | None:
 
 def _shut_down(groups: dict[tuple[int, ...], Group]) -> None:
     for group in list(groups.values()):
+        group.lane.inflight.clear()  # what the device was reading goes, and so does the worker
+        group.lane.wake()
         with contextlib.suppress(Exception):
             group.wire.shutdown()
     groups.clear()

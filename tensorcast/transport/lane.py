@@ -157,6 +157,11 @@ class Lane:
         with self._lock:
             self._start_worker()
 
+    def wake(self) -> None:
+        """Wake the worker, if any, to look again (it leaves when nothing is left)."""
+        with self._lock:
+            self._cond.notify()
+
     def _start_worker(self) -> None:  # under the lock
         self._cond.notify()
         if self._worker is None:

@@ -36,7 +36,7 @@ from tensorcast.loader.stats import WINDOW, LoaderStats, Recorder, timed
 from tensorcast.loader.steps import Pass, stateful
 from tensorcast.transport.agreement import ranks_name
 from tensorcast.transport.channel import Channel, group_ranks, open_channel
-from tensorcast.transport.lane import Job
+from tensorcast.transport.job import Job
 
 __all__ = ["BroadcastingDataLoader"]
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from tensorcast.loader.jobs import End, Failure, Item, Steps, stateful
 from tensorcast.transport import interrupts as _interrupts
 from tensorcast.transport.channel import Channel
-from tensorcast.transport.lane import Job
+from tensorcast.transport.job import Job
 
 if TYPE_CHECKING:
     from tensorcast.loader.dataloader import BroadcastingDataLoader

@@ -12,6 +12,9 @@ fit (``frame`` cuts it, the same pure function on both sides; ``promise`` may po
 payload with the first message). ``sender`` writes and posts a frame; ``receiver`` reads
 it, validates it before allocating, and rebuilds the tree through the codec; ``wire`` is
 the small per-backend interface the collectives sit behind (gloo, NCCL), ``pool`` the
-reused buffers, ``liveness`` the source's heartbeat. This package imports the codec,
+reused buffers, ``liveness`` the source's heartbeat. On a GPU the lane's thread does host
+work only: a frame's device side (the upload, the NCCL payload, the stream waits) is a
+``device.DevicePart`` that ``staging`` makes and the caller's thread posts at ``next()``
+(NOTE [ Device work at next() ]). This package imports the codec,
 never the loader (``make lint`` checks it).
 """

@@ -20,6 +20,7 @@ travels and nothing waits on them: they are made after the posting, before the w
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ from tensorcast.codec import packed as _codec
 from tensorcast.codec import schema as _schema
 from tensorcast.codec import views as _views
 from tensorcast.codec.views import KeepsViews
-from tensorcast.transport.device import DevicePart, streams_for
+from tensorcast.transport.device import DevicePart
 from tensorcast.transport.frame import (
     PREFIX_SIZE,
     Flags,
@@ -44,12 +45,12 @@ from tensorcast.transport.frame import (
 from tensorcast.transport.groups import Group
 from tensorcast.transport.pool import BufferPool, FramePool, Message
 from tensorcast.transport.promise import Cutter
+from tensorcast.transport.staging import Staging
 from tensorcast.transport.wire import Posted
 
 __all__ = ["Receiver"]
 
 _CUT = int(Flags.INLINE | Flags.SPILL)
-_STAGING_BUFFERS = 4  # pinned staging kept, as on the source
 _CRC = int(Flags.CRC)
 _PROMISED = int(Flags.PROMISED)
 
@@ -66,10 +67,6 @@ class _Incoming:
     payload: torch.Tensor | None = None
     pool: KeepsViews | None = None
     host: torch.Tensor | None = None  # a device frame's host block (``codec.views``)
-
-
-def _local(error: BaseException) -> None:
-    """A failure of this rank's own upload, raised as it is (the frame is in whole)."""
 
 
 class Receiver:
@@ -99,9 +96,9 @@ class Receiver:
         self._diagnose = diagnose
         self._messages = FramePool()  # first messages
         self._pool = BufferPool()  # payloads that travel on their own
-        self._staging: BufferPool | None = None  # pinned, for a host payload put on a GPU
         #: the wire's device streams: a payload is then received by a DevicePart
         self._streams = group.wire.streams
+        self._parts = Staging(group, root, self._break)  # device parts of frames
         self._cutter = Cutter(group, promises=promises)
         self.last_nbytes = 0  # the last batch's payload, for the loader's stats
 
@@ -167,12 +164,7 @@ class Receiver:
         cut = self._plan(prefix, expect, promised)
         if posted is not None:
             posted.wait(timeout)  # the payload, or zeros where the promise was not kept
-        if cut.spill:
-            spilled = torch.empty(prefix.header_len, dtype=torch.uint8)
-            wire.head(spilled, root, timeout).wait(timeout)
-            header = spilled.numpy().tobytes()
-        else:
-            header = first.mem[PREFIX_SIZE : PREFIX_SIZE + prefix.header_len].tobytes()
+        header = self._header(first, prefix, cut, timeout)
         if prefix.kind != Kind.DATA:
             return _Incoming(prefix, cut, header)
         decoded = _schema.decode(header)  # validated before its sizes allocate anything
@@ -194,17 +186,34 @@ class Receiver:
         if cut.in_promise and buffer is not None:
             return _Incoming(prefix, cut, header, decoded, buffer, self._pool)
         if self._streams is not None:  # received when posted (NOTE [ Device work at next() ])
-            spec = _views.view_spec(decoded)
-            host = None
-            if spec.others:  # the leaves that are not tensors travel on the host
-                host = torch.empty(spec.host_nbytes, dtype=torch.uint8)
-                if spec.host_nbytes:
-                    wire.head(host, root, timeout).wait(timeout)
-            return _Incoming(prefix, cut, header, decoded, host=host)
+            return _Incoming(prefix, cut, header, decoded, host=self._host_block(decoded, timeout))
         payload = self._pool.take(n, wire.device)
         if n:
             wire.payload(payload, root, timeout).wait(timeout)
         return _Incoming(prefix, cut, header, decoded, payload, self._pool)
+
+    def _header(
+        self, first: Message, prefix: Prefix, cut: FramePlan, timeout: datetime.timedelta
+    ) -> bytes:
+        """The frame's header: in its first message, or spilled into a message of its own."""
+        if not cut.spill:
+            return first.mem[PREFIX_SIZE : PREFIX_SIZE + prefix.header_len].tobytes()
+        spilled = torch.empty(prefix.header_len, dtype=torch.uint8)
+        self._group.wire.head(spilled, self._root, timeout).wait(timeout)
+        return spilled.numpy().tobytes()
+
+    def _host_block(
+        self, decoded: _schema.Decoded, timeout: datetime.timedelta
+    ) -> torch.Tensor | None:
+        """A device frame's leaves that are not tensors, which travel on the host (their
+        host block, ``codec.views``); None when every leaf is a tensor."""
+        spec = _views.view_spec(decoded)
+        if not spec.others:
+            return None
+        host = torch.empty(spec.host_nbytes, dtype=torch.uint8)
+        if spec.host_nbytes:
+            self._group.wire.head(host, self._root, timeout).wait(timeout)
+        return host
 
     def _open(
         self,
@@ -227,7 +236,8 @@ class Receiver:
         if int(prefix.flags) & _CRC:
             self._check_crc(payload, prefix, expect)
         if device is not None and device != payload.device:
-            return Kind.DATA, self._upload(decoded, payload, device, timeout)
+            build = functools.partial(_codec.rebuild, decoded)
+            return Kind.DATA, self._parts.upload(payload, device, build, timeout)
         return Kind.DATA, _codec.rebuild(decoded, payload, pool=frame.pool)
 
     def _check_crc(self, payload: torch.Tensor, prefix: Prefix, expect: Stamp) -> None:
@@ -246,50 +256,12 @@ class Receiver:
         timeout: datetime.timedelta,
         host: torch.Tensor | None,
     ) -> DevicePart:
-        streams = self._streams
-        assert streams is not None
-        wire, root, n = self._group.wire, self._root, prefix.payload_len
-
         def build(buffer: torch.Tensor) -> Any:
             if int(prefix.flags) & _CRC:  # verify=True: one copy to the host
                 self._check_crc(buffer, prefix, expect)
-            if device is not None and device != buffer.device:
-                buffer = buffer.to(device)  # asked for another device than the wire's
             return _codec.rebuild(decoded, buffer, host=host)
 
-        return DevicePart(
-            streams,
-            n,
-            build,
-            send=(lambda buffer: wire.payload(buffer, root, timeout)) if n else None,
-            inflight=self._group.lane.inflight,
-            timeout_s=timeout.total_seconds(),
-            on_error=self._break,
-        )
-
-    def _upload(
-        self,
-        decoded: _schema.Decoded,
-        payload: torch.Tensor,
-        device: torch.device,
-        timeout: datetime.timedelta,
-    ) -> DevicePart:
-        """A host payload for a GPU (``device="cuda"`` on a host wire): through pinned
-        staging here, uploaded on the caller's thread when posted."""
-        streams = streams_for(device)
-        if self._staging is None:
-            self._staging = BufferPool(max_buffers=_STAGING_BUFFERS, allocate=streams.host)
-        staging = self._staging.take(payload.numel(), torch.device("cpu")).copy_(payload)
-        return DevicePart(
-            streams,
-            payload.numel(),
-            lambda buffer: _codec.rebuild(decoded, buffer),
-            fill=lambda buffer: buffer.copy_(staging, non_blocking=True),
-            kept=staging,
-            inflight=self._group.lane.inflight,
-            timeout_s=timeout.total_seconds(),
-            on_error=_local,
-        )
+        return self._parts.part(prefix.payload_len, build, device, timeout)
 
     def _plan(self, prefix: Prefix, expect: Stamp, promised: int) -> FramePlan:
         """The frame's plan, once its prefix is the expected step's and cut as its own

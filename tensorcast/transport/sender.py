@@ -31,9 +31,7 @@ import torch
 from tensorcast._errors import PeerError
 from tensorcast.codec import packed as _codec
 from tensorcast.codec import schema as _schema
-from tensorcast.codec import views as _views
 from tensorcast.codec.packed import Packed
-from tensorcast.transport.device import DevicePart, Streams, streams_for
 from tensorcast.transport.frame import (
     MAX_ERROR_BYTES,
     PREFIX_SIZE,
@@ -47,29 +45,13 @@ from tensorcast.transport.frame import (
 from tensorcast.transport.groups import Group
 from tensorcast.transport.pool import BufferPool, FramePool, Message
 from tensorcast.transport.promise import Cutter
+from tensorcast.transport.staging import Staging
 
 __all__ = ["Outgoing", "Sender"]
 
 # A pre-packed buffer up to this size is copied into a pooled one (see Sender._prepacked).
 _COPY_BELOW = 1 << 20
-_CPU = torch.device("cpu")
-# Pinned staging buffers kept: one per frame between its packing and its upload's end.
-_STAGING_BUFFERS = 4
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default process group timeout
-
-
-def _upload_from(source: torch.Tensor) -> Any:
-    """A fill that copies ``source`` into the buffer, on the transfer stream."""
-    return lambda buffer: buffer.copy_(source, non_blocking=True)
-
-
-def _local(error: BaseException) -> None:
-    """A failure of this rank's own copy, raised as it is."""
-
-
-def _on_device(build: Any, device: torch.device) -> Any:
-    """``build``, its tree made from a copy of the buffer on ``device`` (asked for)."""
-    return lambda buffer: build(buffer.to(device))
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,12 +93,7 @@ class Sender:
         #: the wire's device streams: payloads are then posted by DevicePart
         self._streams = group.wire.streams
         self._pool = BufferPool()  # payloads that travel on their own
-        self._staging = (  # pinned staging of host batches for a device wire
-            BufferPool(max_buffers=_STAGING_BUFFERS, allocate=self._streams.host)
-            if self._streams is not None
-            else self._pool
-        )
-        self._upload_staging: BufferPool | None = None  # see _upload
+        self._parts = Staging(group, root, self._failed)  # device parts of frames
         self._messages = FramePool()  # first messages
         self._layout: _codec.Layout | None = None  # the last batch's, reused when it repeats
         self._cutter = Cutter(group, promises=promises)  # frames as they are sent
@@ -152,9 +129,9 @@ class Sender:
         wait = timeout or self._timeout
         if self._streams is not None:
             if isinstance(batch, Packed):
-                part, staging, block = self._device_prepacked(batch, decoded, device, wait)
+                part, staging, block = self._parts.prepacked(batch, decoded, device, wait)
             else:
-                part, staging, block = self._device_packed(encoded, device, wait)
+                part, staging, block = self._parts.packed(encoded, device, wait)
             out = self._finish(message, frame, Kind.DATA, header, staging, stamp, n, block)
             return out, part
         if frame.inline:
@@ -176,7 +153,7 @@ class Sender:
                 build = functools.partial(_codec.rebuild, decoded)
             else:
                 build = encoded.view_tree
-            own = self._upload(payload, device, build, wait)
+            own = self._parts.upload(payload, device, build, wait)
         return out, own
 
     def end(self, stamp: Stamp) -> Outgoing:
@@ -225,123 +202,6 @@ class Sender:
         elif payload.is_inference():
             payload = payload.clone()  # this rank's tree must not be made of inference tensors
         return payload, _codec.rebuild(decoded, payload)
-
-    # -- device frames (NOTE [ Device work at next() ]): host work here, the rest later --
-
-    def _device_packed(
-        self, encoded: _codec.Encoded, device: torch.device | None, timeout: datetime.timedelta
-    ) -> tuple[DevicePart, torch.Tensor | None, torch.Tensor | None]:
-        """A tree for a device wire: packed into pinned staging here when it is on the
-        host, else (a CUDA batch) packed on the transfer stream when posted. Its leaves
-        that are not tensors also travel on the host, as a host block (``codec.views``).
-
-        Returns the device part, the staging (the host copy of the payload, if any) and
-        the host block (None when every leaf is a tensor)."""
-        streams = self._streams
-        assert streams is not None
-        n = encoded.nbytes
-        block = None
-        if encoded.layout.write_spec.others:
-            spec = encoded.layout.write_spec
-            block = encoded.host_block(self._staging.take(spec.host_nbytes, _CPU))
-        own = functools.partial(encoded.device_tree, host=block)
-        if encoded.device.type == "cpu":
-            staging = self._staging.take(n, _CPU)
-            with torch.no_grad():
-                encoded.write(staging)
-            fill = _upload_from(staging)
-            return self._part(n, own, device, timeout, fill=fill, kept=staging), staging, block
-
-        def write(buffer: torch.Tensor) -> None:
-            with torch.no_grad():
-                encoded.write(buffer, others=False)
-            if block is not None:
-                encoded.upload_others(buffer, block)
-
-        ready = streams.record()  # the batch was made on this thread's stream
-        kept = (encoded, block)
-        return self._part(n, own, device, timeout, fill=write, kept=kept, ready=ready), None, block
-
-    def _device_prepacked(
-        self,
-        batch: Packed,
-        decoded: _schema.Decoded,
-        device: torch.device | None,
-        timeout: datetime.timedelta,
-    ) -> tuple[DevicePart, torch.Tensor | None, torch.Tensor | None]:
-        """A :class:`Packed` for a device wire: a host buffer through pinned staging, a
-        buffer on the wire's device as it is (its views are this rank's tree); returns
-        as :meth:`_device_packed` does."""
-        streams = self._streams
-        assert streams is not None
-        buffer, n = batch.buffer, decoded.nbytes
-        spec = _views.view_spec(decoded)
-        block = None
-        if spec.others:
-            out = self._staging.take(spec.host_nbytes, _CPU)
-            # A GPU buffer's other leaves come back to the host once, here (a sync).
-            block = _views.host_block(spec, buffer if buffer.is_cpu else buffer.cpu(), out)
-        build = functools.partial(_codec.rebuild, decoded, host=block)
-        if buffer.is_cpu:
-            staging = self._staging.take(n, _CPU).copy_(buffer)
-            fill = _upload_from(staging)
-            return self._part(n, build, device, timeout, fill=fill, kept=staging), staging, block
-        ready = streams.record()  # the buffer was made on this thread's stream
-        if buffer.is_inference() or buffer.device != streams.device:
-            fill = _upload_from(buffer)
-            part = self._part(n, build, device, timeout, fill=fill, kept=buffer, ready=ready)
-        else:
-            part = self._part(n, build, device, timeout, buffer=buffer, ready=ready)
-        return part, None, block
-
-    def _part(
-        self,
-        n: int,
-        build: Any,
-        device: torch.device | None,
-        timeout: datetime.timedelta,
-        **work: Any,
-    ) -> DevicePart:
-        """The device side of a frame of ``n`` payload bytes: ``work`` fills the buffer,
-        then the payload goes to the receivers; ``build`` makes this rank's tree of it."""
-        streams = self._streams
-        assert streams is not None
-        wire, root = self._group.wire, self._root
-        if device is not None and device != streams.device:
-            build = _on_device(build, device)
-        return DevicePart(
-            streams,
-            n,
-            build,
-            send=(lambda buffer: wire.payload(buffer, root, timeout)) if n else None,
-            inflight=self._group.lane.inflight,
-            timeout_s=timeout.total_seconds(),
-            on_error=self._failed,
-            **work,
-        )
-
-    def _upload(
-        self, payload: torch.Tensor, device: torch.device, build: Any, timeout: datetime.timedelta
-    ) -> DevicePart:
-        """This rank's tree on ``device`` (a host wire's source asked for CUDA tensors):
-        the payload through pinned staging, uploaded when posted."""
-        streams = streams_for(device)
-        staging = self._staging_for(streams).take(payload.numel(), _CPU).copy_(payload)
-        return DevicePart(
-            streams,
-            payload.numel(),
-            build,
-            fill=_upload_from(staging),
-            kept=staging,
-            inflight=self._group.lane.inflight,
-            timeout_s=timeout.total_seconds(),
-            on_error=_local,  # the frame went out whole: a failure here is this rank's
-        )
-
-    def _staging_for(self, streams: Streams) -> BufferPool:
-        if self._upload_staging is None:
-            self._upload_staging = BufferPool(max_buffers=_STAGING_BUFFERS, allocate=streams.host)
-        return self._upload_staging
 
     def _message(self, frame: FramePlan) -> Message:
         """A first message for ``frame``, every byte zero but where the frame writes: no

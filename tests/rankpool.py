@@ -78,7 +78,8 @@ def in_a_new_process_group(
         try:
             return fn(rank, world, *args, **kwargs)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # a rank function may have torn it down itself
+                dist.destroy_process_group()
             # Free tensorcast's groups of this default group here, not in some thread of
             # the next call: gloo waits for a pending operation when its group is freed.
             gc.collect()

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from taps import WireTap, tapped
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 import tensorcast as tc
 from tensorcast.transport import groups as _groups
-from tensorcast.transport import wire as _wire
 
 TIMEOUT = 120.0
 # Loaders whose ranks could fall out of step get a collective timeout, so a desync fails
@@ -551,25 +551,25 @@ def _rank_agreements_leave_no_keys(rank: int, world: int) -> int:
     return store.num_keys() - before
 
 
-def _with_audio(rank: int, world: int, floats: int, fn: Any, *args: Any) -> tuple[Any, int]:
+@tapped
+def _with_audio(
+    rank: int, world: int, tap: WireTap, floats: int, fn: Any, *args: Any
+) -> tuple[Any, int]:
     """``fn`` with ``floats`` of audio in every batch: a payload that follows the first
     message, one after another of the same layout. Returns what ``fn`` returned, and how
     many payload messages this rank took part in."""
-    real = _wire.GlooWire.payload
     payloads = 0
 
-    def payload(wire: Any, *more: Any) -> Any:
+    def payload(wire: Any, tensor: Any, root: int) -> None:
         nonlocal payloads
         payloads += 1
-        return real(wire, *more)
 
     _AUDIO[0] = floats
-    _wire.GlooWire.payload = payload  # type: ignore[method-assign]
     try:
-        return fn(rank, world, *args), payloads
+        with tap.hook("payload", before=payload):
+            return fn(rank, world, *args), payloads
     finally:
         _AUDIO[0] = 0
-        _wire.GlooWire.payload = real  # type: ignore[method-assign]
 
 
 # -- tests ----------------------------------------------------------------------------------

@@ -26,6 +26,10 @@ import tensorcast as tc
 from tensorcast.transport import groups as _groups
 
 TIMEOUT = 120.0
+#: the loader's timeout where a rank ends up waiting it out: a receiver whose source broke
+#: its channel (its peers' waits are not cut short on every torch), a rank whose peer
+#: raised before it came; ample for a frame or a setup on a loaded machine
+SHORT = 5.0
 N = 5  # batches per pass
 
 
@@ -223,7 +227,7 @@ def _rank_signal_mid_frame(rank: int, world: int, tap: WireTap) -> dict[int, lis
                     group=dist.group.WORLD,
                     src=0,
                     prefetch=prefetch,
-                    timeout=10.0,
+                    timeout=SHORT,
                 )
                 it = iter(loader)
                 while True:
@@ -255,7 +259,7 @@ def test_a_signal_mid_frame_never_shifts_the_stream(pool2: Any) -> None:
 def _rank_disagreeing_setups(rank: int, world: int) -> list[str]:
     out = []
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
-    short = 10.0
+    short = SHORT
     cases = {
         "prefetch": dict(prefetch=rank % 2),
         "axes": dict(axes=("tp",) if rank == 3 else ("cp", "tp")),

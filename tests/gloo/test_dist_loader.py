@@ -553,23 +553,27 @@ def _rank_agreements_leave_no_keys(rank: int, world: int) -> int:
 
 @tapped
 def _with_audio(
-    rank: int, world: int, tap: WireTap, floats: int, fn: Any, *args: Any
-) -> tuple[Any, int]:
-    """``fn`` with ``floats`` of audio in every batch: a payload that follows the first
-    message, one after another of the same layout. Returns what ``fn`` returned, and how
-    many payload messages this rank took part in."""
-    payloads = 0
+    rank: int, world: int, tap: WireTap, floats: int, calls: list[tuple[Any, tuple[Any, ...]]]
+) -> list[tuple[Any, int]]:
+    """Each ``fn(rank, world, *args)`` of ``calls`` in turn, with ``floats`` of audio in
+    every batch: a payload that follows the first message, one after another of the same
+    layout. Returns, for each, what ``fn`` returned and how many payload messages this
+    rank took part in while it ran."""
+    payloads = [0]
 
     def payload(wire: Any, tensor: Any, root: int) -> None:
-        nonlocal payloads
-        payloads += 1
+        payloads[-1] += 1
 
+    out = []
     _AUDIO[0] = floats
     try:
         with tap.hook("payload", before=payload):
-            return fn(rank, world, *args), payloads
+            for fn, args in calls:
+                out.append((fn(rank, world, *args), payloads[-1]))
+                payloads.append(0)
     finally:
         _AUDIO[0] = 0
+    return out
 
 
 # -- tests ----------------------------------------------------------------------------------
@@ -617,13 +621,14 @@ def test_batches_with_payloads_end_fail_break_and_resume_cleanly(pool4: Any, flo
     """Batches whose payload follows the first message: every way a pass can turn out (the
     end of a pass, a failing or unencodable batch, a break, a resumed or new pass) keeps
     the ranks in step, as it does with batches that travel in one message."""
-    for fn, args in (
+    calls = [
         (_rank_lockstep, ()),
         (_rank_source_failures, ()),
         (_rank_resume, ()),
-        (_rank_break, (1,)),
-    ):
-        results = pool4.run(_with_audio, floats, fn, *args, timeout=TIMEOUT)
+        (_rank_break, (1,)),  # last: it tears the process group down
+    ]
+    every_rank = pool4.run(_with_audio, floats, calls, timeout=TIMEOUT)
+    for (fn, _), results in zip(calls, zip(*every_rank, strict=True), strict=True):
         for rank, (_, payloads) in enumerate(results):
             assert payloads > 0, f"{fn.__name__}: no payload message on rank {rank}"
         if fn is _rank_source_failures:

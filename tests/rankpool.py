@@ -35,9 +35,10 @@ _ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "
 _PRELOAD = ["torch", "torch.distributed", "numpy"]
 
 
-def _context() -> Any:
-    """Forked from a server that imported torch once (a rank then starts in a fraction of
-    a second, and exits without tearing an interpreter down), else spawned."""
+def start_context() -> Any:
+    """How test ranks start: forked from a server that imported torch once (a rank then
+    starts in a fraction of a second, and exits without tearing an interpreter down),
+    else spawned."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -136,7 +137,7 @@ class RankPool:
     def __init__(self, world_size: int, *, pg_timeout: float = 60.0) -> None:
         self.world_size = world_size
         self.pg_timeout = pg_timeout
-        self._ctx = _context()
+        self._ctx = start_context()
         self._dir = tempfile.mkdtemp(prefix="tensorcast-ranks-")
         self._procs: list[Any] = []
         self._tasks: list[Any] = []

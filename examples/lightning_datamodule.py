@@ -12,6 +12,11 @@ its batches (one source rank per pair), as under a tensor-parallel strategy, and
 ``training_step`` runs an ``all_reduce`` on the tp group. ``val_dataloader()`` returns a
 dict of two loaders, which Lightning wraps in a ``CombinedLoader``.
 
+Each training step logs the data stall, the time it waited for its batch, with
+``self.log`` (``loader.stats(last=10)``: a stall near 0 means data loading is not the
+bottleneck), and the train loader's ``log_every`` writes a line to the ``tensorcast``
+logger on each source rank at the end of every epoch.
+
 The run fits 2 epochs with a checkpoint in the middle of epoch 1, then fits again from that
 checkpoint in a fresh Trainer, model and datamodule. What Lightning 2.x does with the loaders:
 
@@ -108,10 +113,12 @@ class ResumableDistributedSampler(DistributedSampler[Any]):
 class BroadcastDataModule(L.LightningDataModule):
     def __init__(self, steps_per_epoch: int, batch_size: int = 2) -> None:
         super().__init__()
+        self.steps_per_epoch = steps_per_epoch
         self.batch_size = batch_size
         self.train_set = Regression(2 * steps_per_epoch * batch_size)  # 2 DP slots
         self.val_sets = {"clean": Regression(8, 1000), "noisy": Regression(12, 2000)}
         self.mesh: Any = None
+        self.train_loader: tc.BroadcastingDataLoader | None = None
 
     def setup(self, stage: str) -> None:
         # Lightning has initialised the process group by now, on every rank.
@@ -124,10 +131,14 @@ class BroadcastDataModule(L.LightningDataModule):
             kind = ResumableDistributedSampler if train else DistributedSampler
             sampler = kind(ds, num_replicas=dp_size, rank=dp_rank, shuffle=train, seed=0)
             source = DataLoader(ds, self.batch_size, sampler=sampler, num_workers=0)
-        return tc.BroadcastingDataLoader(source, device_mesh=self.mesh, axes=TP, prefetch=1)
+        log_every = self.steps_per_epoch if train else None  # a line per epoch, on the source
+        return tc.BroadcastingDataLoader(
+            source, device_mesh=self.mesh, axes=TP, prefetch=1, log_every=log_every
+        )
 
     def train_dataloader(self) -> tc.BroadcastingDataLoader:
-        return self._loader(self.train_set, train=True)
+        self.train_loader = self._loader(self.train_set, train=True)
+        return self.train_loader
 
     def val_dataloader(self) -> dict[str, tc.BroadcastingDataLoader]:
         return {name: self._loader(ds, train=False) for name, ds in self.val_sets.items()}
@@ -139,6 +150,7 @@ class TinyModel(L.LightningModule):
         self.layer = torch.nn.Linear(FEATURES, 1)
         self.train_ids: list[list[int]] = []  # the sample ids of each step, in order
         self.val_batches: Counter[int] = Counter()
+        self.stall_logged = False
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         # A collective of the model's own between two batches of the loader: the tp pair
@@ -149,7 +161,14 @@ class TinyModel(L.LightningModule):
         if total != dist.get_world_size(tp_group) * batch["idx"].sum():
             raise RuntimeError(f"the tp group holds different batches at step {batch_idx}")
         self.train_ids.append(batch["idx"].tolist())
+        # The data stall of the last 10 steps, this one included.
+        recent = self.trainer.datamodule.train_loader.stats(last=10).recent
+        self.log("data_stall_ms", recent.stall.median * 1e3, on_step=True)
+        self.log("data_stall_share", recent.stall_share, on_step=True)
         return torch.nn.functional.mse_loss(self.layer(batch["x"]), batch["y"])
+
+    def on_train_end(self) -> None:
+        self.stall_logged = "data_stall_ms" in self.trainer.callback_metrics
 
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self.val_batches[dataloader_idx] += 1
@@ -183,6 +202,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 steps per epoch, for tests")
     args = parser.parse_args()
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("tensorcast").setLevel(logging.INFO)  # the loader's log_every lines
     created = WORKDIR not in os.environ  # the launching process, not a rank Lightning started
     if created:
         os.environ[WORKDIR] = tempfile.mkdtemp(prefix="tensorcast-lightning-")
@@ -192,6 +213,8 @@ def main() -> None:
     every = steps + steps // 2  # one checkpoint, in the middle of epoch 1
     dm = BroadcastDataModule(steps)
     whole = fit(dm, workdir, every, None)
+    assert dm.train_loader is not None
+    stall = dm.train_loader.stats()  # the last pass: epoch 1
     ckpt = os.path.join(workdir, "mid.ckpt")
     resumed = fit(BroadcastDataModule(steps), workdir, every, ckpt)  # as after a restart
 
@@ -215,6 +238,9 @@ def main() -> None:
         print(f"same batches within each tp pair: {same_in_tp}")
         print(f"validation batches per loader: {val}")
         print(f"resume exact: {bool(flags[0])} ({len(resumed.train_ids)} steps after resuming)")
+        print(f"data stall logged with self.log: {whole.stall_logged}")
+        print(f"data stall over epoch 1's {stall.steps} steps: {stall.stall.median * 1e3:.1f} ms "
+              f"median, {100 * stall.stall_share:.0f}% of the step")  # fmt: skip
         if created:
             shutil.rmtree(workdir, ignore_errors=True)
 

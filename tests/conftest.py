@@ -1,4 +1,4 @@
-"""Shared fixtures: one pool of spawned gloo ranks per world size, for the whole session.
+"""Shared fixtures: one pool of local gloo ranks per world size, for the whole session.
 
 Multi-process tests take ``pool2`` / ``pool4`` / ``pool8`` and call
 ``pool.run(rank_fn, *args, timeout=...)``; see ``rankpool.py``.

@@ -1,9 +1,10 @@
 """A reusable pool of local ranks on a real gloo group, for multi-process tests.
 
-Spawning ranks is slow (each imports torch), so a pool spawns ``world_size`` processes
-once and then runs many test functions on them. Every call has a hard timeout: a hang
-kills the pool (it is re-spawned on the next call) and fails the test with what each
-rank had reported. No fixed ports: ranks meet through a FileStore in a temp dir, and
+Starting ranks is slow, so a pool starts ``world_size`` processes once and then runs many
+test functions on them; each is forked from a server process that imported torch once
+for all of them (``forkserver``), rather than spawned to import torch again (seconds
+each on a busy machine). Every call has a hard timeout: a hang kills the pool (it is
+re-started on the next call) and fails the test with what each rank had reported. No fixed ports: ranks meet through a FileStore in a temp dir, and
 gloo binds ephemeral loopback ports.
 
     pool = RankPool(4)
@@ -30,6 +31,19 @@ from dataclasses import dataclass
 from typing import Any
 
 _ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+#: what the fork server imports before it forks any rank: no threads, no process group
+_PRELOAD = ["torch", "torch.distributed", "numpy"]
+
+
+def start_context() -> Any:
+    """How test ranks start: forked from a server that imported torch once (a rank then
+    starts in a fraction of a second, and exits without tearing an interpreter down),
+    else spawned."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs: the same list
+    return ctx
 
 
 @dataclass(frozen=True)
@@ -78,7 +92,8 @@ def in_a_new_process_group(
         try:
             return fn(rank, world, *args, **kwargs)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # a rank function may have torn it down itself
+                dist.destroy_process_group()
             # Free tensorcast's groups of this default group here, not in some thread of
             # the next call: gloo waits for a pending operation when its group is freed.
             gc.collect()
@@ -112,7 +127,7 @@ def _worker(rank: int, world: int, tasks: Any, results: Any) -> None:
 
 
 class RankPool:
-    """``world_size`` spawned ranks that run test functions on a gloo group.
+    """``world_size`` local ranks that run test functions on a gloo group.
 
     Args:
         world_size: how many ranks.
@@ -122,7 +137,7 @@ class RankPool:
     def __init__(self, world_size: int, *, pg_timeout: float = 60.0) -> None:
         self.world_size = world_size
         self.pg_timeout = pg_timeout
-        self._ctx = mp.get_context("spawn")
+        self._ctx = start_context()
         self._dir = tempfile.mkdtemp(prefix="tensorcast-ranks-")
         self._procs: list[Any] = []
         self._tasks: list[Any] = []
@@ -163,7 +178,7 @@ class RankPool:
 
         Raises:
             RankFailure: a rank raised, died (unless ``allow_death``) or did not finish
-                within ``timeout`` seconds. The pool is re-spawned after a hang or death.
+                within ``timeout`` seconds. The pool is re-started after a hang or death.
         """
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self._kill()

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.serialization
+from taps import WireTap, tapped
 from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import init_device_mesh
 from trees import tensors_of
@@ -293,16 +294,18 @@ MESSAGES = [("tiny", 1, 0), ("large", 1, 1), ("big_header", 2, 0)]
 
 class CountMessages:
     """Counts the messages tensorcast moves while in a ``with``: ``log`` names each one
-    (``"head"`` or ``"payload"``: every message goes through ``GlooWire.head`` or
-    ``GlooWire.payload``), ``calls`` is how many; ``ops`` counts the operations this rank
-    posts on process groups for them (how many ``broadcast``, ``send`` and ``recv``)."""
+    (``"head"`` or ``"payload"``: every message goes through a wire's ``head`` or
+    ``payload``, which ``tap`` sees), ``calls`` is how many; ``ops`` counts the operations
+    this rank posts on torch's gloo backends for them (how many ``broadcast``, ``send`` and
+    ``recv``)."""
 
     OPS = ("broadcast", "send", "recv")
     BACKEND = distributed_c10d.ProcessGroupGloo.__mro__[1]  # the C++ Backend, which has them
 
-    def __init__(self, before_head: Callable[..., None] | None = None) -> None:
+    def __init__(self, tap: WireTap, before_head: Callable[..., None] | None = None) -> None:
         self.log: list[str] = []
         self.ops: dict[str, int] = {}
+        self._tap = tap
         self._before_head = before_head  # sees every head before it travels
 
     @property
@@ -311,21 +314,17 @@ class CountMessages:
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[CountMessages]:
-        wire = {name: _wire.GlooWire.__dict__[name] for name in ("head", "payload")}
         group_ops = {op: self.BACKEND.__dict__[op] for op in self.OPS}  # descriptors
         self.log = []
         self.ops = dict.fromkeys(self.OPS, 0)
 
-        def logged(name: str) -> Callable[..., Any]:
-            real = wire[name]
+        def head(wire: Any, *args: Any) -> None:
+            self.log.append("head")
+            if self._before_head is not None:
+                self._before_head(wire, *args)
 
-            def call(w: Any, *args: Any) -> Any:
-                self.log.append(name)
-                if name == "head" and self._before_head is not None:
-                    self._before_head(w, *args)
-                return real(w, *args)
-
-            return call
+        def payload(wire: Any, *args: Any) -> None:
+            self.log.append("payload")
 
         def counted(op: str) -> Callable[..., Any]:
             original = getattr(self.BACKEND, op)
@@ -336,15 +335,12 @@ class CountMessages:
 
             return call
 
-        for name in wire:
-            setattr(_wire.GlooWire, name, logged(name))
         for op in self.OPS:
             setattr(self.BACKEND, op, counted(op))
         try:
-            yield self
+            with self._tap.hook("head", before=head), self._tap.hook("payload", before=payload):
+                yield self
         finally:
-            for name, real in wire.items():
-                setattr(_wire.GlooWire, name, real)
             for op, descriptor in group_ops.items():
                 setattr(self.BACKEND, op, descriptor)
 
@@ -413,8 +409,11 @@ def expect_unsupported_everywhere(rank: int, src: int, send: Callable[[Any], Any
 # -- rank functions -----------------------------------------------------------------------
 
 
-def _rank_two(rank: int, world: int) -> tuple[dict[str, Any], dict[str, dict[str, int]]]:
-    counter = CountMessages()
+@tapped
+def _rank_two(
+    rank: int, world: int, tap: WireTap
+) -> tuple[dict[str, Any], dict[str, dict[str, int]]]:
+    counter = CountMessages(tap)
     found: dict[str, Any] = {}
     ops: dict[str, dict[str, int]] = {}  # this rank's, which differ between ranks
     kept: list[tuple[str, Any]] = []
@@ -495,7 +494,8 @@ def _rank_two(rank: int, world: int) -> tuple[dict[str, Any], dict[str, dict[str
     return found, ops
 
 
-def _rank_four(rank: int, world: int) -> dict[str, Any]:
+@tapped
+def _rank_four(rank: int, world: int, tap: WireTap) -> dict[str, Any]:
     found: dict[str, Any] = {}
 
     # 2-D ("cp", "tp") mesh: one flattened group of 4, created on the first call only.
@@ -516,7 +516,7 @@ def _rank_four(rank: int, world: int) -> dict[str, Any]:
     assert tensorcast_groups() == made, "broadcast_batch made a group after the first call"
     assert (0, 1, 2, 3) in made
     found["2d"] = outs
-    counter = CountMessages()
+    counter = CountMessages(tap)
     for name in ("tiny", "large"):
         with counter():
             out = tc.broadcast_batch(CASES[name]() if rank == 0 else None, mesh)
@@ -582,7 +582,8 @@ def _rank_four(rank: int, world: int) -> dict[str, Any]:
     return found
 
 
-def _rank_dp_slots(rank: int, world: int) -> list[tuple[int, int]]:
+@tapped
+def _rank_dp_slots(rank: int, world: int, tap: WireTap) -> list[tuple[int, int]]:
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
     dp = mesh.get_local_rank("dp")
     source = tc.is_dp_source_rank(mesh)
@@ -610,7 +611,7 @@ def _rank_dp_slots(rank: int, world: int) -> list[tuple[int, int]]:
     # The whole world is a group of 8, over HEAD_SENDS_MAX_RANKS: its heads are
     # broadcasts (gloo's tree), and the same frames arrive.
     assert world > _wire.HEAD_SENDS_MAX_RANKS
-    counter = CountMessages()
+    counter = CountMessages(tap)
     for name, headers, payloads in MESSAGES:
         with counter():
             out = tc.broadcast(CASES[name]() if rank == 0 else None, 0)
@@ -781,7 +782,8 @@ def first_message_problems(first: torch.Tensor) -> list[str]:
     return problems
 
 
-def _rank_changing(rank: int, world: int) -> tuple[list[list[str]], list[str]]:
+@tapped
+def _rank_changing(rank: int, world: int, tap: WireTap) -> tuple[list[list[str]], list[str]]:
     """Every step's messages in order, and what was wrong with the source's first
     messages, for batches whose header, then payload, change as they go."""
     problems: list[str] = []
@@ -797,7 +799,7 @@ def _rank_changing(rank: int, world: int) -> tuple[list[list[str]], list[str]]:
         spilled[0] = bool(Prefix.unpack(tensor.numpy().data, tensor.numel()).flags & Flags.SPILL)
         problems.extend(f"{where[0]}: {p}" for p in first_message_problems(tensor))
 
-    counter = CountMessages(look)
+    counter = CountMessages(tap, look)
     steps = [(f"steady {i}", _steady_batch, i) for i in range(STEADY_STEPS)]
     steps += [(f"payload {i}", _payload_batch, i) for i in range(PAYLOAD_STEPS)]
     logs = []

@@ -1,8 +1,9 @@
 """Reliability: peers that die, ranks that disagree, corrupted bytes, bad input on the source.
 
 Real processes on real gloo groups (the shared pools). A bad link or a lying source is a
-hook around ``GlooWire.head`` / ``GlooWire.payload`` on one rank, changing bytes just
-before they leave or just after they arrive; nothing else is mocked. A rank dies by
+hook around the heads and payloads of one rank's wires (``taps.WireTap``, through
+``groups.wrapping_wires``), changing bytes just before they leave or just after they
+arrive; nothing is mocked or patched. A rank dies by
 SIGKILL to itself, which kills a pool process; each death forces a re-spawn, so the
 lethal scenarios are one test each and everything non-lethal is grouped into few calls.
 Scenarios that break tensorcast's group on purpose run on a default group of their own
@@ -31,6 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from rankpool import Died, RankPool, in_a_new_process_group
+from taps import WireTap, tapped
 from torch.distributed.device_mesh import init_device_mesh
 from trees import assert_same, tensor_bytes
 
@@ -38,7 +40,6 @@ import tensorcast as tc
 from tensorcast.codec import packed as _codec
 from tensorcast.codec import schema as _schema
 from tensorcast.transport import frame as _frame
-from tensorcast.transport import wire as _wire
 from tensorcast.transport.frame import FRAMES_VERSION, PREFIX_SIZE, Flags, Prefix, plan_frame
 
 TIMEOUT = 5.0  # the channel's timeout in the fault scenarios, seconds
@@ -406,40 +407,6 @@ def _mutated_after_next(rank: int, world: int, prefetch: int) -> list[str]:
 PG_TIMEOUT = 60.0  # the pool's process group timeout (RankPool's default)
 
 
-@contextlib.contextmanager
-def _wire_hook(
-    name: str, after: Callable[..., None] | None = None, before: Callable[..., None] | None = None
-) -> Iterator[None]:
-    """Run ``before(wire, tensor, root)`` / ``after(...)`` around every ``GlooWire.<name>``
-    on this rank (``name`` is ``"head"`` or ``"payload"``)."""
-    real = _wire.GlooWire.__dict__[name]
-
-    def call(wire: Any, tensor: torch.Tensor, root: int, timeout: Any) -> Any:
-        if before is not None:
-            before(wire, tensor, root)
-        posted = real(wire, tensor, root, timeout)
-        if after is None:
-            return posted
-        return _Then(posted, lambda: after(wire, tensor, root))  # once it has moved
-
-    setattr(_wire.GlooWire, name, call)
-    try:
-        yield
-    finally:
-        setattr(_wire.GlooWire, name, real)
-
-
-class _Then:
-    """A posted message that runs ``then`` once it has been waited for."""
-
-    def __init__(self, posted: Any, then: Callable[[], None]) -> None:
-        self._posted, self._then = posted, then
-
-    def wait(self, timeout: Any) -> None:
-        self._posted.wait(timeout)
-        self._then()
-
-
 def _is_first_message(tensor: torch.Tensor) -> bool:
     """A head that starts a frame (a spilled header starts with the schema's magic)."""
     return tensor.numel() >= PREFIX_SIZE and bytes(tensor[:4].numpy()) == b"TCFR"
@@ -478,8 +445,8 @@ def _flip_payload(wire: Any, tensor: torch.Tensor, root: int) -> None:
 
 
 @contextlib.contextmanager
-def _bad_link() -> Iterator[None]:
-    with _wire_hook("head", after=_flip_inline_payload), _wire_hook("payload", after=_flip_payload):
+def _bad_link(tap: WireTap) -> Iterator[None]:
+    with tap.hook("head", after=_flip_inline_payload), tap.hook("payload", after=_flip_payload):
         yield
 
 
@@ -557,8 +524,8 @@ def _setups_that_disagree(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-@in_a_new_process_group
-def _integrity(rank: int, world: int) -> dict[str, Any]:
+@tapped
+def _integrity(rank: int, world: int, tap: WireTap) -> dict[str, Any]:
     """verify=True carries a CRC32 and checks it, inline, in a message of its own and over
     megabytes; bytes corrupted in transit are caught with it, delivered silently without."""
     out: dict[str, Any] = {}
@@ -588,7 +555,7 @@ def _integrity(rank: int, world: int) -> dict[str, Any]:
     loader = tc.BroadcastingDataLoader(
         corrupted if rank == 0 else None, group=group, src=0, prefetch=0, timeout=TIMEOUT
     )
-    with _bad_link():
+    with _bad_link(tap):
         got = list(loader)
     assert len(got) == len(corrupted)
     for a, b in zip(got, corrupted, strict=True):
@@ -605,7 +572,7 @@ def _integrity(rank: int, world: int) -> dict[str, Any]:
         verify=True,
     )  # fmt: skip
     it = iter(loader)
-    with _bad_link():
+    with _bad_link(tap):
         for step, want in enumerate(corrupted):
             if rank == 0:
                 assert_same(next(it), want, f"the source's own batch {step}")
@@ -696,8 +663,13 @@ LIES: dict[str, tuple[int, tuple[str, Callable[..., None]], str]] = {
 }
 
 
-@in_a_new_process_group
-def _lying_frame(rank: int, world: int, name: str) -> dict[str, Any]:
+#: the timeout of the frames that lie: the source of a frame its receiver refuses waits
+#: it out, in 4 of the scenarios; the frames before take milliseconds
+LIE_TIMEOUT = 3.0
+
+
+@tapped
+def _lying_frame(rank: int, world: int, tap: WireTap, name: str) -> dict[str, Any]:
     """Frames 0-2 arrive; frame 3 lies (on the source) or is garbled (on the receiver):
     the receiver raises HeaderError. Then the source sends frame 4: a receiver that could
     not read frame 3 to its end refuses it at once (PeerError: its channel cannot be
@@ -705,24 +677,24 @@ def _lying_frame(rank: int, world: int, name: str) -> dict[str, Any]:
     size, (where, hook), _ = LIES[name]
     out: dict[str, Any] = {}
     wanted = [{"x": torch.full((size,), float(step)), "n": 1000 + step} for step in range(5)]
-    with _wire_hook("head", **{where: hook}):
+    with tap.hook("head", **{where: hook}):
         for step, want in enumerate(wanted):
             start = time.monotonic()
             if rank == 0:
                 try:
-                    assert_same(tc.broadcast(want, 0, timeout=TIMEOUT), want)
+                    assert_same(tc.broadcast(want, 0, timeout=LIE_TIMEOUT), want)
                 except tc.PeerError as e:  # the receiver left before it took the payload
                     assert step >= 3, f"step {step}: {e}"
                     out.setdefault("source", []).append(str(e))
             elif step < 3:
-                assert_same(tc.broadcast(None, 0, timeout=TIMEOUT), want)
+                assert_same(tc.broadcast(None, 0, timeout=LIE_TIMEOUT), want)
             elif step == 3:
                 with pytest.raises(tc.HeaderError) as info:
-                    tc.broadcast(None, 0, timeout=TIMEOUT)
+                    tc.broadcast(None, 0, timeout=LIE_TIMEOUT)
                 out["error"] = str(info.value)
             else:
                 try:
-                    got = tc.broadcast(None, 0, timeout=TIMEOUT)
+                    got = tc.broadcast(None, 0, timeout=LIE_TIMEOUT)
                 except tc.PeerError as e:
                     assert "failed earlier" in str(e), str(e)
                     assert time.monotonic() - start < LATE, "a broken channel refuses at once"
@@ -730,7 +702,7 @@ def _lying_frame(rank: int, world: int, name: str) -> dict[str, Any]:
                 else:
                     assert_same(got, want, "the frame after the one refused")
                     out["after"] = "received"
-            assert time.monotonic() - start < TIMEOUT + MARGIN, f"step {step}"
+            assert time.monotonic() - start < LIE_TIMEOUT + MARGIN, f"step {step}"
     return out
 
 

@@ -19,13 +19,17 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from taps import WireTap, tapped
 from torch.distributed.device_mesh import init_device_mesh
 
 import tensorcast as tc
 from tensorcast.transport import groups as _groups
-from tensorcast.transport import wire as _wire
 
 TIMEOUT = 120.0
+#: the loader's timeout where a rank ends up waiting it out: a receiver whose source broke
+#: its channel (its peers' waits are not cut short on every torch), a rank whose peer
+#: raised before it came; ample for a frame or a setup on a loaded machine
+SHORT = 5.0
 N = 5  # batches per pass
 
 
@@ -187,17 +191,17 @@ def _wait_until_waiting_for_a_job(ident: int, limit_s: float = 10.0) -> None:
     raise AssertionError("the caller never waited for the frame's job")
 
 
-def _rank_signal_mid_frame(rank: int, world: int) -> dict[int, list[str]]:
+@tapped
+def _rank_signal_mid_frame(rank: int, world: int, tap: WireTap) -> dict[int, list[str]]:
     """A signal handler raises on the source's main thread while its frame is on the wire.
 
     With prefetch the frame is on the lane's worker: the signal interrupts only the
     caller's wait, and waiting again hands out the same batch. Without prefetch the frame
     runs on the caller's thread: the exception breaks the channel, loudly, on every rank.
     """
-    real = _wire.GlooWire.payload
     fired: list[int] = []
 
-    def payload(self: Any, tensor: Any, root: int, timeout: Any) -> Any:
+    def payload(wire: Any, tensor: Any, root: int) -> None:
         if rank == 0 and not fired and float(tensor[-4:].view(torch.float32)[0]) == 702.0:
             fired.append(1)
             main = threading.main_thread()
@@ -207,42 +211,39 @@ def _rank_signal_mid_frame(rank: int, world: int) -> dict[int, list[str]]:
                 _wait_until_waiting_for_a_job(main.ident)  # type: ignore[arg-type]
             signal.pthread_kill(main.ident, signal.SIGUSR1)  # type: ignore[arg-type]
             time.sleep(0.05)  # the handler runs on the main thread meanwhile
-        return real(self, tensor, root, timeout)
 
     def handler(signum: int, frame: Any) -> None:
         raise Interrupted
 
     old = signal.signal(signal.SIGUSR1, handler)
-    _wire.GlooWire.payload = payload  # type: ignore[method-assign]
     out: dict[int, list[str]] = {}
     try:
-        for prefetch in (1, 0):
-            fired.clear()
-            got = out[prefetch] = []
-            loader = tc.BroadcastingDataLoader(
-                Source(N, 7, 300_000) if rank == 0 else None,
-                group=dist.group.WORLD,
-                src=0,
-                prefetch=prefetch,
-                timeout=10.0,
-            )
-            it = iter(loader)
-            while True:
-                try:
-                    b = next(it)
-                except Interrupted:  # caught, as a training script's handler would be
-                    got.append("interrupted")
-                    continue
-                except tc.PeerError:
-                    got.append("broken")
-                    break
-                except StopIteration:
-                    break
-                got.append(f"{b['name']}:{int(b['audio'][0])}")
+        with tap.hook("payload", before=payload):
+            for prefetch in (1, 0):
+                fired.clear()
+                got = out[prefetch] = []
+                loader = tc.BroadcastingDataLoader(
+                    Source(N, 7, 300_000) if rank == 0 else None,
+                    group=dist.group.WORLD,
+                    src=0,
+                    prefetch=prefetch,
+                    timeout=SHORT,
+                )
+                it = iter(loader)
+                while True:
+                    try:
+                        b = next(it)
+                    except Interrupted:  # caught, as a training script's handler would be
+                        got.append("interrupted")
+                        continue
+                    except tc.PeerError:
+                        got.append("broken")
+                        break
+                    except StopIteration:
+                        break
+                    got.append(f"{b['name']}:{int(b['audio'][0])}")
     finally:
-        _wire.GlooWire.payload = real  # type: ignore[method-assign]
         signal.signal(signal.SIGUSR1, old)
-        dist.destroy_process_group()  # the broken channel goes with it; the pool makes anew
     return out
 
 
@@ -258,7 +259,7 @@ def test_a_signal_mid_frame_never_shifts_the_stream(pool2: Any) -> None:
 def _rank_disagreeing_setups(rank: int, world: int) -> list[str]:
     out = []
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
-    short = 10.0
+    short = SHORT
     cases = {
         "prefetch": dict(prefetch=rank % 2),
         "axes": dict(axes=("tp",) if rank == 3 else ("cp", "tp")),
@@ -356,19 +357,17 @@ def test_loaders_built_per_epoch_leak_no_thread_or_group(pool2: Any) -> None:
         assert r["threads"] <= 2 and r["groups"] == 1 and r["sum"] == 2, r
 
 
-def _rank_deferred_failure(rank: int, world: int) -> str:
+@tapped
+def _rank_deferred_failure(rank: int, world: int, tap: WireTap) -> str:
     """A step left pending by a break fails: the next use of the loader says so."""
-    real = _wire.GlooWire.payload
     calls = [0]
 
-    def payload(self: Any, tensor: Any, root: int, timeout: Any) -> Any:
+    def payload(wire: Any, tensor: Any, root: int) -> None:
         calls[0] += 1
         if rank == 1 and calls[0] == 3:
             raise RuntimeError("connection reset by peer (injected)")
-        return real(self, tensor, root, timeout)
 
-    _wire.GlooWire.payload = payload  # type: ignore[method-assign]
-    try:
+    with tap.hook("payload", before=payload):
         loader = tc.BroadcastingDataLoader(
             Source(N, 3, 300_000) if rank == 0 else None,
             group=dist.group.WORLD,
@@ -382,9 +381,6 @@ def _rank_deferred_failure(rank: int, world: int) -> str:
         with pytest.raises(tc.PeerError) as info:
             iter(loader)
         return str(info.value)
-    finally:
-        _wire.GlooWire.payload = real  # type: ignore[method-assign]
-        dist.destroy_process_group()  # the broken channel goes with it; the pool makes anew
 
 
 def test_a_failure_after_a_break_is_raised_not_swallowed(pool2: Any) -> None:

@@ -10,7 +10,6 @@ rank-dependent moments).
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import queue
 import re
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from rankpool import start_context
 from stalls import hold_gil
 
 import tensorcast as tc
@@ -149,7 +149,7 @@ def _store_host_rank(rank: int, world: int, ports: Any, out: Any) -> None:
 
 @pytest.mark.dist
 def test_a_frozen_source_that_hosts_the_store_is_told_within_the_timeout() -> None:
-    ctx = mp.get_context("spawn")
+    ctx = start_context()
     world = 3
     ports, out = ctx.Queue(), ctx.Queue()
     procs = [

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from taps import WireTap, tapped
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 import tensorcast as tc
 from tensorcast.transport import groups as _groups
-from tensorcast.transport import wire as _wire
 
 TIMEOUT = 120.0
 # Loaders whose ranks could fall out of step get a collective timeout, so a desync fails
@@ -551,25 +551,29 @@ def _rank_agreements_leave_no_keys(rank: int, world: int) -> int:
     return store.num_keys() - before
 
 
-def _with_audio(rank: int, world: int, floats: int, fn: Any, *args: Any) -> tuple[Any, int]:
-    """``fn`` with ``floats`` of audio in every batch: a payload that follows the first
-    message, one after another of the same layout. Returns what ``fn`` returned, and how
-    many payload messages this rank took part in."""
-    real = _wire.GlooWire.payload
-    payloads = 0
+@tapped
+def _with_audio(
+    rank: int, world: int, tap: WireTap, floats: int, calls: list[tuple[Any, tuple[Any, ...]]]
+) -> list[tuple[Any, int]]:
+    """Each ``fn(rank, world, *args)`` of ``calls`` in turn, with ``floats`` of audio in
+    every batch: a payload that follows the first message, one after another of the same
+    layout. Returns, for each, what ``fn`` returned and how many payload messages this
+    rank took part in while it ran."""
+    payloads = [0]
 
-    def payload(wire: Any, *more: Any) -> Any:
-        nonlocal payloads
-        payloads += 1
-        return real(wire, *more)
+    def payload(wire: Any, tensor: Any, root: int) -> None:
+        payloads[-1] += 1
 
+    out = []
     _AUDIO[0] = floats
-    _wire.GlooWire.payload = payload  # type: ignore[method-assign]
     try:
-        return fn(rank, world, *args), payloads
+        with tap.hook("payload", before=payload):
+            for fn, args in calls:
+                out.append((fn(rank, world, *args), payloads[-1]))
+                payloads.append(0)
     finally:
         _AUDIO[0] = 0
-        _wire.GlooWire.payload = real  # type: ignore[method-assign]
+    return out
 
 
 # -- tests ----------------------------------------------------------------------------------
@@ -617,13 +621,14 @@ def test_batches_with_payloads_end_fail_break_and_resume_cleanly(pool4: Any, flo
     """Batches whose payload follows the first message: every way a pass can turn out (the
     end of a pass, a failing or unencodable batch, a break, a resumed or new pass) keeps
     the ranks in step, as it does with batches that travel in one message."""
-    for fn, args in (
+    calls = [
         (_rank_lockstep, ()),
         (_rank_source_failures, ()),
         (_rank_resume, ()),
-        (_rank_break, (1,)),
-    ):
-        results = pool4.run(_with_audio, floats, fn, *args, timeout=TIMEOUT)
+        (_rank_break, (1,)),  # last: it tears the process group down
+    ]
+    every_rank = pool4.run(_with_audio, floats, calls, timeout=TIMEOUT)
+    for (fn, _), results in zip(calls, zip(*every_rank, strict=True), strict=True):
         for rank, (_, payloads) in enumerate(results):
             assert payloads > 0, f"{fn.__name__}: no payload message on rank {rank}"
         if fn is _rank_source_failures:

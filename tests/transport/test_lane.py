@@ -54,10 +54,11 @@ def test_jobs_run_in_submission_order() -> None:
 
 
 def test_the_worker_leaves_when_idle_and_comes_back_with_the_next_job() -> None:
-    lane, _ = _lane(idle_exit_s=0.05)
+    # A name of its own: the workers of the other tests' lanes stay for their 5 idle seconds.
+    lane = Lane("idle-exit", lambda: None, idle_exit_s=0.05)
     assert lane.submit(lambda: 1).result() == 1
     deadline = time.monotonic() + 5
-    while any(t.name == "tensorcast-lane-0-1" for t in threading.enumerate()):
+    while any(t.name == "tensorcast-lane-idle-exit" for t in threading.enumerate()):
         assert time.monotonic() < deadline, "the idle worker did not leave"
         time.sleep(0.01)
     assert lane.submit(lambda: 2).result() == 2

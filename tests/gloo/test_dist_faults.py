@@ -3,9 +3,9 @@
 Real processes on real gloo groups (the shared pools). A bad link or a lying source is a
 hook around the heads and payloads of one rank's wires (``taps.WireTap``, through
 ``groups.wrapping_wires``), changing bytes just before they leave or just after they
-arrive; nothing is mocked or patched. A rank dies by
-SIGKILL to itself, which kills a pool process; each death forces a re-spawn, so the
-lethal scenarios are one test each and everything non-lethal is grouped into few calls.
+arrive; nothing else is mocked. A rank dies by SIGKILL to itself, which kills a pool
+process; each death forces a re-start, so the lethal scenarios are one test each and
+everything non-lethal is grouped into few calls.
 Scenarios that break tensorcast's group on purpose run on a default group of their own
 (``rankpool.in_a_new_process_group``), so that they leave nothing broken for the next call.
 

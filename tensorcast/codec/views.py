@@ -21,7 +21,7 @@ __all__ = ["KeepsViews", "ViewSpec", "host_block", "leaf_views", "view_spec", "v
 
 class KeepsViews(Protocol):
     """What keeps the views of the buffers it hands out, to hand them out again as fresh
-    tensors when the same buffer is viewed the same way (the transport's pools do)."""
+    tensors when the same buffer is viewed the same way (the transport's kept views do)."""
 
     def views(
         self,

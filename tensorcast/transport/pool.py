@@ -5,20 +5,21 @@ both sides take payload buffers from a :class:`BufferPool`, and first messages f
 :class:`FramePool`. A buffer is reused only when nothing but the pool holds its storage:
 every view handed to the caller holds a storage reference, so the storage's use count
 says whether the caller still holds any of it, and reuse needs no promise from the
-caller. An entry also keeps the views of the last layout it was viewed as and hands
-out ``detach()``-ed copies of them, so a repeating batch of many small leaves makes no
-view anew (see ``docs/design.md``, section 6); what the entry holds itself is counted
-in its idle count (:meth:`_Entry._recount`), so it never makes a buffer look busy.
+caller. Each buffer also keeps the views of the last layout it was viewed as
+(``transport.kept``), so a repeating batch of many small leaves makes no view anew (see
+``docs/design.md``, section 6); the references those hold count as the buffer's own.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 import numpy as np
 import torch
+
+from tensorcast.transport.kept import Keeper, KeptViews
 
 __all__ = ["BufferPool", "FramePool", "Message"]
 
@@ -30,24 +31,14 @@ _RETRY_SLEEP = 50e-6  # with _LARGE_RETRIES: about 1 ms at most before allocatin
 
 
 class _Entry:
-    """A pooled buffer and the storage use count that means "nobody else holds it".
+    """A pooled buffer, the storage use count that means "nobody else holds it", and the
+    views it keeps (``transport.kept``).
 
     The storage object is kept so a check is one cheap call: it holds one reference
-    of its own, which the idle count includes.
+    of its own, which ``_base`` includes.
     """
 
-    __slots__ = (
-        "_base",
-        "ahead",
-        "buffer",
-        "capacity",
-        "cdata",
-        "idle",
-        "kept",
-        "kept_key",
-        "last_used",
-        "storage",
-    )
+    __slots__ = ("_base", "buffer", "capacity", "cdata", "kept", "last_used", "storage")
 
     def __init__(self, buffer: torch.Tensor, now: int):
         self.last_used = now
@@ -55,60 +46,16 @@ class _Entry:
         self.capacity = buffer.numel()
         self.storage = buffer.untyped_storage()
         self.cdata = self.storage._cdata
-        self.kept_key: Hashable = None
-        self.kept: list[torch.Tensor] = []  # detached views: each holds a storage reference
-        self.ahead: list[torch.Tensor] | None = None  # see detach_ahead
+        self.kept = KeptViews()
         self._base = self.use_count()  # the references of the buffer and its storage
-        self.idle = 0
-        self._recount()
-
-    def _recount(self) -> None:
-        """Set the idle count, the one place it is set: the storage references this entry
-        holds itself (the buffer, its storage, kept views, views made ahead).
-        Holding more than these means someone else holds the buffer."""
-        ahead = self.ahead
-        self.idle = self._base + len(self.kept) + (len(ahead) if ahead is not None else 0)
 
     def use_count(self) -> int:
         return int(_use_count(self.cdata))
 
     def is_idle(self) -> bool:
-        """Whether nothing but this entry holds the buffer's storage."""
-        return _use_count(self.cdata) == self.idle
-
-    def views(
-        self,
-        buffer: torch.Tensor,
-        key: Hashable,
-        make: Callable[[torch.Tensor], list[torch.Tensor]],
-    ) -> list[torch.Tensor]:
-        """Fresh tensors on the views ``make(buffer)`` returned the last time ``key`` was
-        asked; ``buffer`` views this entry's storage."""
-        ahead = self.ahead
-        if self.kept_key != key:
-            self.ahead = None  # made for another key
-            self.kept, self.kept_key = [v.detach() for v in make(buffer)], key
-            self._recount()
-        elif ahead is not None:
-            self.ahead = None
-            self._recount()
-            return ahead
-        return list(map(_detach, self.kept))
-
-    def detach_ahead(self) -> None:
-        """Make the fresh tensors of the kept views now, for the next :meth:`views` of
-        the same key, while a head is on the wire (see ``transport.receiver``, NOTE [ Views made
-        ahead ]). Held here, they count as idle, like the kept views."""
-        if self.kept:
-            self.ahead = list(map(_detach, self.kept))
-            self._recount()
-        elif self.ahead is not None:
-            self.drop_ahead()
-
-    def drop_ahead(self) -> None:
-        if self.ahead is not None:
-            self.ahead = None
-            self._recount()
+        """Whether nothing but this entry (its buffer, storage and kept views) holds the
+        buffer's storage."""
+        return _use_count(self.cdata) == self._base + self.kept.held
 
 
 def _capacity(nbytes: int) -> int:
@@ -137,7 +84,8 @@ class BufferPool:
         self._takes = 0  # a clock: how many takes this pool has served
         # key -> entries, most recently used last
         self._buffers: dict[torch.device, list[_Entry]] = {}
-        self._by_storage: dict[int, _Entry] = {}  # storage cdata -> its entry
+        #: the kept views of this pool's buffers: the codec's ``KeepsViews`` for them
+        self.kept = Keeper()
 
     def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A 1-D uint8 tensor of exactly ``nbytes`` bytes, a view into a pooled buffer."""
@@ -171,24 +119,6 @@ class BufferPool:
             time.sleep(_RETRY_SLEEP)
         raise AssertionError("unreachable")
 
-    def views(
-        self,
-        buffer: torch.Tensor,
-        key: Hashable,
-        make: Callable[[torch.Tensor], list[torch.Tensor]],
-    ) -> list[torch.Tensor]:
-        """Fresh tensors on ``buffer``'s bytes: ``make(buffer)``, or detached copies of
-        what it returned the last time this pooled buffer was viewed under ``key``.
-
-        ``key`` must name everything the views depend on but the storage (the layout
-        and where ``buffer`` starts in it). A buffer not from this pool gets ``make``.
-        """
-        entry = self._by_storage.get(buffer.untyped_storage()._cdata)
-        if entry is None:
-            return make(buffer)
-        with self._lock:
-            return entry.views(buffer, key, make)
-
     def _allocate(self, entries: list[_Entry], nbytes: int, device: torch.device) -> torch.Tensor:
         if self._allocate_host is not None and device.type == "cpu":
             buf = self._allocate_host(_capacity(nbytes))
@@ -196,7 +126,7 @@ class BufferPool:
             buf = torch.empty(_capacity(nbytes), dtype=torch.uint8, device=device)
         entry = _Entry(buf, self._takes)
         entries.append(entry)
-        self._by_storage[entry.cdata] = entry
+        self.kept.add(entry.cdata, entry.kept)
         if len(entries) > self._max_buffers:
             # Forget the least recently used idle buffer (a busy one stays with its user).
             for i, old in enumerate(entries[:-1]):
@@ -208,8 +138,7 @@ class BufferPool:
         return buf[:nbytes]
 
     def _forget(self, entry: _Entry) -> None:
-        if self._by_storage.get(entry.cdata) is entry:
-            del self._by_storage[entry.cdata]
+        self.kept.forget(entry.cdata, entry.kept)
 
     def _evict_stale(self, entries: list[_Entry]) -> None:
         """Forget idle buffers not reused lately: a rare large batch should not pin its
@@ -234,17 +163,33 @@ class Message(_Entry):
             ``mem`` a memoryview of it.
         written: what the source's last frame wrote here: the end of its head, and the
             start and end of its inline payload (see ``Sender``).
+        inline: the bytes ``inline_span`` (start, length) as a 1-D tensor, kept: a frame
+            cut as the last one reads its inline payload from it, with no slice made
+            (see :meth:`view_inline`).
     """
 
-    __slots__ = ("host", "mem", "written")
+    __slots__ = ("host", "inline", "inline_span", "mem", "written")
 
     def __init__(self, capacity: int) -> None:
         super().__init__(torch.zeros(capacity, dtype=torch.uint8), 0)
         self.host: np.ndarray = self.buffer.numpy()
         self.mem: memoryview = self.host.data
         self._base = self.use_count()  # the host views count as the entry's own
-        self._recount()
         self.written = (0, capacity, capacity)
+        self.inline: torch.Tensor | None = None
+        self.inline_span = (0, -1)
+
+    def view_inline(self, at: int, n: int) -> torch.Tensor:
+        """Keep the bytes ``[at, at + n)`` as :attr:`inline` and return them: called when
+        a frame's cut differs from the last one's. Held here, the slice counts as the
+        message's own (lowered before it is dropped, raised after one is made)."""
+        if self.inline is not None:
+            self._base -= 1
+            self.inline = None
+        view = self.buffer[at : at + n]
+        self.inline, self.inline_span = view, (at, n)
+        self._base += 1
+        return view
 
 
 class FramePool:
@@ -275,5 +220,4 @@ class FramePool:
         return message
 
 
-_detach = torch.Tensor.detach
 _use_count = torch._C._storage_Use_Count

@@ -125,8 +125,8 @@ class Receiver:
             self._cutter.done(frame.cut, frame.prefix.next_capacity)
             return self._open(frame, expect, device, timeout)
         finally:
-            if first.ahead is not None:  # the frame did not use them
-                first.drop_ahead()
+            if first.kept.ahead is not None:  # the frame did not use them
+                first.kept.drop_ahead()
 
     def _break(self, error: BaseException) -> None:
         """Until a frame is in whole, any failure breaks the lane (this rank cannot skip
@@ -151,7 +151,7 @@ class Receiver:
                 buffer = self._pool.take(promised, wire.device)
                 posted = wire.payload(buffer, root, timeout)
             head = wire.head(first.buffer, root, timeout)
-            first.detach_ahead()  # NOTE [ Views made ahead ]
+            first.kept.detach_ahead()  # NOTE [ Views made ahead ]
             head.wait(timeout)
         except RuntimeError as e:  # from the collective: the source died or timed out
             raise PeerError(
@@ -175,22 +175,18 @@ class Receiver:
                 f"{n} bytes"
             )
         if cut.inline:
-            return _Incoming(
-                prefix,
-                cut,
-                header,
-                decoded,
-                first.buffer[cut.payload_at : cut.payload_at + n],
-                first,
-            )
+            payload = first.inline  # kept for a frame cut as the last one
+            if first.inline_span != (cut.payload_at, n) or payload is None:
+                payload = first.view_inline(cut.payload_at, n)
+            return _Incoming(prefix, cut, header, decoded, payload, first.kept)
         if cut.in_promise and buffer is not None:
-            return _Incoming(prefix, cut, header, decoded, buffer, self._pool)
+            return _Incoming(prefix, cut, header, decoded, buffer, self._pool.kept)
         if self._streams is not None:  # received when posted (NOTE [ Device work at next() ])
             return _Incoming(prefix, cut, header, decoded, host=self._host_block(decoded, timeout))
         payload = self._pool.take(n, wire.device)
         if n:
             wire.payload(payload, root, timeout).wait(timeout)
-        return _Incoming(prefix, cut, header, decoded, payload, self._pool)
+        return _Incoming(prefix, cut, header, decoded, payload, self._pool.kept)
 
     def _header(
         self, first: Message, prefix: Prefix, cut: FramePlan, timeout: datetime.timedelta

@@ -135,13 +135,15 @@ class Sender:
             out = self._finish(message, frame, Kind.DATA, header, staging, stamp, n, block)
             return out, part
         if frame.inline:
-            payload = message.buffer[frame.payload_at : frame.payload_at + n]
+            payload = message.inline  # kept for a frame cut as the last one
+            if message.inline_span != (frame.payload_at, n) or payload is None:
+                payload = message.view_inline(frame.payload_at, n)
             if isinstance(batch, Packed):
                 source = batch.buffer if batch.buffer.is_cpu else batch.buffer.cpu()
                 message.host[frame.payload_at : frame.payload_at + n] = source.numpy()
-                own = _codec.rebuild(decoded, payload, pool=message)
+                own = _codec.rebuild(decoded, payload, pool=message.kept)
             else:
-                own = encoded.write_tree(payload, message)
+                own = encoded.write_tree(payload, message.kept)
         elif isinstance(batch, Packed):
             payload, own = self._prepacked(batch, decoded)
         else:
@@ -187,7 +189,7 @@ class Sender:
 
     def _packed(self, encoded: _codec.Encoded) -> tuple[torch.Tensor, Any]:
         payload = self._pool.take(encoded.nbytes, self._device)
-        return payload, encoded.write_tree(payload, self._pool)
+        return payload, encoded.write_tree(payload, self._pool.kept)
 
     def _prepacked(self, batch: Packed, decoded: _schema.Decoded) -> tuple[torch.Tensor, Any]:
         payload = batch.buffer
@@ -198,7 +200,7 @@ class Sender:
             # while a buffer of the caller's needs each view made anew: for a small batch
             # of many leaves a copy into a pooled buffer is the cheaper of the two.
             copy = self._pool.take(payload.numel(), self._device).copy_(payload)
-            return copy, _codec.rebuild(decoded, copy, pool=self._pool)
+            return copy, _codec.rebuild(decoded, copy, pool=self._pool.kept)
         elif payload.is_inference():
             payload = payload.clone()  # this rank's tree must not be made of inference tensors
         return payload, _codec.rebuild(decoded, payload)
@@ -285,7 +287,7 @@ class Sender:
             promised = None if out.promised is None else wire.payload(out.promised, root, timeout)
             head = wire.head(out.message.buffer, root, timeout)
             if out.plan.inline:  # the next frame like it views this message again
-                out.message.detach_ahead()  # see _receiver, NOTE [ Views made ahead ]
+                out.message.kept.detach_ahead()  # see receiver, NOTE [ Views made ahead ]
             head.wait(timeout)
             if promised is not None:
                 promised.wait(timeout)

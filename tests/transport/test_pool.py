@@ -69,13 +69,13 @@ def test_views_kept_for_a_buffer_are_handed_out_fresh_and_do_not_pin_it() -> Non
     pool = BufferPool()
     buffer = pool.take(100_000, CPU)
     address = buffer.data_ptr()
-    first = pool.views(buffer, "layout", _as_floats)
+    first = pool.kept.views(buffer, "layout", _as_floats)
     first[1].fill_(2.0)
-    again = pool.views(buffer, "layout", _as_floats)
+    again = pool.kept.views(buffer, "layout", _as_floats)
     assert all(a is not b and a.data_ptr() == b.data_ptr() for a, b in zip(first, again))
     assert again[1].tolist() == [2.0] * 4
     again[1].resize_(1)  # a caller's own metadata change stays with its tensor
-    assert pool.views(buffer, "layout", _as_floats)[1].shape == (4,)
+    assert pool.kept.views(buffer, "layout", _as_floats)[1].shape == (4,)
     del buffer, again
     assert pool.take(100_000, CPU).data_ptr() != address  # `first` still views it
     del first
@@ -88,9 +88,9 @@ def test_views_kept_for_a_buffer_are_handed_out_fresh_and_do_not_pin_it() -> Non
         made.append(1)
         return _as_floats(buffer)
 
-    pool.views(reused, "layout", count)
-    pool.views(reused, "other layout", count)
-    pool.views(reused, "other layout", count)
+    pool.kept.views(reused, "layout", count)
+    pool.kept.views(reused, "other layout", count)
+    pool.kept.views(reused, "other layout", count)
     assert len(made) == 1  # kept across takes; made again only for a new key
     del reused
     assert address in [pool.take(100_000, CPU).data_ptr() for _ in range(2)]
@@ -99,7 +99,7 @@ def test_views_kept_for_a_buffer_are_handed_out_fresh_and_do_not_pin_it() -> Non
 def test_views_of_a_buffer_from_elsewhere_are_made_each_time() -> None:
     pool = BufferPool()
     outside = torch.zeros(4096, dtype=torch.uint8)
-    one, two = pool.views(outside, "k", _as_floats), pool.views(outside, "k", _as_floats)
+    one, two = pool.kept.views(outside, "k", _as_floats), pool.kept.views(outside, "k", _as_floats)
     assert one[0] is not two[0] and one[0].data_ptr() == two[0].data_ptr()
 
 
@@ -110,7 +110,7 @@ def test_a_first_message_is_reused_only_once_nothing_made_from_it_is_alive() -> 
     frames = FramePool()
     message = frames.take(4096)
     assert message.buffer.numel() == 4096 and message.host.shape == (4096,)
-    leaf = message.views(message.buffer[4032:4048], "layout", _as_floats)[0]
+    leaf = message.kept.views(message.buffer[4032:4048], "layout", _as_floats)[0]
     assert frames.take(4096) is not message  # the leaf views its bytes
     del leaf
     assert frames.take(4096) is message  # kept views do not count
@@ -119,10 +119,10 @@ def test_a_first_message_is_reused_only_once_nothing_made_from_it_is_alive() -> 
 def test_a_first_message_hands_out_fresh_tensors_on_its_kept_views() -> None:
     message = FramePool().take(4096)
     payload = message.buffer[0:4096]
-    first = message.views(payload, "layout", _as_floats)
-    again = message.views(payload, "layout", _as_floats)
+    first = message.kept.views(payload, "layout", _as_floats)
+    again = message.kept.views(payload, "layout", _as_floats)
     assert all(a is not b and a.data_ptr() == b.data_ptr() for a, b in zip(first, again))
-    other = message.views(payload, "another layout", lambda b: [b[:8]])
+    other = message.kept.views(payload, "another layout", lambda b: [b[:8]])
     assert len(other) == 1
     del first, again, other, payload  # a slice of the buffer holds it too, while alive
     assert message.is_idle()
@@ -137,22 +137,22 @@ def test_views_detached_ahead_are_the_next_views_of_that_key_and_else_dropped() 
     def payload() -> torch.Tensor:  # the slice a frame views, alive only while it is read
         return message.buffer[0:4096]
 
-    message.detach_ahead()  # nothing kept yet: nothing to make
-    assert message.ahead is None
-    first = message.views(payload(), "layout", _as_floats)
+    message.kept.detach_ahead()  # nothing kept yet: nothing to make
+    assert message.kept.ahead is None
+    first = message.kept.views(payload(), "layout", _as_floats)
     del first
-    message.detach_ahead()
-    assert message.ahead and message.is_idle()
-    made = [id(t) for t in message.ahead]
-    again = message.views(payload(), "layout", _as_floats)
-    assert [id(t) for t in again] == made and message.ahead is None
+    message.kept.detach_ahead()
+    assert message.kept.ahead and message.is_idle()
+    made = [id(t) for t in message.kept.ahead]
+    again = message.kept.views(payload(), "layout", _as_floats)
+    assert [id(t) for t in again] == made and message.kept.ahead is None
     assert again[0].data_ptr() == message.buffer.data_ptr()
     assert not message.is_idle()  # handed out: the caller holds them
-    message.detach_ahead()
-    other = message.views(payload(), "another layout", lambda b: [b[:8]])
-    assert len(other) == 1 and message.ahead is None  # the layout changed: made anew
-    message.detach_ahead()
-    message.drop_ahead()
+    message.kept.detach_ahead()
+    other = message.kept.views(payload(), "another layout", lambda b: [b[:8]])
+    assert len(other) == 1 and message.kept.ahead is None  # the layout changed: made anew
+    message.kept.detach_ahead()
+    message.kept.drop_ahead()
     del again, other
     assert message.is_idle()
 
@@ -160,7 +160,7 @@ def test_views_detached_ahead_are_the_next_views_of_that_key_and_else_dropped() 
 def test_first_messages_of_an_outgrown_capacity_are_dropped_once_idle() -> None:
     frames = FramePool()
     small = frames.take(4096)
-    held = small.views(small.buffer[0:64], "layout", lambda b: [b[:8]])
+    held = small.kept.views(small.buffer[0:64], "layout", lambda b: [b[:8]])
     big = frames.take(8192)
     assert big.capacity == 8192
     assert small in frames._messages  # still viewed: kept until its user lets go
@@ -174,5 +174,5 @@ def test_the_frame_pool_forgets_its_oldest_buffer_beyond_its_bound() -> None:
     held = []
     for _ in range(4):
         message = frames.take(4096)
-        held.append(message.views(message.buffer[0:64], "layout", lambda b: [b[:8]]))
+        held.append(message.kept.views(message.buffer[0:64], "layout", lambda b: [b[:8]]))
     assert len(frames._messages) == 2

@@ -1,0 +1,113 @@
+"""The views a pooled buffer keeps, so that a repeating batch makes no view anew.
+
+With many small leaves, making one view per leaf is most of a rank's work on a batch. A
+pooled buffer (``transport.pool``) therefore keeps the views it was last viewed as, under
+a key naming the layout, and hands out ``detach()``-ed copies of them; a rank also makes
+the next copies while a head is on the wire (NOTE [ Views made ahead ] in
+``transport.receiver``). :class:`KeptViews` is that cache, one per pooled buffer, and
+:class:`Keeper` finds a buffer's cache from any slice of it. Both are the codec's
+``KeepsViews``.
+
+Every kept view and every copy made ahead holds a reference to the buffer's storage, and
+the pool reuses a buffer only when its storage's use count is what the buffer holds
+itself, ``held`` included. ``held`` is lowered before a reference is dropped or handed to
+the caller and raised after one is made, so it never counts more than is there: a pool
+that reads it from another thread may see a buffer busy a moment too long, never idle
+too early. No lock is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import torch
+
+__all__ = ["Keeper", "KeptViews"]
+
+_detach = torch.Tensor.detach
+
+
+class KeptViews:
+    """The views one pooled buffer was last viewed as, and copies of them made ahead.
+
+    Used by whichever thread holds the buffer, one at a time (the pool hands a buffer to
+    one taker).
+    """
+
+    __slots__ = ("ahead", "held", "key", "views_")
+
+    def __init__(self) -> None:
+        self.key: Hashable = None
+        self.views_: list[torch.Tensor] = []  # detached views: each holds a reference
+        self.ahead: list[torch.Tensor] | None = None  # see detach_ahead
+        #: the storage references held here: the kept views and the copies made ahead
+        self.held = 0
+
+    def views(
+        self,
+        buffer: torch.Tensor,
+        key: Hashable,
+        make: Callable[[torch.Tensor], list[torch.Tensor]],
+    ) -> list[torch.Tensor]:
+        """Fresh tensors on the views ``make(buffer)`` returned the last time ``key`` was
+        asked; ``buffer`` views the storage these views are kept for."""
+        ahead = self.ahead
+        if self.key != key:
+            self.held = 0  # lowered first (see the module's docstring)
+            self.ahead = None  # made for another key
+            self.views_ = []
+            kept = [v.detach() for v in make(buffer)]
+            self.views_, self.key = kept, key
+            self.held = len(kept)
+        elif ahead is not None:
+            self.held = len(self.views_)  # handed to the caller
+            self.ahead = None
+            return ahead
+        return list(map(_detach, self.views_))
+
+    def detach_ahead(self) -> None:
+        """Make the fresh tensors of the kept views now, for the next :meth:`views` of the
+        same key, while a head is on the wire. Held here, they count as the buffer's own."""
+        kept = self.views_
+        if kept:
+            self.held = len(kept)
+            ahead = self.ahead = list(map(_detach, kept))
+            self.held = len(kept) + len(ahead)
+        elif self.ahead is not None:
+            self.drop_ahead()
+
+    def drop_ahead(self) -> None:
+        """Let go of the copies made ahead (the frame did not use them)."""
+        self.held = len(self.views_)
+        self.ahead = None
+
+
+class Keeper:
+    """The kept views of one pool's buffers, found from any slice of a buffer (by its
+    storage); a buffer that is not the pool's gets its views made anew."""
+
+    __slots__ = ("_by_storage",)
+
+    def __init__(self) -> None:
+        self._by_storage: dict[int, KeptViews] = {}  # storage cdata -> its kept views
+
+    def add(self, cdata: int, kept: KeptViews) -> None:
+        self._by_storage[cdata] = kept
+
+    def forget(self, cdata: int, kept: KeptViews) -> None:
+        if self._by_storage.get(cdata) is kept:
+            del self._by_storage[cdata]
+
+    def views(
+        self,
+        buffer: torch.Tensor,
+        key: Hashable,
+        make: Callable[[torch.Tensor], list[torch.Tensor]],
+    ) -> list[torch.Tensor]:
+        """:meth:`KeptViews.views` of the pooled buffer ``buffer`` views; ``key`` must name
+        everything the views depend on but the storage (the layout, and where ``buffer``
+        starts in it)."""
+        kept = self._by_storage.get(buffer.untyped_storage()._cdata)
+        if kept is None:
+            return make(buffer)
+        return kept.views(buffer, key, make)

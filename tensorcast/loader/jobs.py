@@ -38,7 +38,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from tensorcast._errors import DesyncError, SourceError
-from tensorcast.loader.stats import Recorder
 from tensorcast.transport import interrupts as _interrupts
 from tensorcast.transport.channel import Channel
 from tensorcast.transport.frame import Kind
@@ -80,11 +79,17 @@ class Failure:
 
 
 class Item:
-    __slots__ = ("state", "tree")
+    """A step's batch (this rank's tree), the source's state after it, and what the step
+    spent, recorded as the batch is handed out (NOTE [ Where a step's time goes ])."""
 
-    def __init__(self, tree: Any, state: Any) -> None:
+    __slots__ = ("nbytes", "source_s", "state", "tree", "wire_s")
+
+    def __init__(self, tree: Any, state: Any, source_s: float, wire_s: float, nbytes: int) -> None:
         self.tree = tree
         self.state = state
+        self.source_s = source_s
+        self.wire_s = wire_s
+        self.nbytes = nbytes
 
 
 class Steps:
@@ -101,7 +106,6 @@ class Steps:
         self.source_iter: Iterator[Any] | None = None
         self.start_error: BaseException | None = None
         self.stateful = stateful(source) if depth and channel.is_source else None
-        self.stats = Recorder()  # replaced by the pass's own
         # A batch pulled whose frame an interrupt kept from going out: the next step sends
         # it (NOTE [ Interrupts ], ``step.pulled``).
         self.pulled: Any = _NOTHING
@@ -142,14 +146,12 @@ class Steps:
             frame, own = channel.prepare(batch, self.device)
         except Exception as e:
             return self._fail(e, f"batch serialization failed: {type(e).__name__}: {e}")
-        item = Item(own, state)
         started = time.perf_counter()
         channel.send(frame)  # a failure in it breaks the lane
         self.pulled = _NOTHING
         if _interrupts.hook is not None:
             _interrupts.hook("step.took")
-        self.stats.job(pulled, time.perf_counter() - started, frame.plan.payload_len)
-        return item
+        return Item(own, state, pulled, time.perf_counter() - started, frame.plan.payload_len)
 
     def _fail(self, error: BaseException, message: str) -> Failure:
         self.ended = True
@@ -165,8 +167,9 @@ class Steps:
         if _interrupts.hook is not None:
             _interrupts.hook("step.took")
         if kind == Kind.DATA:
-            self.stats.job(0.0, time.perf_counter() - started, self.channel.received_nbytes)
-            return Item(value, None)
+            return Item(
+                value, None, 0.0, time.perf_counter() - started, self.channel.received_nbytes
+            )
         self.ended = True
         if kind == Kind.CLOSE:
             channel = self.channel

@@ -139,34 +139,39 @@ def _share(stall: Timings, step: Timings) -> float:
 
 
 class Recorder:
-    """One pass's step times on this rank. The caller's thread records each batch handed
-    out; the lane's worker records each job (under a lock, as ``stats()`` reads them).
+    """One pass's step times on this rank, recorded by the caller's thread as each batch
+    is handed out, with what its job spent (a lock guards them, as ``stats()`` may be
+    called from another thread). A job whose batch is never handed out (a pass left
+    early) is not counted.
 
     Args:
         log_every: log the last ``log_every`` steps every ``log_every`` steps (None: never).
     """
 
     def __init__(self, log_every: int | None = None) -> None:
-        self._caller = _Samples(2)  # stall, step
-        self._jobs = _Samples(3)  # source, wire, bytes
+        self._rows = _Samples(5)  # stall, step, source, wire, bytes
         self._lock = threading.Lock()
         self._last_return: float | None = None
         self._log_every = log_every
         self._steps = 0
 
-    def job(self, source_s: float, wire_s: float, nbytes: int) -> None:
-        """A job ended: it spent ``source_s`` in ``next(source)`` and ``wire_s`` on the wire."""
-        with self._lock:
-            self._jobs.add((source_s, wire_s, float(nbytes)))
-
-    def handed_out(self, called: float, now: float | None = None) -> None:
+    def handed_out(
+        self,
+        called: float,
+        now: float | None = None,
+        source_s: float = 0.0,
+        wire_s: float = 0.0,
+        nbytes: int = 0,
+    ) -> None:
         """A ``next()`` that began at ``called`` returns a batch ``now`` (default: now, by
-        ``time.perf_counter()``, as ``called``)."""
+        ``time.perf_counter()``, as ``called``); its job spent ``source_s`` in
+        ``next(source)`` and ``wire_s`` on the wire, for ``nbytes`` of payload."""
         now = time.perf_counter() if now is None else now
         stall = now - called
         step = stall if self._last_return is None else now - self._last_return
         self._last_return = now
-        self._caller.add((stall, step))
+        with self._lock:
+            self._rows.add((stall, step, source_s, wire_s, float(nbytes)))
         self._steps += 1
         if self._log_every and self._steps % self._log_every == 0:
             self._log()
@@ -175,33 +180,28 @@ class Recorder:
     def stats(self, last: int) -> LoaderStats:
         """The pass so far, with its last ``last`` steps in ``recent``."""
         with self._lock:
-            self._jobs.fold()
-            jobs, recent_jobs = self._jobs, self._jobs.last(last)
-            source, wire = jobs.timings(0), jobs.timings(1)
-            nbytes = int(jobs.total[2])
-        caller = self._caller
-        caller.fold()
-        stall, step = caller.timings(0), caller.timings(1)
-        recent_caller = caller.last(last)
-        recent = self._window(recent_caller, recent_jobs, last)
+            rows = self._rows
+            rows.fold()
+            stall, step, source, wire = (rows.timings(col) for col in range(4))
+            nbytes = int(rows.total[4])
+            recent = self._window(rows.last(last), last)
         return LoaderStats(
             self._steps, nbytes, stall, source, wire, step, _share(stall, step), recent, last
         )
 
     @staticmethod
-    def _window(caller: np.ndarray, jobs: np.ndarray, last: int) -> LoaderStats:
-        stall, step = _exact(caller[:, 0]), _exact(caller[:, 1])
-        source, wire = _exact(jobs[:, 0]), _exact(jobs[:, 1])
-        nbytes = int(jobs[:, 2].sum())
+    def _window(rows: np.ndarray, last: int) -> LoaderStats:
+        stall, step = _exact(rows[:, 0]), _exact(rows[:, 1])
+        source, wire = _exact(rows[:, 2]), _exact(rows[:, 3])
+        nbytes = int(rows[:, 4].sum())
         return LoaderStats(
-            len(caller), nbytes, stall, source, wire, step, _share(stall, step), None, last
+            len(rows), nbytes, stall, source, wire, step, _share(stall, step), None, last
         )
 
     def _log(self) -> None:
         n = self._log_every or 0
         with self._lock:
-            jobs = self._jobs.last(n)
-        s = self._window(self._caller.last(n), jobs, n)
+            s = self._window(self._rows.last(n), n)
         logger.info(
             "tensorcast loader: step %d: data stall %.2f ms median, %.2f ms p90, %.2f ms max "
             "(%.1f%% of the step); next(source) %.2f ms, wire %.2f ms median; last %d steps",
@@ -222,7 +222,7 @@ def timed(
             batch = next(iterator)
         except StopIteration:
             return
-        recorder.job(time.perf_counter() - called, 0.0, 0)
+        pulled = time.perf_counter() - called
         out = rebuild(batch)
-        recorder.handed_out(called)
+        recorder.handed_out(called, None, pulled)
         yield out

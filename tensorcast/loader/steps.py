@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import time
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from tensorcast.loader.jobs import End, Failure, Item, Steps, stateful
 from tensorcast.transport import interrupts as _interrupts
 from tensorcast.transport.channel import Channel
+from tensorcast.transport.device import DevicePart
 from tensorcast.transport.job import Job
 
 if TYPE_CHECKING:
@@ -38,18 +40,24 @@ class Pass:
         self._index = index
         self._lane = channel.group.lane
         self._depth = loader.prefetch
+        # Batches come as device parts only on a device wire or for a device output: then
+        # with prefetch >= 2 the next one's device work is posted ahead (_post_ahead).
+        device = loader.device
+        on_device = channel.group.wire.streams is not None or (
+            device is not None and device.type != "cpu"
+        )
+        self._ahead = self._depth >= 2 and on_device
         self._pending: collections.deque[Job[Any]] = collections.deque()
         self._opening: Job[Any] | None = None  # the job that numbers the pass's frames
         self._closing: Job[Any] | None = None  # NOTE [ An early close ]
         self._ending: End | Failure | None = None  # how the pass ended, until raised
         self._started = self._finished = self._unsettled = False
         steps = self._steps = Steps(channel, loader.device, loader.source, self._depth)
-        steps.stats = self._stats = loader._stats  # NOTE [ Where a step's time goes ]
+        self._stats = loader._stats  # NOTE [ Where a step's time goes ]
         self._called = 0.0  # when the current next() began
+        # The channel's frame count, for the lane's interrupt rules; read by a C call.
+        self._frames = functools.partial(getattr, channel, "step")
         self._step = steps.source if channel.is_source else steps.receiver
-
-    def _frames(self) -> int:
-        return self._channel.step
 
     def _start(self) -> None:
         """The pass's first ``next()``: ``iter(source)`` and the first ``prefetch`` steps.
@@ -147,13 +155,16 @@ class Pass:
         if isinstance(item, Item):
             if _interrupts.hook is not None:
                 _interrupts.hook("next.hand_out")
-            tree = self._take(item)
+            tree = item.tree
+            if isinstance(tree, DevicePart):
+                tree = self._take(item)
             if self._depth:
                 self._refill(1)
-            self._post_ahead()
+                if self._ahead:
+                    self._post_ahead()
             if item.state is not None:
                 self._loader._state = item.state
-            self._stats.handed_out(self._called)
+            self._stats.handed_out(self._called, None, item.source_s, item.wire_s, item.nbytes)
             # From here to the return there is no call, so no point where a signal handler
             # runs (NOTE [ Interrupts ]); the pass keeps no reference to the batch after.
             item.tree = None
@@ -175,11 +186,11 @@ class Pass:
             raise
 
     def _post_ahead(self) -> None:
-        """With ``prefetch >= 2``, post the next batch's device work now, so that its
+        """With ``prefetch >= 2`` on a device, post the next batch's device work now, so that its
         transfer overlaps the step the caller is about to run; on every rank at the same
         ``next()``, in lane order. Waits for that batch's host work, which has had a step
         to run."""
-        if self._depth < 2 or len(self._pending) < 2:
+        if len(self._pending) < 2:
             return
         job = self._pending[1]
         try:

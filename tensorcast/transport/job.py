@@ -19,7 +19,7 @@ class Job(Generic[T]):
     :meth:`Lane.settle`).
     """
 
-    __slots__ = ("_done", "_error", "_finished", "_fn", "_taken", "_value", "frames")
+    __slots__ = ("_error", "_fn", "_taken", "_value", "_waited", "done", "frames")
 
     def __init__(self, fn: Callable[[], T]) -> None:
         self._fn = fn
@@ -27,18 +27,15 @@ class Job(Generic[T]):
         # Python, and a signal handler that raises there leaves the Event's lock held, so
         # the job could never be marked done (a hang under a storm of signals). A waiter
         # blocks in the C acquire, which a handler interrupts cleanly.
-        self._done = threading.Lock()
-        self._done.acquire()
-        self._finished = False
+        self._waited = threading.Lock()
+        self._waited.acquire()
+        #: set once the job has run (its value or error is then there)
+        self.done = False
         self._value: Any = None
         self._error: BaseException | None = None
         self._taken = False
         #: the channel's frame count when the job ran inline (None: on the worker)
         self.frames: int | None = None
-
-    @property
-    def done(self) -> bool:
-        return self._finished
 
     @property
     def error(self) -> BaseException | None:
@@ -47,9 +44,9 @@ class Job(Generic[T]):
 
     def result(self) -> T:
         """The job's value, or its exception raised here; waits until it has run."""
-        if not self._finished:
-            self._done.acquire()  # let go at once: every later waiter sees _finished
-            self._done.release()
+        if not self.done:
+            self._waited.acquire()  # let go at once: every later waiter sees done
+            self._waited.release()
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[no-any-return]
@@ -61,5 +58,5 @@ class Job(Generic[T]):
             self._error = e
         finally:
             self._fn = None  # type: ignore[assignment]
-            self._finished = True
-            self._done.release()
+            self.done = True
+            self._waited.release()

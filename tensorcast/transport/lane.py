@@ -221,9 +221,10 @@ class Lane:
         interrupt kept from running is freed for the worker (:meth:`settle`).
         """
         me = threading.get_ident()
-        self._not_from_a_job()
+        if me == self._inline or me == self._worker_id:
+            self._not_from_a_job()
         with self._lock:
-            inline = not self._jobs and not self._running and me != self._worker_id
+            inline = not self._jobs and not self._running
             if inline:
                 self._running = True
                 self._inline = me

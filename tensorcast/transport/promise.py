@@ -50,8 +50,8 @@ class Promises:
         """The bytes the next frame promises (0: none)."""
         return self._last if self._on and self._run >= self._need else 0
 
-    def record(self, plan: FramePlan) -> None:
-        """A frame cut as ``plan`` went on (or came off) the wire."""
+    def record(self, plan: FramePlan) -> int:
+        """A frame cut as ``plan`` went on (or came off) the wire; returns :meth:`next`."""
         n = 0 if plan.inline else plan.payload_len  # outside the first message, or none
         if plan.promised and not plan.in_promise:
             self._need = min(2 * self._need, _MAX_NEED)
@@ -59,6 +59,7 @@ class Promises:
             self._run += 1
         else:
             self._last, self._run = n, 1 if n else 0
+        return self._last if self._on and self._run >= self._need else 0
 
 
 class Cutter:
@@ -99,6 +100,5 @@ class Cutter:
 
     def done(self, plan: FramePlan, next_capacity: int) -> None:
         """The frame cut as ``plan`` went on, or came off, the wire whole."""
-        self._promises.record(plan)
-        self.promised = self._promises.next()
+        self.promised = self._promises.record(plan)
         self._group.capacity = next_capacity

@@ -136,7 +136,10 @@ class GlooWire:
         if not self._sends:
             return gloo.broadcast([tensor], self._opts(root))  # type: ignore[no-any-return]
         if self.rank == root:
-            return _All([gloo.send([tensor], peer, _TAG) for peer in self._peers])
+            peers = self._peers
+            if len(peers) == 1:  # its own work: nothing to wait for together
+                return gloo.send([tensor], peers[0], _TAG)  # type: ignore[no-any-return]
+            return _All([gloo.send([tensor], peer, _TAG) for peer in peers])
         return gloo.recv([tensor], root, _TAG)  # type: ignore[no-any-return]
 
     def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Posted:

@@ -21,7 +21,7 @@ def run(sizes: list[int], *, on: bool = True) -> list[FramePlan]:
     promises, plans = Promises(on), []
     for n in sizes:
         plan = plan_frame(INITIAL_CAPACITY, 40, n, inline_ok=True, promised=promises.next())
-        promises.record(plan)
+        assert promises.record(plan) == promises.next()  # what the next frame promises
         plans.append(plan)
     return plans
 

@@ -122,9 +122,15 @@ class Channel:
         return self._source().data(batch, self._stamp(), device, timeout or self.timeout)
 
     def send(self, frame: Outgoing, timeout: datetime.timedelta | None = None) -> None:
-        """Post a frame :meth:`prepare` made (or an END / ERROR frame)."""
-        self._source().send(frame, timeout or self.timeout)
+        """Post a frame :meth:`prepare` made (or an END / ERROR frame).
+
+        The frame is counted before its first message is posted: from here on, whatever
+        escapes (a signal handler's exception when ``send`` returns included) finds the
+        count moved and breaks the lane (``Lane.break_if_lost``), never a retry that
+        would send the frame again (NOTE [ A frame is atomic ])."""
+        sender = self._source()
         self.step += 1
+        sender.send(frame, timeout or self.timeout)
 
     def send_batch(
         self, batch: Any, device: torch.device | None, timeout: datetime.timedelta | None = None

@@ -8,7 +8,7 @@ cannot read); once it is in, a bad CRC is an error of that step alone.
 
 # NOTE [ Views made ahead ]
 A batch of many small leaves spends much of each rank's time making one fresh tensor per
-leaf, a ``detach()`` of the views its first message keeps (see ``transport.pool``). Both sides
+leaf, a ``detach()`` of the views its first message keeps (see ``transport.kept``). Both sides
 make them while a head is on the wire, where they would only wait: a receiver once it
 has posted the receive of the first message it is about to read, for the layout that
 message carried last; the source once it has posted its first message, for the next

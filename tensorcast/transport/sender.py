@@ -13,6 +13,9 @@ A frame is posted whole by one lane job, on the lane's worker thread or inline o
 caller's (see ``transport.lane``). Anything that escapes once its first message is
 posted, a peer's failure or a signal handler's exception alike, breaks the lane, so the
 peers fail within their timeout instead of reading a frame that is half old, half new.
+The channel counts the frame before posting it, so an exception that escapes between
+the last message and the job's return (a handler runs when a call returns) finds the
+count moved: the lane breaks instead of a retry sending the frame a second time.
 And the source's result is a tree of views into the buffer it is about to send, built
 before the first message: the source and the receivers return the same tree (detached,
 not inference tensors) or none of them does.
@@ -297,10 +300,10 @@ class Sender:
                 wire.head(out.host_leaves, root, timeout).wait(timeout)
             if out.payload is not None:
                 wire.payload(out.payload, root, timeout).wait(timeout)
+            self._cutter.done(out.plan, out.plan.next_capacity)  # the frame is out
         except RuntimeError as e:  # from the collective: a peer died or timed out
             self._group.lane.break_(e)
             raise self._peer_error(e, timeout) from e
         except BaseException as e:  # e.g. a signal handler's: raised as it is
             self._group.lane.break_(e)
             raise
-        self._cutter.done(out.plan, out.plan.next_capacity)

@@ -8,6 +8,7 @@ batches itself and compares what the loader yielded against them.
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -705,3 +706,37 @@ def test_bad_arguments() -> None:
             tc.BroadcastingDataLoader([], prefetch=prefetch)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="src"):
         tc.BroadcastingDataLoader([], src=0)
+
+
+def _rank_hand_out_waits_for_no_later_step(rank: int, world: int) -> dict[str, Any]:
+    """prefetch=2 on a CPU group: the source's batch 1 comes only once the caller holds
+    batch 0. A hand-out that waited for the next step's job (as a device pass does, to
+    post its device work ahead) would wait for batch 1, and batch 1 for the hand-out."""
+    handed = threading.Event()
+    waited: list[bool] = []
+
+    class Gated:
+        def __iter__(self) -> Iterator[dict[str, Any]]:
+            for i in range(4):
+                if i == 1:
+                    waited.append(handed.wait(5.0))
+                yield {"i": torch.tensor(i)}
+
+    loader = tc.BroadcastingDataLoader(
+        Gated() if rank == 0 else None, group=dist.group.WORLD, src=0, prefetch=2, timeout=20
+    )
+    model = dist.new_group(backend="gloo")
+    got = []
+    for step, batch in enumerate(loader):
+        handed.set()
+        got.append(int(batch["i"]))
+        if (rank + step) % 2:
+            torch.ones(20_000).sum()  # the model's step takes longer on some ranks
+        dist.all_reduce(torch.ones(1), group=model)
+    return {"got": got, "waited": waited}
+
+
+def test_a_cpu_hand_out_does_not_wait_for_the_next_step(pool2: Any) -> None:
+    source, receiver = pool2.run(_rank_hand_out_waits_for_no_later_step, timeout=TIMEOUT)
+    assert source["waited"] == [True], source  # batch 1 came once batch 0 was handed out
+    assert source["got"] == receiver["got"] == [0, 1, 2, 3]

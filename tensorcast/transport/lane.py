@@ -122,11 +122,15 @@ class Lane:
 
     def settle(self, jobs: Iterable[Job[Any]]) -> None:
         """Queue, in order, those of ``jobs`` that are owed a run and are not queued: what
-        an interrupt left between recording a job and queuing it (NOTE [ Interrupts ])."""
+        an interrupt left between recording a job and queuing it (NOTE [ Interrupts ]).
+        And make sure a worker runs what is queued: an interrupt inside
+        ``Thread.start()`` may have left a job queued and no worker started."""
         with self._lock:
             for job in jobs:
                 if not job._taken and not job.done and job not in self._jobs:
                     self._queue(job)
+            if self._jobs:
+                self._start_worker()
 
     def withdraw(self, job: Job[Any]) -> bool:
         """Take ``job`` out of the queue if it has not started; whether it was there."""

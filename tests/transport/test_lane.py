@@ -10,6 +10,7 @@ import time
 import pytest
 
 from tensorcast import PeerError
+from tensorcast.transport.job import Job
 from tensorcast.transport.lane import Lane
 
 
@@ -88,3 +89,37 @@ def test_a_broken_lane_aborts_once_and_refuses_every_later_check() -> None:
     assert aborted == ["abort"]
     with pytest.raises(PeerError, match="peer gone"):
         lane.check()
+
+
+def test_a_job_left_queued_by_an_interrupted_thread_start_runs_once_settled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A signal handler that raises inside ``Thread.start()`` (the caller's thread waits
+    there for the new thread) leaves the job queued and no worker: settling the pass's
+    jobs, as its retry does, must start one, or the job's waiter hangs."""
+
+    class Interrupted(Exception):
+        pass
+
+    real_start = threading.Thread.start
+    calls = []
+
+    def start_interrupted_once(thread: threading.Thread) -> None:
+        calls.append(thread.name)
+        if len(calls) == 1:
+            raise Interrupted  # before the thread runs: as if its start had been cut short
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_interrupted_once)
+    lane, _ = _lane()
+    queued = Job(lambda: 42)
+    with pytest.raises(Interrupted):
+        lane.enqueue(queued)
+    assert not queued.done
+    lane.settle([queued])
+    deadline = time.monotonic() + 5
+    while not queued.done:  # bounded: without a worker it would never run
+        assert time.monotonic() < deadline, "the settled job never ran: no worker started"
+        time.sleep(0.01)
+    assert queued.result() == 42
+    assert calls == ["tensorcast-lane-0-1", "tensorcast-lane-0-1"]

@@ -158,10 +158,10 @@ class Recorder:
     def handed_out(
         self,
         called: float,
-        now: float | None = None,
         source_s: float = 0.0,
         wire_s: float = 0.0,
         nbytes: int = 0,
+        now: float | None = None,
     ) -> None:
         """A ``next()`` that began at ``called`` returns a batch ``now`` (default: now, by
         ``time.perf_counter()``, as ``called``); its job spent ``source_s`` in
@@ -224,5 +224,5 @@ def timed(
             return
         pulled = time.perf_counter() - called
         out = rebuild(batch)
-        recorder.handed_out(called, None, pulled)
+        recorder.handed_out(called, pulled)
         yield out

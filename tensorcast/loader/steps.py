@@ -164,7 +164,7 @@ class Pass:
                     self._post_ahead()
             if item.state is not None:
                 self._loader._state = item.state
-            self._stats.handed_out(self._called, None, item.source_s, item.wire_s, item.nbytes)
+            self._stats.handed_out(self._called, item.source_s, item.wire_s, item.nbytes)
             # From here to the return there is no call, so no point where a signal handler
             # runs (NOTE [ Interrupts ]); the pass keeps no reference to the batch after.
             item.tree = None

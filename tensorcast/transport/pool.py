@@ -156,19 +156,17 @@ class BufferPool:
 
 class Message(_Entry):
     """One first-message buffer: the tensor the wire moves, its host view, and what was
-    made from it for the caller (kept, so that a repeating frame makes nothing anew).
+    made from it for the caller (kept, so that a repeating frame makes nothing anew: the
+    views of its leaves, and the slice of its inline payload, :meth:`inline_payload`).
 
     Attributes:
         host: a numpy view of the whole buffer (no storage reference of its own), and
             ``mem`` a memoryview of it.
         written: what the source's last frame wrote here: the end of its head, and the
             start and end of its inline payload (see ``Sender``).
-        inline: the bytes ``inline_span`` (start, length) as a 1-D tensor, kept: a frame
-            cut as the last one reads its inline payload from it, with no slice made
-            (see :meth:`view_inline`).
     """
 
-    __slots__ = ("host", "inline", "inline_span", "mem", "written")
+    __slots__ = ("_inline", "_inline_span", "host", "mem", "written")
 
     def __init__(self, capacity: int) -> None:
         super().__init__(torch.zeros(capacity, dtype=torch.uint8), 0)
@@ -176,18 +174,21 @@ class Message(_Entry):
         self.mem: memoryview = self.host.data
         self._base = self.use_count()  # the host views count as the entry's own
         self.written = (0, capacity, capacity)
-        self.inline: torch.Tensor | None = None
-        self.inline_span = (0, -1)
+        self._inline: torch.Tensor | None = None
+        self._inline_span = (0, -1)
 
-    def view_inline(self, at: int, n: int) -> torch.Tensor:
-        """Keep the bytes ``[at, at + n)`` as :attr:`inline` and return them: called when
-        a frame's cut differs from the last one's. Held here, the slice counts as the
-        message's own (lowered before it is dropped, raised after one is made)."""
-        if self.inline is not None:
+    def inline_payload(self, at: int, n: int) -> torch.Tensor:
+        """The inline payload's bytes ``[at, at + n)`` as a 1-D tensor, kept: a frame cut
+        as the last one gets the same slice, with none made. Held here, the slice counts as
+        the message's own (lowered before it is dropped, raised after one is made)."""
+        view = self._inline
+        if view is not None and self._inline_span == (at, n):
+            return view
+        if view is not None:
             self._base -= 1
-            self.inline = None
+            self._inline = view = None
         view = self.buffer[at : at + n]
-        self.inline, self.inline_span = view, (at, n)
+        self._inline, self._inline_span = view, (at, n)
         self._base += 1
         return view
 

@@ -175,9 +175,7 @@ class Receiver:
                 f"{n} bytes"
             )
         if cut.inline:
-            payload = first.inline  # kept for a frame cut as the last one
-            if first.inline_span != (cut.payload_at, n) or payload is None:
-                payload = first.view_inline(cut.payload_at, n)
+            payload = first.inline_payload(cut.payload_at, n)
             return _Incoming(prefix, cut, header, decoded, payload, first.kept)
         if cut.in_promise and buffer is not None:
             return _Incoming(prefix, cut, header, decoded, buffer, self._pool.kept)

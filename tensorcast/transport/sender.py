@@ -138,9 +138,7 @@ class Sender:
             out = self._finish(message, frame, Kind.DATA, header, staging, stamp, n, block)
             return out, part
         if frame.inline:
-            payload = message.inline  # kept for a frame cut as the last one
-            if message.inline_span != (frame.payload_at, n) or payload is None:
-                payload = message.view_inline(frame.payload_at, n)
+            payload = message.inline_payload(frame.payload_at, n)
             if isinstance(batch, Packed):
                 source = batch.buffer if batch.buffer.is_cpu else batch.buffer.cpu()
                 message.host[frame.payload_at : frame.payload_at + n] = source.numpy()

@@ -95,7 +95,7 @@ def test_pass_quantiles_are_within_two_percent(stalls: list[float]) -> None:
     recorder = Recorder()
     now = 0.0
     for s in stalls:
-        recorder.handed_out(now, now + s)  # a next() that waited s, right after the last
+        recorder.handed_out(now, now=now + s)  # a next() that waited s, right after the last
         now += s
     stats = recorder.stats(last=10)
     exact = np.asarray(stalls)

@@ -176,3 +176,18 @@ def test_the_frame_pool_forgets_its_oldest_buffer_beyond_its_bound() -> None:
         message = frames.take(4096)
         held.append(message.kept.views(message.buffer[0:64], "layout", lambda b: [b[:8]]))
     assert len(frames._messages) == 2
+
+
+def test_a_first_message_keeps_its_inline_payloads_slice_without_looking_busy() -> None:
+    frames = FramePool()
+    message = frames.take(4096)
+    first = message.inline_payload(64, 100)
+    assert message.inline_payload(64, 100) is first  # the same cut: no slice made
+    leaf = first[:8].view(torch.float32)  # what a tree made from it holds
+    assert not message.is_idle()
+    del first, leaf
+    assert message.is_idle() and frames.take(4096) is message  # the kept slice is its own
+    other = message.inline_payload(128, 50)
+    assert other.data_ptr() == message.buffer.data_ptr() + 128 and other.numel() == 50
+    del other
+    assert message.is_idle()

@@ -7,7 +7,7 @@ rank, medians):
    worker thread on every rank, but posts a send or a receive on the calling thread.
    tensorcast's first message of each frame (4 KiB in steady state) is therefore one send
    from the source to each receiver on groups of up to four ranks (see
-   ``tensorcast/_wire.py``):
+   ``tensorcast/transport/wire.py``):
 
    - ``header_broadcast``: one broadcast of 4 KiB;
    - ``header_sends``: the same bytes as a send to each receiver, received with ``recv``.
@@ -15,8 +15,8 @@ rank, medians):
 2. *A payload whose receive is posted late.* gloo sends a message once the receiver has
    posted its receive. A frame whose payload follows its first message therefore waits
    for receivers to read that message, unless receivers know its size before the first
-   message arrives and post both receives at once: tensorcast's promised payloads (see
-   ``tensorcast/_promise.py``), for payloads whose size repeats. This measures what that
+   message arrives and post both receives at once: tensorcast's promised payloads (NOTE
+   [ Promised payloads ] in ``tensorcast/transport/``), for payloads whose size repeats. This measures what that
    saves:
 
    - ``one``: one broadcast of the payload's bytes (the floor);

@@ -2,7 +2,7 @@
 
 ``tensorcast.broadcast`` and ``prefetch=0`` run their job on the caller's thread when the
 lane is idle (``Lane.run``), instead of handing it to the lane's worker thread and
-waiting (``Lane.submit(...).result()``). In one run, interleaved (a barrier before each,
+waiting (``Lane.enqueue(job)``, then ``job.result()``). In one run, interleaved (a barrier before each,
 the slowest rank, medians over iterations), for one small batch:
 
 - ``worker``: the job on the lane's worker thread;
@@ -34,25 +34,34 @@ METHODS = ("worker", "inline", "floor")
 
 
 def _rank(rank: int, world: int, iters: int) -> dict[str, list[float]]:
+    import functools
+
     import tensorcast as tc
     from tensorcast.loader import broadcast as _broadcast
+    from tensorcast.transport.lane import Job
+    from tensorcast.transport.sender import Sender
 
     tree = {"x": torch.arange(4.0), "ids": [1, 2, 3], "name": "utt-000001"}
     mine = tree if rank == 0 else None
-    ranks = tuple(range(world))
-    tc.broadcast(mine, 0)  # sets the channel up
-    channel = _broadcast._broadcast_channel(ranks, 0)
-    lane = channel.group.lane
+    tc.broadcast(mine, 0)  # sets this rank's role up
+    role = _broadcast._broadcast_role(None, 0)
+    lane = role.group.lane
+    frames_taken = functools.partial(getattr, role, "step")
 
     def job() -> Any:
-        if channel.is_source:
-            return channel.send_batch(mine, None)
-        return channel.recv(None)
+        if isinstance(role, Sender):
+            return role.send_batch(mine, None)
+        return role.recv(None)
+
+    def on_the_worker() -> Any:
+        queued: Job[Any] = Job(job)
+        lane.enqueue(queued)
+        return queued.result()
 
     floor = torch.zeros(64, dtype=torch.uint8)
     calls = {
-        "worker": lambda: lane.submit(job).result(),
-        "inline": lambda: lane.run(job),
+        "worker": on_the_worker,
+        "inline": lambda: lane.run(job, frames_taken),
         "floor": lambda: dist.broadcast(floor, 0),
     }
     times: dict[str, list[float]] = {m: [] for m in METHODS}

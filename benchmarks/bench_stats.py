@@ -1,7 +1,7 @@
 """What ``loader.stats()`` costs when nobody reads it: its hooks against a tiny step.
 
 Every ``next()`` of a BroadcastingDataLoader records a few numbers (see NOTE [ Where a
-step's time goes ] in ``tensorcast/_stats.py``). This measures, in one run on 2 local
+step's time goes ] in ``tensorcast/loader/stats.py``). This measures, in one run on 2 local
 gloo ranks:
 
 - ``step``: the median time of one ``next()`` of a ``prefetch=0`` loader on the tiny

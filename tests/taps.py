@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from rankpool import in_a_new_process_group
 
+from tensorcast.transport.frame import PREFIX_SIZE, Flags, Prefix, cut_frame
 from tensorcast.transport.groups import wrapping_wires
 
 Hook = Callable[[Any, torch.Tensor, int], None]
@@ -111,3 +112,25 @@ def tapped(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(rank, world, tap, *args, **kwargs)
 
     return in_a_new_process_group(run)
+
+
+def first_message_problems(first: torch.Tensor) -> list[str]:
+    """What is wrong with a source's first message: a byte that is not zero outside its
+    prefix, its header and its inline payload (the stale bytes of an earlier frame, or of
+    this process's memory, travelling to the peers)."""
+    data = first.numpy()
+    capacity = len(data)
+    prefix = Prefix.unpack(data.data, capacity)
+    plan = cut_frame(capacity, prefix.header_len, prefix.payload_len, host_payloads=True)
+    if plan.flags != prefix.flags & (Flags.INLINE | Flags.SPILL):
+        return [f"flags {prefix.flags!r} but the plan says {plan.flags!r}"]
+    head = PREFIX_SIZE + (0 if plan.spill else plan.header_len)
+    at = end = capacity
+    if plan.inline:
+        at, end = plan.payload_at, plan.payload_at + plan.payload_len
+    problems = []
+    if data[head:at].any():
+        problems.append(f"non-zero bytes between the head ({head}) and {at}")
+    if data[end:].any():
+        problems.append(f"non-zero bytes after the inline payload ({end} of {capacity})")
+    return problems

@@ -1,14 +1,20 @@
-"""Equality of batch trees as the contract means it, for tests of every layer.
+"""Batch trees for tests of every layer, and their equality as the contract means it.
 
 ``assert_same`` checks same types, same structure, same key order, tensors and ndarrays
-byte for byte, floats bit for bit (without recursion: any depth).
+byte for byte, floats bit for bit (without recursion: any depth); ``canon`` / ``digest``
+/ ``check_same`` compare trees that crossed a process. ``every_kind`` is one of
+everything that travels; ``steady_batch`` and ``payload_batch`` are sequences whose
+header, then payload, change as they go.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import hashlib
 import struct
-from typing import Any
+from collections import OrderedDict
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -123,3 +129,275 @@ def is_view_into(t: torch.Tensor, packed: tc.Packed) -> bool:
         lo <= ptr and ptr + n <= hi
     )
 
+
+# -- registered container types (registered on import, so in every rank too) ------------
+
+
+class Span(NamedTuple):
+    start: int
+    stop: torch.Tensor
+
+
+@dataclasses.dataclass
+class Utterance:
+    text: str
+    audio: torch.Tensor
+    spans: list[Span]
+
+
+tc.register_type(Span, name="tests.Span")
+tc.register_type(Utterance, name="tests.Utterance")
+
+
+# -- canonical form: equal iff bit-identical, same types, same structure ------------------
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha1(data).hexdigest()
+
+
+def canon(tree: Any) -> list[tuple[str, Any]]:
+    """``(path, description)`` per node in preorder; tensors and arrays by digest of their bytes."""
+    out: list[tuple[str, Any]] = []
+    stack: list[tuple[str, Any]] = [("", tree)]
+    while stack:
+        path, x = stack.pop()
+        kind = f"{type(x).__module__}.{type(x).__qualname__}"
+        children: list[tuple[str, Any]] = []
+        if isinstance(x, torch.Tensor):
+            desc: Any = (str(x.dtype), tuple(x.shape), x.device.type, _sha(tensor_bytes(x)))
+        elif isinstance(x, np.ndarray):
+            desc = (x.dtype.str, x.shape, _sha(np.ascontiguousarray(x).tobytes()))
+        elif isinstance(x, np.generic):
+            desc = (x.dtype.str, x.tobytes())
+        elif type(x) is float:
+            desc = struct.pack("<d", x)
+        elif type(x) is complex:
+            desc = struct.pack("<dd", x.real, x.imag)
+        elif x is None or type(x) in (bool, int, str, bytes):
+            desc = x
+        elif isinstance(x, dict):
+            desc = [(type(k).__name__, k) for k in x]
+            children = [(f"{path}[{k!r}]", v) for k, v in x.items()]
+        elif isinstance(x, tuple) and hasattr(x, "_fields"):
+            desc = tuple(x._fields)
+            children = [(f"{path}.{f}", getattr(x, f)) for f in x._fields]
+        elif dataclasses.is_dataclass(x):
+            names = [f.name for f in dataclasses.fields(x)]
+            desc = tuple(names)
+            children = [(f"{path}.{f}", getattr(x, f)) for f in names]
+        elif isinstance(x, (list, tuple)):
+            desc = len(x)
+            children = [(f"{path}[{i}]", v) for i, v in enumerate(x)]
+        else:
+            raise TypeError(f"canon: unexpected {kind} at {path!r}")
+        out.append((path, (kind, desc)))
+        stack.extend(reversed(children))
+    return out
+
+
+def digest(tree: Any) -> str:
+    return _sha(repr(canon(tree)).encode())
+
+
+def check_same(got: Any, want: Any, what: str) -> None:
+    """Raise with the first differing node's path, not a wall of bytes."""
+    a, b = canon(got), canon(want)
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            raise AssertionError(
+                f"{what}: differs at {x[0]!r}: got {x[1]!r:.300}, want {y[1]!r:.300}"
+            )
+    if len(a) != len(b):
+        raise AssertionError(f"{what}: {len(a)} nodes received, {len(b)} expected")
+
+
+# -- the trees ----------------------------------------------------------------------------
+
+# fmt: off
+_TORCH_DTYPES = [
+    "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+]
+_NUMPY_DTYPES = [
+    "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+    "float16", "float32", "float64", "complex64", "complex128",
+]
+# fmt: on
+
+
+def _nan_with_payload() -> float:
+    return float(struct.unpack("<d", struct.pack("<Q", 0x7FF8_0000_DEAD_BEEF))[0])
+
+
+def every_kind() -> dict[str, Any]:
+    """One of everything the contract says travels: dtypes, shapes, leaves, containers."""
+    g = torch.Generator().manual_seed(7)
+    tensors: dict[str, Any] = {}
+    for name in _TORCH_DTYPES:
+        if not hasattr(torch, name):
+            continue
+        dtype = getattr(torch, name)
+        size = torch.empty((), dtype=dtype).element_size()
+        if dtype is torch.bool:
+            t = torch.randint(0, 2, (3, 8), generator=g).bool()
+        else:  # random bytes: NaN payloads, -0.0 and subnormals included
+            t = torch.randint(0, 256, (3, 8 * size), dtype=torch.uint8, generator=g).view(dtype)
+        tensors[name] = {
+            "plain": t,
+            "transposed": t.t(),  # arrives contiguous, same values
+            "scalar": t.reshape(-1)[5],
+            "empty": t[:, :0],
+        }
+    rng = np.random.default_rng(7)
+    arrays: dict[str, Any] = {}
+    for name in _NUMPY_DTYPES:
+        if name == "bool":
+            a = rng.integers(0, 2, size=32).astype(np.bool_)
+        else:
+            a = rng.integers(0, 256, size=32 * np.dtype(name).itemsize, dtype=np.uint8).view(name)
+        arrays[name] = {
+            "plain": a.reshape(4, -1),
+            "strided": a[::3],
+            "zero_d": a[:1].reshape(()),
+            "empty": a[:0],
+        }
+    deep: Any = torch.tensor([1.0])
+    for _ in range(200):
+        deep = [deep]
+    return {
+        "tensors": tensors,
+        "arrays": arrays,
+        "small": [
+            None,
+            True,
+            False,
+            0,
+            -1,
+            2**63,
+            -(2**70),
+            2**300,
+            1.5,
+            -0.0,
+            float("inf"),
+            _nan_with_payload(),
+            complex(1.0, -0.0),
+            "",
+            "text",
+            "\u00fcn\u00efc\u00f6d\u00e9 \U0001f600",
+            "long " * 1000,
+            b"",
+            b"\x00\xff",
+            bytes(range(256)) * 12,
+            np.float32(1.5),
+            np.int64(-3),
+            np.bool_(True),
+            np.complex64(1 + 2j),
+            np.uint16(7),
+        ],
+        "keys": {0: "int", True: "bool", None: "none", "s": "str"},
+        "ordered": OrderedDict([("b", 1), ("a", torch.zeros(2))]),
+        "tuple": (1, (2, ()), []),
+        "empty": [{}, (), []],
+        "registered": Utterance(
+            "hi",
+            torch.arange(5, dtype=torch.int16),
+            [Span(0, torch.tensor(3)), Span(3, torch.tensor(5))],
+        ),
+        "deep": deep,
+    }
+
+
+def tiny() -> dict[str, Any]:
+    return {"ids": torch.arange(4), "flag": True, "name": "x"}
+
+
+def big_header() -> dict[str, Any]:
+    """A header well over 256 KiB and no buffer at all (every str is under the inline limit)."""
+    return {"words": [f"{i:05d}" + "w" * 1000 for i in range(300)], "n": 300}
+
+
+def steady_batch(step: int) -> Any:
+    """Batches whose header repeats for a while, then changes: a small value, a shape, a
+    dtype, a bytes leaf, an ndarray; and last, one structure whose small values change
+    every step."""
+    phase = min(step // 4, 4)
+    batch: dict[str, Any] = {
+        "x": torch.full((3, 4), float(step)),
+        "arr": np.full(5, step, dtype=np.int32),
+        "epoch": phase,  # travels in the header: a repeat of the header repeats it
+    }
+    if phase == 1:
+        batch["x"] = torch.full((4, 3), float(step))
+    elif phase == 2:
+        batch["x"] = torch.full((3, 4), step, dtype=torch.int64)
+    elif phase == 3:
+        batch["blob"] = bytes([step]) * 2000
+    elif phase == 4:
+        batch["step"] = step
+        batch["note"] = "n" * (step * 37 % 200)  # a header of a new length every step
+    return batch
+
+
+STEADY_STEPS = 32
+
+
+def payload_batch(step: int) -> Any:
+    """Batches whose payload follows the first message, with new small values every step:
+    several megabytes with bytes between the large leaves; then one payload of 300 KB in
+    one tensor; then a shape that changes every step."""
+    phase = min(step // 6, 2)
+    if phase == 0:
+        return {
+            "audio": torch.full((2, 300_000), float(step)),
+            "lens": torch.tensor([step, 300_000]),
+            "step": step,
+            "id": "utt-" + "x" * (step * 7 % 30),  # a header of a new length every step
+        }
+    length = 75_000 if phase == 1 else 75_000 + 16 * step
+    return {"x": torch.full((length,), float(step)), "step": step}
+
+
+PAYLOAD_STEPS = 16
+
+
+# -- a batch mutated while it is packed ---------------------------------------------------
+
+_installed_hooks: list[Any] = []
+
+
+class _GrowDuringGC:
+    """A gc callback that adds a key to ``target`` at every collection.
+
+    With the collection threshold at 1 (see ``mutated_batch``), every allocation of a
+    tracked object collects: the dict then grows between any two steps of reading it,
+    deterministically. This is exactly what another thread writing to the batch would
+    do, without depending on thread scheduling.
+    """
+
+    def __init__(self, target: dict[str, int], limit: int = 100_000):
+        self.target = target
+        self.limit = limit
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and len(self.target) < self.limit:
+            self.target[f"added-{len(self.target)}"] = 0
+
+
+def mutated_batch() -> dict[str, Any]:
+    big = {f"k{i}": i for i in range(50_000)}
+    hook = _GrowDuringGC(big)
+    gc.callbacks.append(hook)
+    _installed_hooks.append((hook, gc.get_threshold()))
+    gc.set_threshold(1)
+    return {"x": torch.ones(2), "big": big}
+
+
+def remove_hooks() -> None:
+    while _installed_hooks:
+        hook, threshold = _installed_hooks.pop()
+        gc.set_threshold(*threshold)
+        if hook in gc.callbacks:
+            gc.callbacks.remove(hook)

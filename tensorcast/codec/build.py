@@ -1,29 +1,159 @@
-"""The last step of unpacking: a header's tokens compiled into a program that builds the tree.
+"""The decode side: a header's tokens and small values decoded, validated, and rebuilt
+into the tree.
 
-A structure is compiled once (validating every token) and its :class:`Program` run for
-each batch of that structure, with that batch's buffer leaves and small values.
-``_tree`` describes the tokens.
+A structure is compiled once (validating every token) into a :class:`Program`, run for
+each batch of that structure with that batch's buffer leaves and small values, which are
+decoded anew for each header. A :class:`Decoded` (what ``codec.schema.decode`` returns)
+rebuilds its tree from a buffer. The tokens and the values are those of NOTE [ The token
+and value grammar ] (``codec/__init__.py``); a peer may send anything, so each one is
+checked and an invalid one is a :class:`HeaderError`.
 """
 
 from __future__ import annotations
 
 import collections
 import operator
+import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
 
 from tensorcast._errors import HeaderError
 from tensorcast.codec import registry as _registry
+from tensorcast.codec.dtypes import NUMPY_CODES
 from tensorcast.codec.paths import Path, render_path
-from tensorcast.codec.values import decode_key
+from tensorcast.codec.views import KeepsViews, ViewSpec, host_block, leaf_views
 
-__all__ = ["Program", "compile_tokens", "run"]
+if TYPE_CHECKING:
+    from tensorcast.codec.schema import Structure
+
+__all__ = ["Decoded", "Program", "compile_tokens", "decode_values", "run"]
 
 _OrderedDict = collections.OrderedDict
 _CONTAINER_TAGS = frozenset("ltdorx")
+_F64 = struct.Struct("<d")  # a float value's bits, as an unsigned int
+_U64 = struct.Struct("<Q")
 
 # A container step while compiling: (tag, extra, path, child references).
 _Step = tuple[str, Any, Path, list[tuple[int, int]]]
+
+
+class Decoded:
+    """A header read and its leaf table validated (``codec.schema.decode``): its
+    structure, shared by the headers of that structure, and its own small values.
+
+    The tokens are validated when first compiled, the small values when first decoded
+    (:meth:`compiled`), both before any tree is built.
+
+    Attributes:
+        structure: everything the header says but its small values.
+        values: the small values' tokens, as the header carries them.
+        consts: the small values decoded, once :meth:`compiled` has run.
+    """
+
+    __slots__ = ("consts", "structure", "values")
+
+    def __init__(self, structure: Structure, values: list[Any]) -> None:
+        self.structure = structure
+        self.values = values
+        self.consts: list[Any] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """The size of the buffer the header describes."""
+        return self.structure.nbytes
+
+    @property
+    def host_nbytes(self) -> int | None:
+        """The size of the host block of the leaves that are not tensors (numpy arrays,
+        bytes, str), which travels beside a buffer on a GPU; None when every leaf is a
+        tensor."""
+        spec = self._view_spec()
+        return spec.host_nbytes if spec.others else None
+
+    def check_buffer(self, buffer: Any) -> None:
+        """Check that ``buffer`` can be the buffer this header describes.
+
+        Raises:
+            TypeError: it is not a 1-D ``torch.uint8`` tensor.
+            ValueError: it is not contiguous.
+            HeaderError: its size is not the header's.
+        """
+        if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            raise TypeError(
+                f"the buffer must be a 1-D torch.uint8 tensor, got "
+                f"{getattr(buffer, 'dtype', type(buffer).__name__)} with shape "
+                f"{tuple(getattr(buffer, 'shape', ()))}"
+            )
+        if not buffer.is_contiguous():
+            raise ValueError("the buffer must be contiguous; call .contiguous() first")
+        nbytes = self.structure.nbytes
+        if buffer.numel() != nbytes:
+            raise HeaderError(
+                f"the header describes a {nbytes}-byte buffer but the buffer has {buffer.numel()}"
+            )
+
+    def compiled(self) -> tuple[Program, list[Any]]:
+        """The structure's program (compiled once per structure) and the small values
+        decoded (once per header), both validated.
+
+        Raises:
+            HeaderError: the tokens or the small values are not a valid tree.
+        """
+        structure = self.structure
+        program = structure.program
+        if program is None:
+            program, _ = compile_tokens(structure.tokens, len(structure.leaves))
+            structure.program = program
+        consts = self.consts
+        if consts is None:
+            consts = decode_values(self.values)
+            if len(consts) != program.n_values:
+                raise HeaderError(
+                    f"the header's tree has {program.n_values} small values but "
+                    f"{len(consts)} follow it"
+                )
+            self.consts = consts
+        return program, consts
+
+    def rebuild(
+        self,
+        buffer: torch.Tensor,
+        kept: KeepsViews | None = None,
+        host: torch.Tensor | None = None,
+    ) -> Any:
+        """The tree, its leaves viewing ``buffer`` (numpy leaves: CPU views of it).
+
+        Args:
+            buffer: the buffer of ``nbytes`` bytes, on any device.
+            kept: what keeps the views of ``buffer``, when it came from there: the
+                tensor leaves are then fresh tensors on views it kept.
+            host: the host block of the leaves that are not tensors (:meth:`host_block`),
+                when ``buffer`` is on a GPU: they are then read from it, not copied back.
+
+        Raises:
+            HeaderError: the tokens or the small values are not a valid tree.
+        """
+        structure = self.structure
+        program, consts = structure.program, self.consts
+        if program is None or consts is None:
+            program, consts = self.compiled()
+        spec = structure.view_spec or self._view_spec()
+        return run(program, leaf_views(spec, len(structure.leaves), buffer, kept, host), consts)
+
+    def host_block(self, buffer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The bytes of the leaves that are not tensors, copied from the host ``buffer``
+        into ``out`` (at least :attr:`host_nbytes` bytes) as :meth:`rebuild` reads them."""
+        return host_block(self._view_spec(), buffer, out)
+
+    def _view_spec(self) -> ViewSpec:
+        """The structure's view spec, made once per structure."""
+        structure = self.structure
+        if structure.view_spec is None:
+            structure.view_spec = ViewSpec(structure.leaves)
+        return structure.view_spec
 
 
 class Program:
@@ -133,7 +263,7 @@ def _link(steps: list[_Step], root: tuple[int, int], used: bytearray, n_values: 
 
 def run(program: Program, leaf_values: Sequence[Any], small_values: Sequence[Any]) -> Any:
     """Rebuild a tree from a compiled program, the buffer leaves' values and the small
-    values (as ``decode_values`` returns them; their count is the program's)."""
+    values (as :func:`decode_values` returns them; their count is the program's)."""
     values = [*leaf_values, *small_values]
     add = values.append
     for tag, extra, path, pick, n in program.steps:
@@ -194,7 +324,7 @@ def _open(tok: list[Any], remaining: int, path: Path) -> _Frame:
             or len(tok[2]) != tok[1]
         ):
             raise HeaderError(f"invalid dict token {tok!r:.80}")
-        keys = tuple(decode_key(k) for k in tok[2])
+        keys = tuple(_decode_key(k) for k in tok[2])
         if len(dict.fromkeys(keys)) != len(keys):
             raise HeaderError(f"duplicate dict keys in {tok[2]!r:.120}")
         return _Frame(tag, tok[1], keys, path)
@@ -250,3 +380,90 @@ def _make(tag: str, items: list[Any], extra: Any, path: Path) -> Any:
             f"cannot rebuild `{extra.name}` at `{render_path(path, 'batch')}`: "
             f"{type(e).__name__}: {e}"
         ) from e
+
+
+# -- the small values and the dict keys ---------------------------------------------------
+
+
+def decode_values(values: Any) -> list[Any]:
+    """The small values of a header, decoded and validated.
+
+    Raises:
+        HeaderError: ``values`` is not a list of value tokens.
+    """
+    if type(values) is not list:
+        raise HeaderError("the header's small values are not a list")
+    out = values[:]
+    for i, tok in enumerate(values):
+        t = type(tok)
+        if t is list:
+            out[i] = _decode_small(tok)
+        elif not (t is str or tok is None or t is bool):
+            raise HeaderError(f"invalid value token {tok!r:.80} at position {i}")
+    return out
+
+
+def _decode_key(key: Any) -> Any:
+    """A dict key from its token.
+
+    Raises:
+        HeaderError: ``key`` is not a key token.
+    """
+    t = type(key)
+    if t is str or t is int or t is bool or key is None:
+        return key
+    if t is list and len(key) == 2 and key[0] == "I" and type(key[1]) is str:
+        return _parse_big_int(key[1])
+    raise HeaderError(f"invalid dict key token {key!r:.80}")
+
+
+def _decode_small(tok: list[Any]) -> Any:
+    """Decode a small-value token that is a list."""
+    if not tok:
+        raise HeaderError("invalid value token []")
+    tag = tok[0]
+    n = len(tok)
+    if tag == "i" and n == 2 and type(tok[1]) is int:
+        return tok[1]
+    if tag == "f" and n == 2:
+        return _bits_to_float(tok[1])
+    if tag == "I" and n == 2 and type(tok[1]) is str:
+        return _parse_big_int(tok[1])
+    if tag == "c" and n == 3:
+        return complex(_bits_to_float(tok[1]), _bits_to_float(tok[2]))
+    if tag == "y" and n == 2:
+        return _fromhex(tok[1])
+    if tag == "s" and n == 3 and type(tok[1]) is str:
+        dtype = NUMPY_CODES.get(tok[1])
+        data = _fromhex(tok[2])
+        if dtype is None or len(data) != dtype.itemsize:
+            raise HeaderError(f"invalid numpy scalar token {tok!r:.80}")
+        return np.frombuffer(data, dtype=dtype)[0]
+    if tag == "S" and n == 3:
+        if tok[1] == "U" and type(tok[2]) is str:
+            return np.str_(tok[2])
+        if tok[1] == "S":
+            return np.bytes_(_fromhex(tok[2]))
+    raise HeaderError(f"invalid token {tok!r:.80}")
+
+
+def _parse_big_int(text: str) -> int:
+    try:
+        return int(text, 16)
+    except ValueError:
+        raise HeaderError(f"invalid big-int token {text!r:.80}") from None
+
+
+def _bits_to_float(bits: Any) -> float:
+    if type(bits) is not int or not 0 <= bits <= 0xFFFF_FFFF_FFFF_FFFF:
+        raise HeaderError(f"invalid float bits {bits!r:.80}")
+    return float(_F64.unpack(_U64.pack(bits))[0])
+
+
+def _fromhex(text: Any) -> bytes:
+    if type(text) is not str:
+        raise HeaderError(f"expected a hex string, found {type(text).__name__}")
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise HeaderError(f"invalid hex string {text!r:.80}") from None

@@ -2,7 +2,8 @@
 
 The tree is read in preorder and without recursion (any nesting depth works) into its
 structure (a flat list of JSON-able tokens), its small values, and the buffer leaves
-whose bytes go into the packed buffer; ``_tree`` describes the tokens and the values.
+whose bytes go into the packed buffer, as NOTE [ The token and value grammar ]
+(``codec/__init__.py``) describes them.
 Nothing here knows about byte layouts or process groups.
 """
 
@@ -93,11 +94,11 @@ _EXIT = _Exit()
 
 def _walk(tree: Any, codec_trees: dict[int, tuple[str, Any]]) -> Flat:
     tokens: list[Any] = []
-    smalls: list[Any] = []  # the small values
+    value_tokens: list[Any] = []  # the small values
     leaves: list[BufferLeaf] = []
     stack: list[Any] = [tree]
     active: set[int] = set()  # the ids of the open containers
-    append, value, add_leaf = tokens.append, smalls.append, leaves.append
+    append, value, add_leaf = tokens.append, value_tokens.append, leaves.append
     pop, push, extend = stack.pop, stack.append, stack.extend
     codes = CODE_OF_TORCH
     tensor_t, param_t, strided, exit_t = torch.Tensor, _Parameter, _STRIDED, _Exit
@@ -147,15 +148,15 @@ def _walk(tree: Any, codec_trees: dict[int, tuple[str, Any]]) -> Flat:
             append(None)
             value(["f", _U64.unpack(_F64.pack(obj))[0]])
         else:
-            _walk_other(obj, t, tokens, smalls, leaves, stack, active, codec_trees)
-    return tokens, smalls, leaves, loose
+            _walk_other(obj, t, tokens, value_tokens, leaves, stack, active, codec_trees)
+    return tokens, value_tokens, leaves, loose
 
 
 def _walk_other(
     obj: Any,
     t: type,
     tokens: list[Any],
-    smalls: list[Any],
+    value_tokens: list[Any],
     leaves: list[BufferLeaf],
     stack: list[Any],
     active: set[int],
@@ -176,18 +177,18 @@ def _walk_other(
     elif t is bytes:
         if len(obj) <= INLINE_LIMIT:
             tokens.append(None)
-            smalls.append(["y", obj.hex()])
+            value_tokens.append(["y", obj.hex()])
         else:
             tokens.append(len(leaves))
             leaves.append(("bytes", "U8", (len(obj),), obj))
     elif t is complex:
         tokens.append(None)
-        smalls.append(
+        value_tokens.append(
             ["c", _U64.unpack(_F64.pack(obj.real))[0], _U64.unpack(_F64.pack(obj.imag))[0]]
         )
     elif isinstance(obj, np.generic) and t.__module__ == "numpy":
         tokens.append(None)
-        smalls.append(_encode_scalar(obj))
+        value_tokens.append(_encode_scalar(obj))
     else:
         entry = _registry.by_type(t)
         if entry is None:

@@ -3,7 +3,7 @@
 Each leaf gets an offset aligned to ``align`` (or to its itemsize, when larger) after
 the one before it; the leaf table and the structure make the header's bytes up to the
 small values. A :class:`Layout` keeps both, so a next batch of the same structure reuses
-them and encodes its values alone.
+them (``codec.encode.Encoder``) and encodes its values alone.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ import operator
 from typing import Any
 
 from tensorcast.codec import schema as _schema
-from tensorcast.codec.build import Program, compile_tokens
+from tensorcast.codec.build import Program, compile_tokens, decode_values
 from tensorcast.codec.dtypes import CODE_ITEMSIZE
 from tensorcast.codec.flatten import BufferLeaf
-from tensorcast.codec.values import decode_values
 from tensorcast.codec.views import ViewSpec
 
 __all__ = ["DEFAULT_ALIGN", "KIND", "Layout", "lay_out"]
@@ -42,7 +41,7 @@ class Layout:
         "has_gaps",
         "kinds",
         "nbytes",
-        "prefix",
+        "structure_bytes",
         "table",
         "tokens",
         "write_spec",
@@ -52,7 +51,7 @@ class Layout:
         self,
         table: list[tuple[Any, ...]],
         tokens: list[Any],
-        prefix: bytes,
+        structure_bytes: bytes,
         comparable: bool,
         kinds: list[tuple[str, str, Any]],
         align: int,
@@ -61,9 +60,9 @@ class Layout:
     ):
         self.table = table
         self.tokens = tokens
-        #: the header body up to the values (see _schema.structure_prefix)
-        self.prefix = prefix
-        #: False when ``==`` on the tokens could mistake True for 1 (see _flatten.flatten)
+        #: the header body up to the values (``codec.schema.structure_bytes``)
+        self.structure_bytes = structure_bytes
+        #: False when ``==`` on the tokens could mistake True for 1 (``codec.flatten.flatten``)
         self.comparable = comparable
         #: each leaf's (kind, code, shape), which with ``align`` fixes the table
         self.kinds = kinds
@@ -88,7 +87,7 @@ class Layout:
         last = self._last  # one read: another thread may replace it
         if last is not None and last[0] == values:  # strict: no bare ints among values
             return last[1]
-        header = _schema.encode(self.prefix, values)
+        header = _schema.encode(self.structure_bytes, values)
         self._last = (values, header)
         return header
 
@@ -163,5 +162,5 @@ def lay_out(
             f"the batch needs a {end}-byte buffer, over the {_schema.MAX_BUFFER_BYTES}-byte "
             f"limit of the format; split it into smaller batches"
         )
-    prefix = _schema.structure_prefix(end, align, table, tokens)
-    return Layout(table, tokens, prefix, comparable, kinds, align, end, data_bytes != end)
+    structure_bytes = _schema.structure_bytes(end, align, table, tokens)
+    return Layout(table, tokens, structure_bytes, comparable, kinds, align, end, data_bytes != end)

@@ -1,14 +1,7 @@
-"""pack / unpack: a batch tree <-> a header and ONE packed, aligned uint8 buffer.
+"""The codec's public entry points: ``pack`` / ``unpack`` / ``read_header`` and ``Packed``.
 
-The data path, top to bottom, one module a step::
-
-    tree --_flatten--> tokens + values + buffer leaves --_layout--> leaf table
-         --_schema--> header;  --_plan--> buffer (one batched copy of the tensors)
-    header --_schema (decode, validate)--> leaf table --_views--> leaves
-           --_build--> tree
-
-This module joins them into the codec's entry points. Nothing here knows about process
-groups; the transport moves headers and buffers.
+A batch tree <-> a header and ONE packed, aligned uint8 buffer, with no process group
+(the path through the codec: ``codec/__init__.py``).
 """
 
 from __future__ import annotations
@@ -18,34 +11,14 @@ from typing import Any, overload
 
 import torch
 
-from tensorcast._errors import HeaderError
 from tensorcast.codec import schema as _schema
-from tensorcast.codec.build import Program, compile_tokens, run
-from tensorcast.codec.layout import DEFAULT_ALIGN, Layout
+from tensorcast.codec.build import compile_tokens
+from tensorcast.codec.encode import encode
+from tensorcast.codec.layout import DEFAULT_ALIGN
 from tensorcast.codec.paths import render_path
-from tensorcast.codec.plan import Encoded, encode
 from tensorcast.codec.schema import LeafSpec, Schema
-from tensorcast.codec.values import decode_values
-from tensorcast.codec.views import KeepsViews, ViewSpec, view_spec, views
 
-__all__ = [
-    "DEFAULT_ALIGN",
-    "Layout",
-    "Encoded",
-    "Packed",
-    "ViewSpec",
-    "compiled",
-    "copy_to_device",
-    "pack",
-    "encode",
-    "read_header",
-    "read_prepacked",
-    "rebuild",
-    "resolve_device",
-    "unpack",
-    "view_spec",
-    "views",
-]
+__all__ = ["Packed", "copy_to_device", "pack", "read_header", "resolve_device", "unpack"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,33 +110,6 @@ def pack(
     return Packed(p.header, buffer)
 
 
-def read_prepacked(packed: Packed) -> _schema.Decoded:
-    """The decoded header of a :class:`Packed`, checked against its buffer.
-
-    Raises:
-        HeaderError: the header is invalid or does not match the buffer's size.
-        TypeError, ValueError: the buffer is not a contiguous 1-D uint8 tensor.
-    """
-    decoded = _schema.decode(packed.header)
-    _check_buffer(packed.buffer, decoded.nbytes)
-    return decoded
-
-
-def _check_buffer(buffer: Any, nbytes: int) -> None:
-    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
-        raise TypeError(
-            f"the buffer must be a 1-D torch.uint8 tensor, got "
-            f"{getattr(buffer, 'dtype', type(buffer).__name__)} with shape "
-            f"{tuple(getattr(buffer, 'shape', ()))}"
-        )
-    if not buffer.is_contiguous():
-        raise ValueError("the buffer must be contiguous; call .contiguous() first")
-    if buffer.numel() != nbytes:
-        raise HeaderError(
-            f"the header describes a {nbytes}-byte buffer but the buffer has {buffer.numel()}"
-        )
-
-
 @overload
 def unpack(packed: Packed, /, *, device: torch.device | str | None = None) -> Any: ...
 @overload
@@ -198,46 +144,11 @@ def unpack(
             raise TypeError("unpack(header, buffer): the buffer is missing")
         header = packed_or_header
     decoded = _schema.decode(header)
-    _check_buffer(buffer, decoded.nbytes)
+    decoded.check_buffer(buffer)
     dev = resolve_device(device)
     if dev is not None and dev != buffer.device:
         buffer = copy_to_device(buffer, dev)
-    return rebuild(decoded, buffer)
-
-
-def rebuild(
-    decoded: _schema.Decoded,
-    buffer: torch.Tensor,
-    values: list[Any] | None = None,
-    pool: KeepsViews | None = None,
-    host: torch.Tensor | None = None,
-) -> Any:
-    """The tree of a decoded header, its leaves viewing ``buffer`` (or ``values``);
-    ``host``: the host block of the leaves that are not tensors (``codec.views``)."""
-    program, consts = compiled(decoded)
-    leaves = views(decoded, buffer, pool, host) if values is None else values
-    return run(program, leaves, consts)
-
-
-def compiled(decoded: _schema.Decoded) -> tuple[Program, list[Any]]:
-    """The structure's program (compiled once per structure) and the decoded small values
-    (once per header); both validated.
-
-    Raises:
-        HeaderError: the tokens or values are not a valid tree.
-    """
-    structure = decoded.structure
-    if structure.program is None:
-        structure.program, _ = compile_tokens(structure.tokens, len(structure.leaves))
-    if decoded.consts is None:
-        consts = decode_values(decoded.values)
-        if len(consts) != structure.program.n_values:
-            raise HeaderError(
-                f"the header's tree has {structure.program.n_values} small values but "
-                f"{len(consts)} follow it"
-            )
-        decoded.consts = consts
-    return structure.program, decoded.consts
+    return decoded.rebuild(buffer)
 
 
 def read_header(header: bytes) -> Schema:
@@ -247,13 +158,14 @@ def read_header(header: bytes) -> Schema:
         HeaderError: the header is not valid for this version of tensorcast.
     """
     decoded = _schema.decode(header)
-    program, paths = compile_tokens(decoded.tokens, len(decoded.leaves), want_paths=True)
+    structure = decoded.structure
+    program, paths = compile_tokens(structure.tokens, len(structure.leaves), want_paths=True)
     assert paths is not None
-    if decoded.structure.program is None:
-        decoded.structure.program = program  # compiled once per structure, as rebuild does
-    compiled(decoded)  # validates the small values against the tree
+    if structure.program is None:
+        structure.program = program  # compiled once per structure, as rebuild does
+    decoded.compiled()  # validates the small values against the tree
     leaves = tuple(
         LeafSpec(render_path(path), kind, code, tuple(shape), off, n)
-        for (kind, code, shape, off, n), path in zip(decoded.leaves, paths)
+        for (kind, code, shape, off, n), path in zip(structure.leaves, paths)
     )
-    return Schema(leaves, decoded.nbytes, _schema.FORMAT_VERSION, decoded.align)
+    return Schema(leaves, structure.nbytes, _schema.FORMAT_VERSION, structure.align)

@@ -1,16 +1,21 @@
-"""The header: its body, the leaf table, and their validation.
+"""The header: its framing, its body, the leaf table, and their validation.
 
-A header is framed (magic, version, flags, length: see ``codec.framing``) around a body of
-ASCII JSON (see ``codec.compact_json``)::
+A header is a 12-byte prefix (all integers little-endian) and a body::
 
-    [nbytes, align, leaves, tokens, values]
+    offset  size  field
+    0       4     magic  b"TCST"
+    4       2     format version (u16), currently 2
+    6       2     flags (u16), must be 0 in version 2
+    8       4     body length in bytes (u32), at most MAX_HEADER_BYTES
+    12      n     body: ASCII JSON (``codec.compact_json``) [nbytes, align, leaves, tokens, values]
 
 ``leaves`` is the leaf table, in buffer order: ``[kind, dtype_code, shape, offset, nbytes]``
 with kind one of ``"tensor" "ndarray" "bytes" "str"``; ``tokens`` is the tree's structure
-and ``values`` its small values (see ``_tree``). Everything is validated before the
-caller allocates anything from the sizes it states: offsets aligned, in increasing order,
-not overlapping, inside the buffer; each leaf's nbytes equal to its shape times its
-itemsize; the buffer size equal to the end of the last leaf.
+and ``values`` its small values (NOTE [ The token and value grammar ] in
+``codec/__init__.py``). Everything is validated before the caller allocates anything from
+the sizes it states: offsets aligned, in increasing order, not overlapping, inside the
+buffer; each leaf's nbytes equal to its shape times its itemsize; the buffer size equal to
+the end of the last leaf.
 
 Everything but the values comes first, so headers of one structure share their bytes up
 to the values: a header that starts with the bytes of a structure validated before is
@@ -21,22 +26,16 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tensorcast._errors import HeaderError
 from tensorcast.codec import compact_json as _json
+from tensorcast.codec.build import Decoded, Program
 from tensorcast.codec.dtypes import CODE_ITEMSIZE, NUMPY_CODES
-from tensorcast.codec.framing import (
-    FORMAT_VERSION,
-    MAGIC,
-    MAX_HEADER_BYTES,
-    PREFIX,
-    PREFIX_BYTES,
-    SUPPORTED_VERSIONS,
-    unframe,
-)
-from tensorcast.codec.framing import invalid as _fail
+from tensorcast.codec.views import ViewSpec
 
 __all__ = [
     "FORMAT_VERSION",
@@ -46,15 +45,20 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "PREFIX_BYTES",
     "SUPPORTED_VERSIONS",
-    "Decoded",
     "LeafSpec",
     "Schema",
     "Structure",
     "decode",
     "encode",
-    "structure_prefix",
+    "structure_bytes",
 ]
 
+MAGIC = b"TCST"
+FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = (2,)
+PREFIX = struct.Struct("<4sHHI")
+PREFIX_BYTES = PREFIX.size
+MAX_HEADER_BYTES = 64 << 20  # 64 MiB of JSON; long strings and bytes go to the buffer
 MAX_BUFFER_BYTES = 1 << 44  # 16 TiB: far above any batch, far below int64 overflow
 MAX_NDIM = 64
 MAX_ALIGN = 1 << 16
@@ -113,10 +117,10 @@ class Structure:
         "align",
         "leaves",
         "nbytes",
-        "prefix",
         "program",
+        "structure_bytes",
         "tokens",
-        "view_specs",
+        "view_spec",
     )
 
     def __init__(self, nbytes: int, align: int, leaves: list[list[Any]], tokens: list[Any]):
@@ -125,38 +129,48 @@ class Structure:
         self.leaves = leaves
         self.tokens = tokens
         #: the body's bytes up to the values, when they are what encode() writes
-        self.prefix: bytes | None = None
-        self.program: Any = None  # _build.Program, compiled on first use
-        self.view_specs: Any = None  # _views.ViewSpec, made on first use
+        self.structure_bytes: bytes | None = None
+        self.program: Program | None = None  # compiled on first use
+        self.view_spec: ViewSpec | None = None  # made on first use
 
 
-@dataclass(slots=True)
-class Decoded:
-    """A header after framing and leaf-table validation: its structure and its small
-    values (raw tokens; ``consts`` once decoded and validated)."""
-
-    structure: Structure
-    values: list[Any]
-    consts: list[Any] | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.structure.nbytes
-
-    @property
-    def align(self) -> int:
-        return self.structure.align
-
-    @property
-    def leaves(self) -> list[list[Any]]:
-        return self.structure.leaves
-
-    @property
-    def tokens(self) -> list[Any]:
-        return self.structure.tokens
+def _fail(what: str) -> HeaderError:
+    """The error for a header that breaks the format, ``what`` saying how."""
+    return HeaderError(f"invalid tensorcast header: {what}")
 
 
-def structure_prefix(nbytes: int, align: int, leaves: list[Any], tokens: list[Any]) -> bytes:
+def _unframe(header: bytes | bytearray | memoryview) -> bytes:
+    """The body of ``header``, once its prefix is checked.
+
+    Raises:
+        HeaderError: bad magic, an unknown version or flags, or a length that is over
+            the limit or disagrees with the header's size.
+    """
+    if len(header) < PREFIX_BYTES:
+        raise _fail(f"{len(header)} bytes is shorter than the {PREFIX_BYTES}-byte prefix")
+    magic, version, flags, length = PREFIX.unpack_from(header)
+    if magic != MAGIC:
+        raise _fail(
+            f"bad magic {bytes(magic)!r}, expected {MAGIC!r}; this is not a tensorcast header"
+        )
+    if version not in SUPPORTED_VERSIONS:
+        raise HeaderError(
+            f"unknown tensorcast format version {version}. Available versions: "
+            f"{list(SUPPORTED_VERSIONS)}; upgrade tensorcast on the ranks that cannot read it"
+        )
+    if flags != 0:
+        raise _fail(f"unknown flags 0x{flags:04x} for version {version}")
+    if length > MAX_HEADER_BYTES:
+        raise _fail(f"body length {length} is over the {MAX_HEADER_BYTES}-byte limit")
+    if len(header) != PREFIX_BYTES + length:
+        raise _fail(
+            f"the prefix says the body has {length} bytes but {len(header) - PREFIX_BYTES} follow "
+            f"(truncated or padded header)"
+        )
+    return bytes(header[PREFIX_BYTES:])
+
+
+def structure_bytes(nbytes: int, align: int, leaves: list[Any], tokens: list[Any]) -> bytes:
     """The bytes a header body of this structure starts with, up to its values."""
     if not 0 <= nbytes <= MAX_BUFFER_BYTES:
         raise ValueError(f"a {nbytes}-byte buffer is over the {MAX_BUFFER_BYTES}-byte limit")
@@ -164,12 +178,15 @@ def structure_prefix(nbytes: int, align: int, leaves: list[Any], tokens: list[An
 
 
 def encode(
-    prefix: bytes, values: list[Any], *, values_encoder: Callable[[list[Any]], str] | None = None
+    structure: bytes,
+    values: list[Any],
+    *,
+    values_encoder: Callable[[list[Any]], str] | None = None,
 ) -> bytes:
-    """Frame a header body: a :func:`structure_prefix` and the small values (encoded by
-    ``values_encoder``, default the fastest this Python has). The caller guarantees the
-    leaf table is consistent."""
-    body = prefix + (values_encoder or _encode_values)(values).encode("ascii") + b"]"
+    """Frame a header body: the :func:`structure_bytes` of its structure and the small
+    values (encoded by ``values_encoder``, default the fastest this Python has). The caller
+    guarantees the leaf table is consistent."""
+    body = structure + (values_encoder or _encode_values)(values).encode("ascii") + b"]"
     if len(body) > MAX_HEADER_BYTES:
         raise ValueError(
             f"the batch's header would be {len(body)} bytes, over the {MAX_HEADER_BYTES}-byte "
@@ -180,10 +197,22 @@ def encode(
 
 
 def decode(header: bytes | bytearray | memoryview) -> Decoded:
-    """Check framing and the leaf table. Bounded time and memory for any input.
+    """Read a header: its prefix checked, its body parsed, its leaf table validated, in
+    bounded time and memory for any input and before anything is allocated from it.
 
     Batches of fixed shapes repeat their header byte for byte, so small headers are
-    decoded once and the validated result is reused (it is never mutated).
+    decoded once and the validated result is reused (never mutated but for its caches).
+
+    Args:
+        header: the header's bytes.
+
+    Returns:
+        The :class:`Decoded` header, which validates its tokens and small values when it
+        first rebuilds a tree (or when asked, ``Decoded.compiled``).
+
+    Raises:
+        HeaderError: the header is not valid for this version of tensorcast.
+        TypeError: ``header`` is not bytes.
     """
     if not isinstance(header, (bytes, bytearray, memoryview)):
         raise TypeError(f"a header is bytes, got {type(header).__name__}")
@@ -195,7 +224,7 @@ def decode(header: bytes | bytearray | memoryview) -> Decoded:
 _CACHE_MAX_BYTES = 64 << 10
 
 
-# The structures read last, newest first: a header that starts with one's prefix needs
+# The structures read last, newest first: a header that starts with one's bytes needs
 # only its values parsed. Replaced whole, never changed in place (prefetch threads read it).
 _recent: tuple[Structure, ...] = ()
 _RECENT = 4
@@ -207,7 +236,7 @@ def _decode(header: bytes | bytearray | memoryview) -> Decoded:
         known = _read_known(header)
         if known is not None:
             return known
-    raw = unframe(header)
+    raw = _unframe(header)
     body = _parse(raw)
     if type(body) is not list or len(body) != 5:
         raise _fail("the body must be a list [nbytes, align, leaves, tokens, values]")
@@ -228,12 +257,12 @@ def _decode(header: bytes | bytearray | memoryview) -> Decoded:
     structure = Structure(nbytes, align, leaves, tokens)
     if len(raw) <= _RECENT_MAX_BYTES:  # larger structures are not kept for the next header
         try:
-            prefix: bytes | None = structure_prefix(nbytes, align, leaves, tokens)
+            start: bytes | None = structure_bytes(nbytes, align, leaves, tokens)
         except (ValueError, RecursionError):  # not something this library writes
-            prefix = None
-        if prefix is not None and raw.startswith(prefix):
+            start = None
+        if start is not None and raw.startswith(start):
             # Written as this library writes it: later bodies can match its bytes.
-            structure.prefix = prefix
+            structure.structure_bytes = start
             _remember(structure)
     return Decoded(structure, values)
 
@@ -254,7 +283,7 @@ def _read_known(header: bytes) -> Decoded | None:
     if header[:PREFIX_BYTES] != PREFIX.pack(MAGIC, FORMAT_VERSION, 0, n - PREFIX_BYTES):
         return None
     for known in _recent:
-        start = known.prefix
+        start = known.structure_bytes
         assert start is not None  # only structures with their bytes are remembered
         at = PREFIX_BYTES + len(start)
         if n > at and header.startswith(start, PREFIX_BYTES) and header.endswith(b"]"):

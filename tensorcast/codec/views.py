@@ -1,7 +1,7 @@
 """A buffer seen as one layout's leaves: typed tensor views, host arrays, bytes, str.
 
-A :class:`ViewSpec` is worked out once per distinct leaf table; the receiver's
-:func:`views` and the sender's write (``codec.plan``) both go through one.
+A :class:`ViewSpec` is worked out once per distinct leaf table; a receiver's rebuild
+(``codec.build.Decoded``) and the sender's write (``codec.encode``) both go through one.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ import numpy as np
 import torch
 
 from tensorcast._errors import HeaderError
-from tensorcast.codec import schema as _schema
 from tensorcast.codec.dtypes import CODE_ITEMSIZE, numpy_dtype, torch_dtype
 
-__all__ = ["KeepsViews", "ViewSpec", "host_block", "leaf_views", "view_spec", "views"]
+__all__ = ["KeepsViews", "ViewSpec", "host_block", "leaf_views"]
 
 
 class KeepsViews(Protocol):
@@ -112,34 +111,12 @@ class ViewSpec:
         shift = {code: base_offset // isz for code, isz in self.codes.items()}
         return [as_strided(bases[c], sh, st, o + shift[c]) for c, sh, st, o in self.specs]
 
-    def pooled_views(self, buffer: torch.Tensor, pool: KeepsViews | None) -> list[torch.Tensor]:
-        """:meth:`tensor_views`, as fresh tensors on views ``pool`` keeps for ``buffer``
-        when it came from there (see ``BufferPool.views``)."""
-        if pool is None:
+    def kept_views(self, buffer: torch.Tensor, kept: KeepsViews | None) -> list[torch.Tensor]:
+        """:meth:`tensor_views`, as fresh tensors on views ``kept`` keeps for ``buffer``
+        when it came from there (:class:`KeepsViews`)."""
+        if kept is None:
             return self.tensor_views(buffer)
-        return pool.views(buffer, (self, buffer.storage_offset()), self.tensor_views)
-
-
-def view_spec(decoded: _schema.Decoded) -> ViewSpec:
-    """The view spec of ``decoded``'s leaf table, made once per structure."""
-    structure = decoded.structure
-    if structure.view_specs is None:
-        structure.view_specs = ViewSpec(structure.leaves)
-    return structure.view_specs
-
-
-def views(
-    decoded: _schema.Decoded,
-    buffer: torch.Tensor,
-    pool: KeepsViews | None = None,
-    host: torch.Tensor | None = None,
-) -> list[Any]:
-    """The buffer leaves of ``decoded`` as views into ``buffer`` (ndarrays: CPU views).
-
-    ``pool``: the pool ``buffer`` came from, which keeps the views it was last made for;
-    ``host``: the host block of the leaves that are not tensors (see :func:`leaf_views`).
-    """
-    return leaf_views(view_spec(decoded), len(decoded.structure.leaves), buffer, pool, host)
+        return kept.views(buffer, (self, buffer.storage_offset()), self.tensor_views)
 
 
 def host_block(spec: ViewSpec, buffer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -155,10 +132,11 @@ def leaf_views(
     spec: ViewSpec,
     count: int,
     buffer: torch.Tensor,
-    pool: KeepsViews | None = None,
+    kept: KeepsViews | None = None,
     host: torch.Tensor | None = None,
 ) -> list[Any]:
-    """The ``count`` buffer leaves ``spec`` describes, as views into ``buffer``.
+    """The ``count`` buffer leaves ``spec`` describes, as views into ``buffer`` (fresh
+    tensors on views ``kept`` keeps, when it came from there).
 
     The leaves that are not tensors (numpy arrays, bytes, str) come from ``host`` when
     given: a host block of their bytes alone (``spec.host_spans``), which a buffer on a
@@ -166,7 +144,7 @@ def leaf_views(
     """
     if buffer.storage_offset() % _MAX_ITEMSIZE:
         buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
-    tensors = spec.pooled_views(buffer, pool)
+    tensors = spec.kept_views(buffer, kept)
     if not spec.others:
         return tensors
     values = spec.placed(tensors, count)

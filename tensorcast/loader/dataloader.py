@@ -1,21 +1,20 @@
 """BroadcastingDataLoader: one real loader per DP slot, its batches broadcast to its peers.
 
-How a pass runs on each rank (every step is one job on the lane of tensorcast's group
-over the sub-mesh, see NOTE [ One ordered lane ])::
-
-    source:    next(source) -> frame -> send ------\\
-    receivers:                    receive frame <---/ -> rebuild tree
-    every rank: yield the rebuilt tree; END frame -> StopIteration together
+Each step of a pass is one job on the lane of tensorcast's group over the sub-mesh (NOTE
+[ One ordered lane ]): the source pulls ``next(source)`` and sends it, the receivers
+receive it, and every rank yields the same batch (the path of one batch: ``docs/design.md``,
+"One batch, top to bottom"); the end of the source ends the pass on every rank together.
 
 ``prefetch=k`` keeps k steps submitted ahead of the consumer: the pass's first ``next()``
 submits k (``iter()`` itself does nothing yet), and each ``next()`` takes the oldest and
 submits one more. Submissions happen only there, on the caller's thread, so every rank
 runs the same steps in the same order; a loop broken on every rank after the same batch
-leaves exactly k steps, which every rank finishes right then (their batches are dropped). ``state_dict()`` then
-describes the position after the last batch *yielded*, from a snapshot taken right after
-that batch was pulled from the source.
+leaves exactly k steps, which every rank finishes right then (their batches are dropped).
+``state_dict()`` then describes the position after the last batch *yielded*, from a
+snapshot taken right after that batch was pulled from the source.
 
-This module knows nothing of byte layouts (``codec.packed``) or frames (``transport.frame``).
+It holds this rank's role (``transport.groups.open_role``) and knows nothing of byte
+layouts or frames.
 """
 
 from __future__ import annotations
@@ -31,12 +30,12 @@ import torch
 import torch.distributed as dist
 
 from tensorcast.loader import mesh as _mesh
-from tensorcast.loader.broadcast import mesh_channel, output_device, to_timedelta, unpack_if_packed
+from tensorcast.loader.args import output_device, to_timedelta, unpack_if_packed
+from tensorcast.loader.passes import Ledger, Pass
 from tensorcast.loader.stats import WINDOW, LoaderStats, Recorder, timed
-from tensorcast.loader.steps import Pass, stateful
+from tensorcast.loader.steps import stateful
 from tensorcast.transport.agreement import ranks_name
-from tensorcast.transport.channel import Channel, group_ranks, open_channel
-from tensorcast.transport.job import Job
+from tensorcast.transport.groups import Role, open_role
 
 __all__ = ["BroadcastingDataLoader"]
 
@@ -106,12 +105,10 @@ class BroadcastingDataLoader:
         self.prefetch = prefetch
         self.device = output_device(device)
         self.axes = _mesh.normalize_axes(axes)
-        self._channel: Channel | None = None
+        self._role: Role | None = None
         self._passes = 0
         self._active: weakref.ReferenceType[Pass] | None = None
-        self._state: Any = None  # the snapshot after the last batch yielded (prefetch > 0)
-        self._deferred: BaseException | None = None  # raised by a pass that was let go
-        self._orphans: list[Job[Any]] = []  # steps of a pass freed on a lane thread
+        self._ledger = Ledger()  # what its passes leave: the state, a deferred failure
         self._length: int | None = None
         self._warned = self._warned_workers = False
         self._log_every = log_every
@@ -132,31 +129,31 @@ class BroadcastingDataLoader:
         timeout: datetime.timedelta | None,
         verify: bool,
     ) -> None:
-        """Agree with the peers and open the channel; stays a no-op where nothing spans."""
+        """Agree with the peers and open this rank's role; stays a no-op where nothing spans."""
         setup = {"prefetch": self.prefetch, "verify": verify}
         source = self.source
         extra = {"length": _length(source)} if source is not None else {}
         what = _WHAT
         if group is not None and src is not None:
-            ranks = group_ranks(group, src)
+            ranks = _mesh.group_ranks(group, src)
             if len(ranks) == 1:
                 return
             setup["src"] = src
-            self._channel, extras = open_channel(
+            self._role, extras = open_role(
                 ranks_name(ranks), ranks, src, what, setup, extra=extra, timeout=timeout,
                 verify=verify,
             )  # fmt: skip
         elif _mesh.spanning_axes(device_mesh, self.axes):
-            self._channel, extras = mesh_channel(
+            self._role, extras = _mesh.mesh_role(
                 device_mesh, self.axes, what, setup, extra=extra, timeout=timeout, verify=verify
             )
         else:
             return
-        told = extras[self._channel.src]
+        told = extras[self._role.src]
         if "length" not in told:
             raise ValueError(
-                f"rank {self._channel.src} is the source of its group (global ranks "
-                f"{list(self._channel.ranks)}) but its source is None; build the real loader "
+                f"rank {self._role.src} is the source of its group (global ranks "
+                f"{list(self._role.ranks)}) but its source is None; build the real loader "
                 f"there, e.g. source=loader if tensorcast.is_dp_source_rank(mesh) else None"
             )
         self._length = told["length"]
@@ -164,16 +161,20 @@ class BroadcastingDataLoader:
     # -- iteration -----------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        if self._channel is None:
+        role = self._role
+        if role is None:
             self._check_still_no_op()
             self._stats = Recorder(self._log_every)
             source = self.source if self.source is not None else ()
             return timed(source, self._stats, unpack_if_packed)
         self._close_active()
-        self._stats = Recorder(self._log_every if self._channel.is_source else None)
+        self._stats = Recorder(self._log_every if role.is_source else None)
         self._passes += 1
-        self._state = None
-        run = Pass(self, self._channel, self._passes)
+        self._ledger.state = None
+        run = Pass(
+            role, self._passes, source=self.source, prefetch=self.prefetch, device=self.device,
+            ledger=self._ledger, stats=self._stats,
+        )  # fmt: skip
         # Held weakly: a `for ... break` drops the last reference and closes the pass.
         self._active = weakref.ref(run)
         return run
@@ -198,15 +199,16 @@ class BroadcastingDataLoader:
         active = self._active() if self._active is not None else None
         if active is not None:
             active.close()
-        orphans, self._orphans = self._orphans, []
+        ledger = self._ledger
+        orphans, ledger.orphans = ledger.orphans, []
         for job in orphans:  # see Pass.__del__
             try:
                 job.result()
             except Exception as e:
-                broken = self._channel is not None and self._channel.group.lane.broken
-                if broken and self._deferred is None:
-                    self._deferred = e
-        error, self._deferred = self._deferred, None
+                broken = self._role is not None and self._role.group.lane.broken
+                if broken and ledger.deferred is None:
+                    ledger.deferred = e
+        error, ledger.deferred = ledger.deferred, None
         if error is not None:
             raise error
 
@@ -226,11 +228,11 @@ class BroadcastingDataLoader:
     # -- length, epochs and checkpoints ----------------------------------------------
 
     def __len__(self) -> int:
-        if self._channel is None:
+        if self._role is None:
             return 0 if self.source is None else len(self.source)  # type: ignore[arg-type]
         if self._length is None:
             raise TypeError(
-                f"the source loader on rank {self._channel.src} has no len(); every rank of "
+                f"the source loader on rank {self._role.src} has no len(); every rank of "
                 f"its group learns the end of a pass when the source stops"
             )
         return self._length
@@ -238,7 +240,7 @@ class BroadcastingDataLoader:
     @property
     def is_source(self) -> bool:
         """Whether this rank iterates the real loader."""
-        return self._channel is None or self._channel.is_source
+        return self._role is None or self._role.is_source
 
     @property
     def sampler(self) -> Any:
@@ -284,10 +286,10 @@ class BroadcastingDataLoader:
         workers = getattr(self.source, "num_workers", None)
         if target is not self.source and isinstance(workers, int) and workers > 0:
             self._warn_workers_read_ahead(target, workers)
-        if self._state is not None:
+        if self._ledger.state is not None:
             # A copy: a sampler's load_state_dict may consume the dict it is given (lhotse's
             # do), and this snapshot must describe the position for every later call too.
-            return copy.deepcopy(self._state)  # type: ignore[no-any-return]
+            return copy.deepcopy(self._ledger.state)  # type: ignore[no-any-return]
         return target.state_dict()  # type: ignore[no-any-return]
 
     def _warn_workers_read_ahead(self, target: Any, workers: int) -> None:
@@ -308,18 +310,18 @@ class BroadcastingDataLoader:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the source's position (source rank only; a no-op elsewhere)."""
         self._close_active()
-        self._state = None
+        self._ledger.state = None
         target = stateful(self.source) if self.is_source else None
         if target is not None and hasattr(target, "load_state_dict"):
             target.load_state_dict(copy.deepcopy(state_dict))  # the caller's stays whole
 
     def __repr__(self) -> str:
-        if self._channel is None:
+        if self._role is None:
             return f"BroadcastingDataLoader(no-op, source={type(self.source).__name__})"
-        role = "source" if self._channel.is_source else "receiver"
+        what = "source" if self._role.is_source else "receiver"
         return (
-            f"BroadcastingDataLoader({role}, group ranks={list(self._channel.ranks)}, "
-            f"src={self._channel.src}, prefetch={self.prefetch})"
+            f"BroadcastingDataLoader({what}, group ranks={list(self._role.ranks)}, "
+            f"src={self._role.src}, prefetch={self.prefetch})"
         )
 
 

@@ -3,8 +3,9 @@
 Under TP/CP every rank of one ``(cp, tp)`` sub-mesh of a DP slot needs the same batch.
 The named axes that are present in the mesh with size > 1 are flattened into ONE set of
 ranks per DP slot (:func:`submesh_rows`), whose first rank (coordinate 0 on every such
-axis) is the source. Nothing here makes a process group: tensorcast's own groups over
-those ranks are made in ``transport.groups``.
+axis) is the source. :func:`mesh_role` opens this rank's role over its set of ranks
+(``transport.groups`` makes tensorcast's own group over them); nothing else here makes a
+process group.
 
 # NOTE [ The per-axis mesh protocol ]
 Which rank is a source, and which DP slot a rank is in, is read from a mesh-like through
@@ -25,6 +26,8 @@ the rank map, about a thousand times the cost of ``get_coordinate()``).
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import math
 import threading
 import warnings
@@ -32,6 +35,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from tensorcast.transport.agreement import ranks_name
+from tensorcast.transport.groups import Role, open_role
 
 try:
     from torch.distributed.device_mesh import DeviceMesh as _DeviceMesh
@@ -40,7 +47,9 @@ except ImportError:  # torch built without distributed support: only mesh-likes 
 
 __all__ = [
     "dp_rank_and_size",
+    "group_ranks",
     "is_dp_source_rank",
+    "mesh_role",
     "normalize_axes",
     "present_axes",
     "spanning_axes",
@@ -300,3 +309,67 @@ def submesh_rows(device_mesh: Any, spanning: tuple[str, ...]) -> list[tuple[int,
     size = math.prod(ranks.size(i) for i in keep)
     rows = ranks.permute(*rest, *keep).reshape(-1, size).tolist()
     return [tuple(int(r) for r in row) for row in rows]
+
+
+def group_ranks(group: Any, src: int) -> tuple[int, ...]:
+    """The global ranks of ``group`` (None: every rank), sorted; ``src`` must be one.
+
+    Raises:
+        ValueError: ``src`` is not a rank of ``group``.
+    """
+    if group is None:
+        ranks = tuple(range(dist.get_world_size()))
+    else:
+        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+    if src not in ranks:
+        raise ValueError(
+            f"src={src} is not a rank of the group (global ranks {list(ranks)}); src is a "
+            f"global rank, as in torch.distributed.broadcast"
+        )
+    return ranks
+
+
+def mesh_role(
+    device_mesh: Any,
+    axes: tuple[str, ...],
+    what: str,
+    setup: dict[str, Any],
+    *,
+    extra: dict[str, Any] | None = None,
+    timeout: datetime.timedelta | None = None,
+    setup_timeout: datetime.timedelta | None = None,
+    verify: bool = False,
+) -> tuple[Role, dict[int, dict[str, Any]]]:
+    """This rank's role over its flattened sub-mesh of ``axes``, from its first rank (see
+    ``transport.groups.open_role``).
+
+    Every rank of the mesh calls this together: the ranks of each sub-mesh agree on
+    ``setup`` (with the mesh's shape, rank layout and the axes), numbered among the
+    mesh's ranks, and each sub-mesh gets tensorcast's group over its ranks.
+    """
+    spanning = spanning_axes(device_mesh, axes)
+    rows = submesh_rows(device_mesh, spanning)
+    rank = dist.get_rank()
+    mine = next((r for r in rows if rank in r), None)
+    if mine is None:
+        raise ValueError(f"rank {rank} is not part of the device mesh {device_mesh}")
+    layout = device_mesh.mesh.to(torch.int64).contiguous().numpy().tobytes()
+    full = {
+        **setup,
+        "axes": list(axes),
+        "mesh": [list(device_mesh.mesh_dim_names), list(device_mesh.mesh.shape)],
+        "layout": hashlib.blake2b(layout, digest_size=8).hexdigest(),
+    }
+    everyone = sorted(r for row in rows for r in row)
+    return open_role(
+        ranks_name(everyone),
+        mine,
+        mine[0],
+        what,
+        full,
+        extra=extra,
+        timeout=timeout,
+        setup_timeout=setup_timeout,
+        first=(everyone[0], len(everyone)) if len(rows) > 1 else None,
+        verify=verify,
+    )

@@ -1,291 +1,260 @@
-"""One pass of a BroadcastingDataLoader: its steps, queued on the lane, handed out in order.
+"""The steps of a pass: what each one runs on the lane, and what it hands back.
 
-The jobs themselves, and what they hand back, are in ``loader.jobs``; a pass left early
-runs one more (NOTE [ An early close ]).
+Each step is one job (see NOTE [ One ordered lane ]): on the source it pulls the next
+batch and sends its frame, on a receiver it receives a frame. A step whose pass already
+ended (an END or ERROR frame came before it) does nothing on any rank: every rank
+learns of the end from the same frame, so all of them skip alike.
+
+What a step hands back to the consumer:
+
+    ============  ================================  ====================================
+    result        source                            receivers
+    ============  ================================  ====================================
+    ``Item``      the batch was sent                a batch arrived
+    ``END``       the source is exhausted           an END frame arrived
+    ``Failure``   the source raised: that very      an ERROR frame arrived: a
+                  exception, raised again there     ``SourceError``
+    ============  ================================  ====================================
+
+A job's own exception (``PeerError``, ``DesyncError``, ``HeaderError``) is raised to
+the consumer as it is. The steps know the roles (``transport.sender`` /
+``transport.receiver``) and nothing of frames: a receiver's role hands back a batch,
+``END`` or ``CLOSE``, and raises ``SourceError`` for the source's failure.
+
+# NOTE [ An early close ]
+A pass left before its end (a ``for ... break``) runs one more job on every rank, after
+the steps it owes: the source sends a CLOSE frame stamped with its step, and each
+receiver expects exactly that frame at its own next step. Ranks that broke out of the
+loop after the same batch agree on it. A receiver that asked for more steps than the
+source sent is handed the CLOSE frame by a step and raises ``DesyncError`` at once (it
+waits for nothing); one that stopped earlier than the source is handed a batch (or the
+END) where the CLOSE was due. Either breaks the lane, whose group is aborted, so a
+source still sending fails at once and one that left fails at its next use.
 """
 
 from __future__ import annotations
 
-import collections
 import copy
-import functools
 import time
-import warnings
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
-from tensorcast.loader.jobs import End, Failure, Item, Steps, stateful
+from tensorcast._errors import DesyncError, SourceError
 from tensorcast.transport import interrupts as _interrupts
-from tensorcast.transport.channel import Channel
-from tensorcast.transport.device import DevicePart
-from tensorcast.transport.job import Job
+from tensorcast.transport.groups import Role
+from tensorcast.transport.receiver import CLOSE, END, End, Receiver
+from tensorcast.transport.sender import Sender
 
-if TYPE_CHECKING:
-    from tensorcast.loader.dataloader import BroadcastingDataLoader
+__all__ = [
+    "END",
+    "End",
+    "Failure",
+    "Item",
+    "ReceiverSteps",
+    "SourceSteps",
+    "Steps",
+    "stateful",
+    "steps_for",
+]
 
-__all__ = ["Pass", "stateful"]
+_FIX = (
+    "break on every rank after the same batch (decide the break together, e.g. with an "
+    "all_reduce of a stop flag)"
+)
 
 
-class Pass:
-    """An iterator over one pass; made by ``iter(loader)`` on every rank together.
+def stateful(source: Any) -> Any:
+    """What holds the source's position: the source, or its batch sampler or sampler
+    (a plain DataLoader over a lhotse sampler); None when nothing has a state."""
+    for target in (
+        source,
+        getattr(source, "batch_sampler", None),
+        getattr(source, "sampler", None),
+    ):
+        if target is not None and callable(getattr(target, "state_dict", None)):
+            return target
+    return None
 
-    Every step is recorded in ``_pending`` before it is queued on the lane, and leaves it
-    only as its batch is handed out, so an interrupt anywhere in ``next()`` leaves a state
-    the retry picks up from (NOTE [ Interrupts ]): ``_unsettled`` says that a step may be
-    recorded and not queued, and :meth:`Lane.settle` queues what is owed.
+
+_NOTHING = object()  # no batch pulled and kept
+
+
+class Failure:
+    """The source failed: its very exception on the source, ``SourceError`` elsewhere."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class Item:
+    """A step's batch (this rank's tree), the source's state after it, and what the step
+    spent, recorded as the batch is handed out (NOTE [ Where a step's time goes ])."""
+
+    __slots__ = ("nbytes", "source_s", "state", "tree", "wire_s")
+
+    def __init__(self, tree: Any, state: Any, source_s: float, wire_s: float, nbytes: int) -> None:
+        self.tree = tree
+        self.state = state
+        self.source_s = source_s
+        self.wire_s = wire_s
+        self.nbytes = nbytes
+
+
+class Steps:
+    """The job side of a pass: what its steps share, run on the lane.
+
+    Kept apart from the caller's side (``loader.passes.Pass``) so that queued steps hold
+    no reference to it: a ``for ... break`` then frees the pass at once, on the caller's
+    thread.
     """
 
-    def __init__(self, loader: BroadcastingDataLoader, channel: Channel, index: int) -> None:
-        self._loader = loader
-        self._channel = channel
-        self._index = index
-        self._lane = channel.group.lane
-        self._depth = loader.prefetch
-        # Batches come as device parts only on a device wire or for a device output: then
-        # with prefetch >= 2 the next one's device work is posted ahead (_post_ahead).
-        device = loader.device
-        on_device = channel.group.wire.streams is not None or (
-            device is not None and device.type != "cpu"
-        )
-        self._ahead = self._depth >= 2 and on_device
-        self._pending: collections.deque[Job[Any]] = collections.deque()
-        self._opening: Job[Any] | None = None  # the job that numbers the pass's frames
-        self._closing: Job[Any] | None = None  # NOTE [ An early close ]
-        self._ending: End | Failure | None = None  # how the pass ended, until raised
-        self._started = self._finished = self._unsettled = False
-        steps = self._steps = Steps(channel, loader.device, loader.source, self._depth)
-        self._stats = loader._stats  # NOTE [ Where a step's time goes ]
-        self._called = 0.0  # when the current next() began
-        # The channel's frame count, for the lane's interrupt rules; read by a C call.
-        self._frames = functools.partial(getattr, channel, "step")
-        self._step = steps.source if channel.is_source else steps.receiver
+    def __init__(self, role: Role, device: Any) -> None:
+        self.role = role
+        self.device = device
+        self.ended = False  # the pass's END or ERROR frame went by
 
-    def _start(self) -> None:
-        """The pass's first ``next()``: ``iter(source)`` and the first ``prefetch`` steps.
-
-        Not at ``iter()``: frameworks make an iterator only to check that one can be made
-        (Lightning does) and drop it, and a source's iterator may consume a restored
-        state (lhotse's samplers do) or pull batches ahead. Each part runs once, whatever
-        interrupts it: ``_started`` is set last.
-        """
-        steps, loader, channel, index = self._steps, self._loader, self._channel, self._index
-        if channel.is_source and steps.source_iter is None and steps.start_error is None:
-            # On the caller's thread, as a plain loop would call it; a failure (an interrupt
-            # included) is announced to the receivers by the first step.
-            try:
-                steps.source_iter = iter(loader.source)  # type: ignore[arg-type]
-                if steps.stateful is not None:  # the position before the first batch
-                    loader._state = copy.deepcopy(steps.stateful.state_dict())
-            except BaseException as e:
-                steps.start_error = e
-        if _interrupts.hook is not None:
-            _interrupts.hook("next.start")
-        if self._opening is None:
-            self._unsettled = True
-            self._opening = Job(lambda: channel.start_pass(index))
-            self._lane.enqueue(self._opening)
-            self._unsettled = False
-        self._refill()
-        self._started = True
-
-    def __iter__(self) -> Pass:
-        return self
-
-    def __next__(self) -> Any:
-        self._called = time.perf_counter()  # NOTE [ Where a step's time goes ]
-        if self._ending is not None:
-            return self._end()
-        if self._finished:
-            raise StopIteration
-        if self._unsettled:
-            self._settle()
-        if not self._started:
-            self._start()
-        if not self._pending:
-            if not self._depth and self._lane.idle():
-                self._run_inline()
-            else:
-                self._submit()
-        job = self._pending[0]
-        try:
-            if _interrupts.hook is not None:
-                _interrupts.hook("next.wait")
-            item = job.result()
-        except BaseException as e:
-            if job.done and job.error is e:  # the step's own failure, raised once
-                self._lane.break_if_lost(job, e, self._frames)
-                if self._pending and self._pending[0] is job:
-                    del self._pending[0]
-                if self._lane.broken is None:  # a step refused on this rank only (a bad CRC):
-                    self._refill()  # submit what every other rank submits at this next()
-            raise  # else a signal interrupted the wait: the step stays, to wait on again
-        return self._hand_out(item)
-
-    def _settle(self) -> None:
-        jobs = [self._opening, *self._pending] if self._opening is not None else self._pending
-        self._lane.settle(jobs)
-        self._unsettled = False
-
-    def _submit(self) -> None:
-        """One more step: recorded, then queued (an interrupt between the two is settled)."""
-        self._unsettled = True
-        job: Job[Any] = Job(self._step)
-        self._pending.append(job)
-        if _interrupts.hook is not None:
-            _interrupts.hook("next.recorded")
-        self._lane.enqueue(job)
-        if _interrupts.hook is not None:
-            _interrupts.hook("next.queued")
-        self._unsettled = False
-
-    def _run_inline(self) -> None:
-        """``prefetch=0`` on an idle lane: the step runs right here (see :meth:`Lane.start`)."""
-        self._unsettled = True
-        job: Job[Any] = Job(self._step)
-        self._pending.append(job)
-        self._lane.start(job, self._frames)
-        self._unsettled = False
-
-    def _refill(self, extra: int = 0) -> None:
-        while len(self._pending) < self._depth + extra:
-            self._submit()
-
-    def _hand_out(self, item: Any) -> Any:
-        # Until the step leaves the queue, an interruption hands out the same batch on the
-        # next call: a caught Ctrl-C never skips a batch on one rank only.
-        if isinstance(item, Item):
-            if _interrupts.hook is not None:
-                _interrupts.hook("next.hand_out")
-            tree = item.tree
-            if isinstance(tree, DevicePart):
-                tree = self._take(item)
-            if self._depth:
-                self._refill(1)
-                if self._ahead:
-                    self._post_ahead()
-            if item.state is not None:
-                self._loader._state = item.state
-            self._stats.handed_out(self._called, item.source_s, item.wire_s, item.nbytes)
-            # From here to the return there is no call, so no point where a signal handler
-            # runs (NOTE [ Interrupts ]); the pass keeps no reference to the batch after.
-            item.tree = None
-            del self._pending[0]
-            return tree
-        self._ending = item  # kept until raised: a retry after an interrupt raises it
-        return self._end()
-
-    def _take(self, item: Item) -> Any:
-        """The batch for the caller's stream (NOTE [ Device work at next() ]). A device
-        frame refused here on this rank only (a bad CRC, bad values) is its step's
-        failure, as a job's is: the step leaves, and the next ``next()`` goes on."""
-        try:
-            return self._channel.hand_out(item.tree)
-        except Exception:
-            if self._lane.broken is None:
-                del self._pending[0]
-                self._refill()
-            raise
-
-    def _post_ahead(self) -> None:
-        """With ``prefetch >= 2`` on a device, post the next batch's device work now, so that its
-        transfer overlaps the step the caller is about to run; on every rank at the same
-        ``next()``, in lane order. Waits for that batch's host work, which has had a step
-        to run."""
-        if len(self._pending) < 2:
-            return
-        job = self._pending[1]
-        try:
-            ahead = job.result()
-        except BaseException:
-            if job.done:
-                return  # the step's own failure: raised at its own next()
-            raise
-        if isinstance(ahead, Item):
-            self._channel.post(ahead.tree)
-
-    def _end(self) -> Any:
-        """The pass ended (END or ERROR): finish the steps owed, then raise the ending."""
-        item = self._ending
-        self.close()
-        self._lane.inflight.reap()  # let go of what the device is done with, here and now
-        self._ending = None
-        if isinstance(item, Failure):
-            raise item.error
-        raise StopIteration
+    def step(self) -> Any:
+        """One step: an :class:`Item`, ``END`` or a :class:`Failure`."""
+        raise NotImplementedError
 
     def close(self) -> None:
-        """Finish the steps owed to the peers (their batches are dropped); a pass left
-        before its end then agrees with them on where (NOTE [ An early close ]). Safe to
-        call again, also after an interrupt; raises what a step that was let go raised,
-        if it broke the channel."""
-        if self._finished and not self._pending:
-            return
-        if self._owes_close():
-            self._record_close()
-        self._finished = True
-        if self._unsettled:
-            self._settle()
-        error: BaseException | None = None
-        while self._pending:
-            job = self._pending[0]
-            if _interrupts.hook is not None:
-                _interrupts.hook("close.wait")
-            try:
-                job.result()
-            except Exception as e:
-                error = error or e
-            del self._pending[0]
-        if error is not None and self._lane.broken is not None:
-            raise error
+        """A pass left early: the CLOSE frame, sent or expected (NOTE [ An early close ])."""
+        raise NotImplementedError
 
-    def _owes_close(self) -> bool:
-        """Whether the pass was left early, not ended, and the channel still works: a
-        broken one fails every rank anyway, and a pass freed by the garbage collector
-        after a failure then has nothing to wait for."""
-        return (
-            not self._finished
-            and self._ending is None
-            and self._opening is not None
-            and self._lane.broken is None
+    def _desync(self, what: str) -> DesyncError:
+        """The ranks left a pass after different batches: the lane breaks on every rank."""
+        role = self.role
+        error = DesyncError(
+            f"ranks {list(role.ranks)}, pass {role.pass_index}: {what}. The ranks left "
+            f"the pass (broke out of the loop, or called iter(loader) again) after different "
+            f"batches; {_FIX}"
+        )
+        role.group.lane.break_(error)
+        return error
+
+
+class SourceSteps(Steps):
+    """The steps of a pass on the source: pull a batch, send its frame."""
+
+    def __init__(self, role: Sender, device: Any, source: Any, depth: int) -> None:
+        super().__init__(role, device)
+        self.sender = role
+        self.source_iter: Iterator[Any] | None = None
+        self.start_error: BaseException | None = None
+        self.stateful = stateful(source) if depth else None
+        # A batch pulled whose frame an interrupt kept from going out: the next step sends
+        # it (NOTE [ Interrupts ], ``step.pulled``).
+        self.pulled: Any = _NOTHING
+
+    def step(self) -> Any:
+        sender = self.sender
+        if self.ended:
+            return END
+        sender.group.lane.check()
+        batch = self.pulled
+        pulled = 0.0
+        if batch is _NOTHING:
+            try:
+                if self.start_error is not None:
+                    raise self.start_error
+                with sender.pulling:
+                    started = time.perf_counter()
+                    batch = next(self.source_iter)  # type: ignore[arg-type]
+                    pulled = time.perf_counter() - started
+            except StopIteration:
+                self.ended = True
+                sender.send_end()
+                return END
+            except BaseException as e:
+                return self._fail(e, f"source iterator failed: {type(e).__name__}: {e}")
+            self.pulled = batch
+        if _interrupts.hook is not None:
+            _interrupts.hook("step.pulled")
+        try:
+            # A deep copy: later steps advance the source before this batch is yielded.
+            # `is not None`: a DataLoader's truth value calls its __len__, which an unsized
+            # source (a lhotse sampler under StatefulDataLoader) raises from.
+            target = self.stateful
+            state = copy.deepcopy(target.state_dict()) if target is not None else None
+        except Exception as e:
+            return self._fail(e, f"source state_dict() failed: {type(e).__name__}: {e}")
+        try:
+            out, own = sender.write(batch, self.device)
+        except Exception as e:
+            return self._fail(e, f"batch serialization failed: {type(e).__name__}: {e}")
+        started = time.perf_counter()
+        sender.send(out)  # a failure in it breaks the lane
+        self.pulled = _NOTHING
+        if _interrupts.hook is not None:
+            _interrupts.hook("step.took")
+        return Item(own, state, pulled, time.perf_counter() - started, out.cut.payload_len)
+
+    def _fail(self, error: BaseException, message: str) -> Failure:
+        self.ended = True
+        self.pulled = _NOTHING
+        self.sender.send_error(message)
+        return Failure(error)
+
+    def close(self) -> None:
+        if self.ended or self.role.group.lane.broken is not None:
+            return  # every rank saw the same END or ERROR frame; or every rank fails anyway
+        self.ended = True
+        self.sender.send_close()
+
+
+class ReceiverSteps(Steps):
+    """The steps of a pass on a receiver: receive a frame."""
+
+    def __init__(self, role: Receiver, device: Any) -> None:
+        super().__init__(role, device)
+        self.receiver = role
+
+    def step(self) -> Any:
+        if self.ended:
+            return END
+        receiver = self.receiver
+        started = time.perf_counter()
+        try:
+            value = receiver.recv(self.device)
+        except SourceError as e:  # the source's ERROR frame
+            value = Failure(e)
+        if _interrupts.hook is not None:
+            _interrupts.hook("step.took")
+        if value is END or value is CLOSE or isinstance(value, Failure):
+            self.ended = True
+            if value is CLOSE:
+                raise self._desync(
+                    f"the source rank {receiver.src} broke out of its loop and closed the "
+                    f"pass at step {receiver.step - 1}, and rank {receiver.rank} asked for "
+                    f"that step: it went on past the batch the source stopped at"
+                )
+            return value
+        return Item(value, None, 0.0, time.perf_counter() - started, receiver.last_nbytes)
+
+    def close(self) -> None:
+        receiver = self.receiver
+        if self.ended or receiver.group.lane.broken is not None:
+            return  # every rank saw the same END or ERROR frame; or every rank fails anyway
+        self.ended = True
+        try:
+            value = receiver.recv(self.device)
+        except SourceError:
+            what = "its ERROR frame"
+        else:
+            if value is CLOSE:
+                return
+            what = "its END frame" if value is END else "a batch"
+        raise self._desync(
+            f"rank {receiver.rank} broke out of its loop and closed the pass at step "
+            f"{receiver.step - 1}, but the source rank {receiver.src} went on: it sent "
+            f"{what} there"
         )
 
-    def _record_close(self) -> None:
-        """The close job, recorded behind the steps owed, then queued; idempotent, so an
-        interrupt anywhere here is repaired by the next close (``settle`` queues it).
-        Queued from a lane thread too (``settle`` may be: see ``__del__``)."""
-        self._unsettled = True
-        if self._closing is None:
-            self._closing = Job(self._steps.close)
-        if self._closing not in self._pending:
-            self._pending.append(self._closing)
-        self._settle()
 
-    def __del__(self) -> None:
-        # A `for ... break` drops the pass: finish its steps now, so that no collective is
-        # left pending, and keep a failure for the loader's next use (it cannot be raised
-        # from here: it is warned of now). Freed on a lane thread (the garbage collector
-        # runs anywhere), waiting would wait on itself: the loader then finishes the steps
-        # at its next use.
-        if self._lane.on_lane_thread():
-            if self._owes_close():
-                self._record_close()
-            elif self._unsettled:
-                self._settle()
-            self._loader._orphans.extend(self._pending)
-            self._pending.clear()
-            self._finished = True
-            return
-        try:
-            self.close()
-        except Exception as e:
-            self._loader._deferred = e
-            channel = self._channel
-            role = "the source" if channel.is_source else f"a receiver of rank {channel.src}"
-            warnings.warn(
-                f"tensorcast: rank {channel.rank} ({role}) left pass {self._index} of a "
-                f"BroadcastingDataLoader early, and closing it failed: "
-                f"{type(e).__name__}: {e} (raised again at this loader's next use). Ranks "
-                f"that break out of the loop must do so after the same batch, on every rank: "
-                f"decide the break together, e.g. with an all_reduce of a stop flag",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+def steps_for(role: Role, device: Any, source: Any, depth: int) -> Steps:
+    """The steps of a pass for this rank's ``role``."""
+    if isinstance(role, Sender):
+        return SourceSteps(role, device, source, depth)
+    return ReceiverSteps(role, device)

@@ -20,8 +20,10 @@ A payload that does not complete within the channel's timeout breaks the lane: t
 lane's worker looks at a posted part only once its deadline has passed, so in steady
 state it makes no CUDA call at all.
 
-:class:`Streams` is the seam: :class:`CudaStreams` on a GPU, and a fake in
-``transport.testing`` that records which thread made every call.
+The lane's thread makes each part (:class:`Staging`: pinned staging, the host block of
+the leaves that are not tensors, the payload's collective bound); the caller's thread
+posts and takes it (:func:`post`, :func:`hand_out`). :class:`Streams` is the seam:
+:class:`CudaStreams` on a GPU, a fake in ``transport.testing`` that records every call.
 """
 
 from __future__ import annotations
@@ -29,14 +31,31 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-__all__ = ["CudaStreams", "DevicePart", "Inflight", "Streams", "streams_for"]
+from tensorcast.codec import Decoded, Encoded, Packed
+from tensorcast.transport.pool import BufferPool
+
+if TYPE_CHECKING:
+    from tensorcast.transport.groups import Group
+    from tensorcast.transport.lane import Lane
+
+__all__ = [
+    "CudaStreams",
+    "DevicePart",
+    "Inflight",
+    "Staging",
+    "Streams",
+    "hand_out",
+    "post",
+    "streams_for",
+]
 
 
 class Streams(Protocol):
@@ -295,3 +314,184 @@ class DevicePart:
         if self._error is not None:
             raise self._error
         return self._tree
+
+
+def hand_out(value: Any, lane: Lane) -> Any:
+    """What a job returned, as the caller gets it: a frame's device part is posted (if it
+    was not yet) and taken for the caller's current stream; anything else as it is. Only
+    on the caller's thread, in lane order."""
+    if isinstance(value, DevicePart):
+        if lane.broken is not None:
+            lane.check()
+        return value.take()
+    return value
+
+
+def post(value: Any) -> None:
+    """Post a frame's device part ahead of its hand-out (a loader's ``prefetch``)."""
+    if isinstance(value, DevicePart):
+        value.post()
+
+
+# -- the lane's thread: device parts made ------------------------------------------
+
+_CPU = torch.device("cpu")
+#: pinned staging buffers kept per side: one per frame between its packing and its
+#: upload's end, a few frames deep
+STAGING_BUFFERS = 4
+
+#: a part, its payload's host copy (None: on the GPU), its host block (None: no leaf else)
+_Staged = tuple[DevicePart, torch.Tensor | None, torch.Tensor | None]
+
+
+def _upload_from(source: torch.Tensor) -> Callable[[torch.Tensor], Any]:
+    """A fill that copies ``source`` into the buffer, on the transfer stream."""
+    return lambda buffer: buffer.copy_(source, non_blocking=True)
+
+
+def _local(error: BaseException) -> None:
+    """A failure of this rank's own copy, raised as it is (the frame went out whole)."""
+
+
+class Staging:
+    """The device parts of one side of a channel on ``group``.
+
+    Args:
+        group: tensorcast's group; its wire's ``streams`` (None on a host wire) are where
+            payloads travel, and its lane holds posted work until done.
+        root: the source's group-local rank.
+        on_error: called with what posting a payload raised (it breaks the lane).
+    """
+
+    def __init__(self, group: Group, root: int, on_error: Callable[[BaseException], None]) -> None:
+        self._group = group
+        self._root = root
+        self._on_error = on_error
+        self._pools: dict[torch.device, BufferPool] = {}  # pinned staging, per GPU
+
+    def _pool(self, streams: Streams) -> BufferPool:
+        pool = self._pools.get(streams.device)
+        if pool is None:
+            pool = self._pools[streams.device] = BufferPool(
+                max_buffers=STAGING_BUFFERS, allocate=streams.host
+            )
+        return pool
+
+    @property
+    def _streams(self) -> Streams:
+        streams = self._group.wire.streams
+        assert streams is not None, "a device part needs a device wire"
+        return streams
+
+    def packed(
+        self, encoded: Encoded, device: torch.device | None, timeout: datetime.timedelta
+    ) -> _Staged:
+        """A source's tree: packed into pinned staging here when it is on the host, else
+        (a CUDA batch) packed on the transfer stream when posted."""
+        streams = self._streams
+        pool = self._pool(streams)
+        n = encoded.nbytes
+        block = None
+        host_nbytes = encoded.host_nbytes
+        if host_nbytes is not None:
+            block = encoded.host_block(pool.take(host_nbytes, _CPU))
+        own = functools.partial(encoded.device_tree, host=block)
+        if encoded.device.type == "cpu":
+            staging = pool.take(n, _CPU)
+            with torch.no_grad():
+                encoded.write(staging)
+            fill = _upload_from(staging)
+            return self.part(n, own, device, timeout, fill=fill, kept=staging), staging, block
+
+        def write(buffer: torch.Tensor) -> None:
+            with torch.no_grad():
+                encoded.write(buffer, others=False)
+            if block is not None:
+                encoded.upload_others(buffer, block)
+
+        ready = streams.record()  # the batch was made on this thread's stream
+        kept = (encoded, block)
+        return self.part(n, own, device, timeout, fill=write, kept=kept, ready=ready), None, block
+
+    def prepacked(
+        self,
+        batch: Packed,
+        decoded: Decoded,
+        device: torch.device | None,
+        timeout: datetime.timedelta,
+    ) -> _Staged:
+        """A source's :class:`Packed`: a host buffer through pinned staging, a buffer on
+        the wire's device as it is (its views are this rank's tree)."""
+        streams = self._streams
+        pool = self._pool(streams)
+        buffer, n = batch.buffer, decoded.nbytes
+        block = None
+        host_nbytes = decoded.host_nbytes
+        if host_nbytes is not None:
+            out = pool.take(host_nbytes, _CPU)
+            # A GPU buffer's other leaves come back to the host once, here (a sync).
+            block = decoded.host_block(buffer if buffer.is_cpu else buffer.cpu(), out)
+        build = functools.partial(decoded.rebuild, host=block)
+        if buffer.is_cpu:
+            staging = pool.take(n, _CPU).copy_(buffer)
+            fill = _upload_from(staging)
+            return self.part(n, build, device, timeout, fill=fill, kept=staging), staging, block
+        ready = streams.record()  # the buffer was made on this thread's stream
+        if buffer.is_inference() or buffer.device != streams.device:
+            fill = _upload_from(buffer)
+            part = self.part(n, build, device, timeout, fill=fill, kept=buffer, ready=ready)
+        else:
+            part = self.part(n, build, device, timeout, buffer=buffer, ready=ready)
+        return part, None, block
+
+    def part(
+        self,
+        n: int,
+        build: Callable[[torch.Tensor], Any],
+        device: torch.device | None,
+        timeout: datetime.timedelta,
+        **work: Any,
+    ) -> DevicePart:
+        """The device side of a frame of ``n`` payload bytes on the wire's device:
+        ``work`` fills the buffer (on the source), then the payload's collective moves
+        it; ``build`` makes this rank's tree of it, moved to ``device`` when asked."""
+        streams = self._streams
+        wire, root = self._group.wire, self._root
+        if device is not None and device != streams.device:
+            build = _on_device(build, device)
+        if n:
+            work["send"] = lambda buffer: wire.payload(buffer, root, timeout)
+        return self._part(streams, n, build, timeout, self._on_error, **work)
+
+    def upload(
+        self,
+        payload: torch.Tensor,
+        device: torch.device,
+        build: Callable[[torch.Tensor], Any],
+        timeout: datetime.timedelta,
+    ) -> DevicePart:
+        """This rank's tree of a host payload, on ``device`` (a host wire's caller asked
+        for CUDA tensors): through pinned staging here, uploaded when posted."""
+        streams = streams_for(device)
+        staging = self._pool(streams).take(payload.numel(), _CPU).copy_(payload)
+        fill = _upload_from(staging)
+        return self._part(streams, payload.numel(), build, timeout, _local, fill=fill, kept=staging)
+
+    def _part(
+        self,
+        streams: Streams,
+        n: int,
+        build: Callable[[torch.Tensor], Any],
+        timeout: datetime.timedelta,
+        on_error: Callable[[BaseException], None],
+        **work: Any,
+    ) -> DevicePart:
+        inflight, timeout_s = self._group.lane.inflight, timeout.total_seconds()
+        return DevicePart(
+            streams, n, build, inflight=inflight, timeout_s=timeout_s, on_error=on_error, **work
+        )
+
+
+def _on_device(build: Callable[[torch.Tensor], Any], device: torch.device) -> Any:
+    """``build``, its tree made from a copy of the buffer on ``device`` (asked for)."""
+    return lambda buffer: build(buffer.to(device))

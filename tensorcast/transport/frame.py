@@ -3,26 +3,41 @@
 Each step (one batch, the end of a pass, its early close, or a source's failure) is one
 *frame*: a first message of a *capacity* every rank knows before it arrives (a 44-byte
 :class:`Prefix`, the header unless it spills, and an inline payload at its end when it
-fits), then a spilled header and a separate payload only where :func:`plan_frame` says so. Both sides
-cut a frame with that one pure function of the prefix's numbers, so they cannot drift
-apart. The prefix names the channel, the pass and the step, so a receiver out of step
-raises ``DesyncError`` instead of taking another loader's batch. Nothing here
-communicates. ``docs/format.md`` is the byte specification (the golden tests hold both
-to it).
+fits), then a spilled header and a separate payload only where :func:`cut_frame` says so.
+Both sides cut a frame with that one pure function of the prefix's numbers, through one
+:class:`Cutter` per side that also keeps the promise rule (NOTE [ Promised payloads ]),
+so they cannot drift apart. The prefix names the channel, the pass and the step, so a
+receiver out of step raises ``DesyncError`` instead of taking another loader's batch.
+Nothing here communicates. ``docs/format.md`` is the byte specification (the golden
+tests hold both to it).
+
+# NOTE [ Promised payloads ]
+gloo sends a message once its receiver has posted the receive, so a separate payload
+waits for receivers to read the first message first. When the channel's last ``need``
+frames each carried a separate payload of ``n`` bytes, the next frame *promises* ``n``
+bytes: every rank posts an ``n``-byte payload message with the first message. The
+source's is the payload when that is separate and ``n`` bytes long, else ``n`` zero bytes
+that receivers drop. ``need`` starts at 2 and doubles, up to 16, each time a promise is
+not kept. Source and receivers apply the rule to the same frames in the same order, and
+the prefix's ``Flags.PROMISED`` makes a rank whose rule disagrees fail loudly. Host
+payloads only; ``TENSORCAST_PROMISES=0`` turns it off (the setup agreement checks that
+every rank agrees). Why and what it costs: ``docs/design.md``, section 7.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import struct
 import zlib
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
+from typing import Any
 
 import torch
 
+from tensorcast import codec
 from tensorcast._errors import HeaderError
-from tensorcast.codec import framing as _framing
 
 __all__ = [
     "FRAMES_VERSION",
@@ -31,13 +46,15 @@ __all__ = [
     "MAX_ERROR_BYTES",
     "PREFIX_FIELDS",
     "PREFIX_SIZE",
+    "Cut",
+    "Cutter",
     "Flags",
-    "FramePlan",
     "Kind",
     "Prefix",
-    "Stamp",
+    "Promises",
     "crc32",
-    "plan_frame",
+    "cut_frame",
+    "promises_enabled",
 ]
 
 #: How frames are laid out and follow one another; part of every setup agreement.
@@ -48,7 +65,7 @@ MAX_CAPACITY = 256 << 10
 MAX_ERROR_BYTES = 64 << 10
 #: A header larger than this is refused before anything is allocated for it: the
 #: header format's own limit on its body, with the header's framing.
-MAX_HEADER_BYTES = _framing.PREFIX_BYTES + _framing.MAX_HEADER_BYTES
+MAX_HEADER_BYTES = codec.PREFIX_BYTES + codec.MAX_HEADER_BYTES
 PAYLOAD_ALIGN = 64
 _MAGIC = b"TCFR"
 #: The prefix's fields, in the order ``_STRUCT`` packs them (see docs/format.md).
@@ -79,13 +96,13 @@ class Kind(IntEnum):
 
 
 class Flags(IntFlag):
-    """How a frame is cut; receivers check them against their own :func:`plan_frame`."""
+    """How a frame is cut; receivers check them against their own :func:`cut_frame`."""
 
     NONE = 0
     INLINE = 1  # the payload ends the first message
     SPILL = 2  # the header did not fit: it follows the first message alone
     CRC = 4  # ``crc`` is the CRC32 of the payload
-    PROMISED = 8  # a promised payload message came with the first message (see _promise)
+    PROMISED = 8  # a promised payload came with the first message (NOTE [ Promised payloads ])
 
 
 # Every valid kind and flag combination, by value: a prefix is read without calling enum.
@@ -107,36 +124,21 @@ class Prefix:
     next_capacity: int
     crc: int = 0
 
-    def pack_into(self, buffer: memoryview | bytearray) -> None:
-        _STRUCT.pack_into(
-            buffer,
-            0,
-            _MAGIC,
-            FRAMES_VERSION,
-            self.kind,
-            self.flags,
-            self.channel,
-            self.pass_index,
-            self.step,
-            self.header_len,
-            self.payload_len,
-            self.next_capacity,
-            self.crc,
-        )
-
     @staticmethod
     def write(
         buffer: memoryview | bytearray,
         kind: int,
         flags: int,
-        stamp: Stamp,
+        channel: int,
+        pass_index: int,
+        step: int,
         header_len: int,
         payload_len: int,
         next_capacity: int,
-        crc: int,
+        crc: int = 0,
     ) -> None:
-        """Pack a prefix of these fields into ``buffer`` (what :meth:`pack_into` writes,
-        with no object made: the source writes one per frame)."""
+        """Pack a prefix of these fields into ``buffer``, with no object made (the source
+        writes one per frame); :meth:`unpack` reads it back."""
         _STRUCT.pack_into(
             buffer,
             0,
@@ -144,9 +146,9 @@ class Prefix:
             FRAMES_VERSION,
             kind,
             flags,
-            stamp.channel,
-            stamp.pass_index,
-            stamp.step,
+            channel,
+            pass_index,
+            step,
             header_len,
             payload_len,
             next_capacity,
@@ -196,7 +198,7 @@ def _pow2_at_least(n: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class FramePlan:
+class Cut:
     """How one frame is cut into messages; a pure function of five numbers.
 
     Attributes:
@@ -222,22 +224,22 @@ class FramePlan:
 
 
 @functools.lru_cache(maxsize=256)  # pure, and a repeating batch asks the same thing
-def plan_frame(
-    capacity: int, header_len: int, payload_len: int, *, inline_ok: bool, promised: int = 0
-) -> FramePlan:
+def cut_frame(
+    capacity: int, header_len: int, payload_len: int, *, host_payloads: bool, promised: int = 0
+) -> Cut:
     """Cut a frame: the header inline unless it does not fit, the payload inline when it
     fits after the header (and the transfer device is the host), else in the promised
     message when the frame promised its size, else on its own.
 
-    ``inline_ok`` is False where payloads live on a GPU: a first message travels on a
+    ``host_payloads`` is False where payloads live on a GPU: a first message travels on a
     host group there, so the payload always follows on the device group. ``promised``
-    is what :class:`tensorcast.transport.promise.Promises` says of this frame.
+    is what :class:`Promises` says of this frame.
     """
     head = PREFIX_SIZE + header_len
     spill = head > capacity
-    inline = not spill and inline_ok and _align_up(head) + _align_up(payload_len) <= capacity
+    inline = not spill and host_payloads and _align_up(head) + _align_up(payload_len) <= capacity
     # Grow the next first message so a frame like this one fits in it, within the cap.
-    want = _align_up(head) + (_align_up(payload_len) if inline_ok else 0)
+    want = _align_up(head) + (_align_up(payload_len) if host_payloads else 0)
     if want > MAX_CAPACITY:
         want = head if head <= MAX_CAPACITY else 0
     next_capacity = max(capacity, _pow2_at_least(want)) if want else capacity
@@ -247,7 +249,7 @@ def plan_frame(
         | (Flags.SPILL if spill else Flags.NONE)
         | (Flags.PROMISED if promised else Flags.NONE)
     )
-    return FramePlan(
+    return Cut(
         capacity,
         header_len,
         payload_len,
@@ -262,15 +264,138 @@ def plan_frame(
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Stamp:
-    """Which frame this is (checked by receivers against the prefix): the channel, the loader's pass, the step within it."""
-
-    channel: int
-    pass_index: int
-    step: int
-
-
 def crc32(buffer: torch.Tensor) -> int:
     """The CRC32 of a payload's bytes (``Flags.CRC``), 0 for an empty one."""
     return zlib.crc32(buffer.cpu().numpy().data) if buffer.numel() else 0
+
+
+# -- the cut of one side's frames, one after another -------------------------------------
+
+_FIRST_NEED = 2  # same-size separate payloads in a row before a frame promises
+_MAX_NEED = 16
+_CUT_FLAGS = int(Flags.INLINE | Flags.SPILL | Flags.PROMISED)
+
+
+def promises_enabled() -> bool:
+    """Whether channels set up now promise payloads (``TENSORCAST_PROMISES``, default on)."""
+    return os.environ.get("TENSORCAST_PROMISES", "1") != "0"
+
+
+class Promises:
+    """The rule of NOTE [ Promised payloads ] for one channel, on one rank.
+
+    Args:
+        on: whether this channel promises at all (the switch, and a host wire).
+    """
+
+    __slots__ = ("_last", "_need", "_on", "_run")
+
+    def __init__(self, on: bool) -> None:
+        self._on = on
+        self._last = 0  # the size of the last frame's separate payload (0: none)
+        self._run = 0  # how many frames in a row carried one of that size
+        self._need = _FIRST_NEED
+
+    def next(self) -> int:
+        """The bytes the next frame promises (0: none)."""
+        return self._last if self._on and self._run >= self._need else 0
+
+    def record(self, cut: Cut) -> int:
+        """A frame cut as ``cut`` went on (or came off) the wire; returns :meth:`next`."""
+        n = 0 if cut.inline else cut.payload_len  # outside the first message, or none
+        if cut.promised and not cut.in_promise:
+            self._need = min(2 * self._need, _MAX_NEED)
+        if n and n == self._last:
+            self._run += 1
+        else:
+            self._last, self._run = n, 1 if n else 0
+        return self._last if self._on and self._run >= self._need else 0
+
+
+class Cutter:
+    """How one side of a channel cuts its frames, one after another: at the group's
+    first-message capacity, with this channel's promises. The source and every receiver
+    make the same calls for the same frames in the same order, so they cut each alike:
+    the source :meth:`cut` s a frame and :meth:`commit` s it as it goes out, a receiver
+    :meth:`read` s the cut of each prefix it takes.
+
+    Args:
+        group: the group whose ``capacity`` (the next first message's size, the same for
+            every channel on it) this cutter reads and advances.
+        promises: whether this channel promises payloads (host payloads only).
+    """
+
+    __slots__ = ("_group", "_promises", "host_payloads", "promised")
+
+    def __init__(self, group: Any, *, promises: bool) -> None:
+        self._group = group
+        #: payloads live on the host, so they may travel inside the first message
+        self.host_payloads = group.wire.streams is None
+        self._promises = Promises(promises and self.host_payloads)
+        #: the bytes the next frame promises (0: none), posted with its first message
+        self.promised = 0
+
+    def cut(self, header_len: int, payload_len: int) -> Cut:
+        """Cut the source's next frame (see :func:`cut_frame`); it counts once committed."""
+        return cut_frame(
+            self._group.capacity,
+            header_len,
+            payload_len,
+            host_payloads=self.host_payloads,
+            promised=self.promised,
+        )
+
+    def commit(
+        self,
+        buffer: memoryview,
+        kind: int,
+        cut: Cut,
+        header_len: int,
+        crc: int | None,
+        channel: int,
+        pass_index: int,
+        step: int,
+    ) -> None:
+        """The source's frame cut as ``cut`` goes out now: its prefix is written at the
+        start of ``buffer`` (its first message; ``crc`` None: none carried), and the next
+        frame is cut after it. Whatever fails from here breaks the lane (NOTE [ A frame is
+        atomic ]), so the record stands or no frame follows."""
+        flags = cut.flags if crc is None else cut.flags | Flags.CRC
+        Prefix.write(
+            buffer,
+            kind,
+            flags,
+            channel,
+            pass_index,
+            step,
+            header_len,
+            cut.payload_len,
+            cut.next_capacity,
+            crc or 0,
+        )
+        self.promised = self._promises.record(cut)
+        self._group.capacity = cut.next_capacity
+
+    def read(self, prefix: Prefix) -> Cut:
+        """A receiver's cut of the frame ``prefix`` announces, checked against the
+        prefix's flags; the next frame is cut after it (a frame not read whole breaks the
+        lane, so none follows).
+
+        Raises:
+            HeaderError: the prefix's flags are not the cut its sizes make.
+        """
+        cut = cut_frame(
+            self._group.capacity,
+            prefix.header_len,
+            prefix.payload_len,
+            host_payloads=self.host_payloads,
+            promised=self.promised,
+        )
+        if int(prefix.flags) & _CUT_FLAGS != cut.flags:  # int: IntFlag's operators run Python
+            raise HeaderError(
+                f"the frame is cut as {Flags(int(prefix.flags) & _CUT_FLAGS)!r} but its "
+                f"sizes say {cut.flags!r}"
+            )
+        self.promised = self._promises.record(cut)
+        self._group.capacity = prefix.next_capacity
+        return cut

@@ -4,15 +4,20 @@ Everything tensorcast sends travels on groups it creates itself, one per set of 
 never on the mesh's or the caller's group: the model's collectives and the loader's
 cannot then meet, whatever either does (see NOTE [ One ordered lane ] in ``transport.lane``).
 
-Before a loader or a broadcast channel makes its group, the ranks of that group agree on
-their setup (see NOTE [ Agreement before anything collective ] in ``transport.agreement``): only
-then are groups created, so a disagreement never hangs inside group creation. The store
+:func:`open_role` opens a *channel*, one source and its receivers on one of these groups,
+and returns this rank's role in it: a ``Sender`` or a ``Receiver``. Before it makes the
+group, the ranks agree on their setup (see NOTE [ Agreement before anything collective ] in
+``transport.agreement``): only then are groups created, so a disagreement never hangs
+inside group creation. The store
 is also where a source keeps its heartbeat (see ``transport.liveness``).
 
-The groups are raw c10d backends over a prefix of the default store, owned here and shut
-down with the default group (``destroy_process_group``): a loader built per epoch makes
-no new group or thread. State lives on a :class:`World`, one per default process group (a
-job that destroys and re-initialises the default group gets a new one).
+The groups are raw c10d backends over a prefix of the default store, owned here: a
+loader built per epoch makes no new group or thread. State lives on a :class:`World`, one
+per default process group (a job that destroys and re-initialises the default group gets
+a new one). A world closes when its default group is destroyed (``destroy_process_group``),
+whoever still holds a mesh, a loader or a role of it: a thread that watches the default
+group while the world has groups closes them, and the heartbeat stops (NOTE [ A destroyed
+default group ]).
 
 On an NCCL job a group's payloads travel on an NCCL backend bound to the rank's own
 device (:func:`rank_device`), connected eagerly when the group is made and
@@ -27,25 +32,45 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import threading
+import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tensorcast.transport.agreement import Agreement, ranks_name
-from tensorcast.transport.frame import INITIAL_CAPACITY
+from tensorcast import codec
+from tensorcast._errors import PeerError
+from tensorcast.transport.agreement import Agreement, ranks_name, store_failed
+from tensorcast.transport.diagnosis import diagnose, timed_out
+from tensorcast.transport.frame import FRAMES_VERSION, INITIAL_CAPACITY, promises_enabled
 from tensorcast.transport.lane import Lane
 from tensorcast.transport.liveness import Heartbeat
+from tensorcast.transport.receiver import Receiver
+from tensorcast.transport.sender import Sender
 from tensorcast.transport.wire import GlooWire, NcclWire, Wire
 
-__all__ = ["Group", "World", "make_wire", "rank_device", "world", "wrapping_wires"]
+__all__ = [
+    "Group",
+    "Role",
+    "World",
+    "make_wire",
+    "open_role",
+    "rank_device",
+    "world",
+    "wrapping_wires",
+]
+
+#: what a rank holds for one channel: the source's role, or a receiver's
+Role = Sender | Receiver
 
 _lock = threading.Lock()
 _worlds: weakref.WeakKeyDictionary[Any, World] = weakref.WeakKeyDictionary()
 _wraps: list[Callable[[Wire], Wire]] = []  # see wrapping_wires
+_WATCH_S = 0.5  # how often a world with groups looks whether its default group is gone
 
 
 def world() -> World:
@@ -161,7 +186,10 @@ class World:
         base = dist.distributed_c10d._get_default_store()
         # A store outlives a re-initialised group in some launchers: number this world's
         # keys by how many worlds this rank has made on it.
-        generation = base.add(f"tensorcast/generation/{self.rank}", 1)
+        try:
+            generation = base.add(f"tensorcast/generation/{self.rank}", 1)
+        except RuntimeError as e:  # the store's host exited
+            raise store_failed(base, self.rank, "setting up tensorcast", e) from e
         self.store = dist.PrefixStore(f"tensorcast/{generation}/", base)
         #: compares setups before a group is made (and before a channel on one opens)
         self.agreement = Agreement(self.store, self.rank, self.timeout, exits=base)
@@ -169,14 +197,30 @@ class World:
         self.device = rank_device(default) if "nccl" in self.backend else None
         self._groups: dict[tuple[int, ...], Group] = {}
         self._lock = threading.Lock()
-        default_ref = weakref.ref(default)
+        self._default = weakref.ref(default)
+        #: why this world is closed (its default group was destroyed); None while it is up
+        self.closed: str | None = None
         self.heartbeat = Heartbeat(
-            self.store, self.rank, self.timeout.total_seconds(), lambda: default_ref() is not None
+            self.store, self.rank, self.timeout.total_seconds(), self.current
         )
-        #: channels of ``tensorcast.broadcast``, by (group ranks, source)
-        self.broadcast_channels: dict[tuple[tuple[int, ...], int], Any] = {}
-        # Shut the groups down with the default group, in the thread that destroys it.
-        weakref.finalize(default, _shut_down, self._groups)
+        # A default group that is freed (no mesh keeps it) shuts its groups down too.
+        weakref.finalize(default, _shut_down, self._groups, _DESTROYED)
+
+    def current(self) -> bool:
+        """Whether this world's default group is still the process's default group: False
+        once ``destroy_process_group()`` ran (any thread may ask)."""
+        if self.closed is not None or not dist.is_initialized():
+            return False
+        return dist.distributed_c10d._get_default_group() is self._default()
+
+    def close(self, why: str) -> None:
+        """Close every group of this world for good (see NOTE [ A destroyed default group ]):
+        a later message on one raises ``PeerError`` saying ``why``."""
+        with self._lock:
+            if self.closed is not None:
+                return
+            self.closed = why
+        _shut_down(self._groups, why)
 
     # -- groups ----------------------------------------------------------------------
 
@@ -188,9 +232,21 @@ class World:
         the ranks wait for each other to connect (None: the default group's).
         """
         with self._lock:
+            if self.closed is not None:
+                raise PeerError(f"rank {self.rank}: {self.closed}")
             group = self._groups.get(ranks)
             if group is None:
-                group = self._groups[ranks] = self._make_group(ranks, timeout or self.timeout)
+                try:
+                    made = self._make_group(ranks, timeout or self.timeout)
+                except (dist.DistNetworkError, dist.DistStoreError) as e:
+                    what = f"connecting tensorcast's group over ranks {list(ranks)}"
+                    raise store_failed(self.store, self.rank, what, e) from e
+                if not self._groups:  # the first: from now on, watch the default group
+                    threading.Thread(
+                        target=_watch, args=(weakref.ref(self),), name="tensorcast-watch",
+                        daemon=True,
+                    ).start()  # fmt: skip
+                group = self._groups[ranks] = made
             return group
 
     def _make_group(self, ranks: tuple[int, ...], connect: datetime.timedelta) -> Group:
@@ -209,10 +265,15 @@ class World:
         )
         for wrap in _wraps:
             wire = wrap(wire)
+        # The lane aborts the group's wire of the moment (a closed group's holds nothing).
         lane = Lane(
-            name, wire.abort, _worker_device(self.device), device_group=wire.streams is not None
+            name,
+            lambda: group.wire.abort(),
+            _worker_device(self.device),
+            device_group=wire.streams is not None,
         )
-        return Group(ranks, wire, lane)
+        group = Group(ranks, wire, lane)
+        return group
 
 
 def _worker_device(device: torch.device | None) -> int | None:
@@ -226,12 +287,73 @@ def _worker_device(device: torch.device | None) -> int | None:
     return None
 
 
-def _shut_down(groups: dict[tuple[int, ...], Group]) -> None:
+# NOTE [ A destroyed default group ]
+# tensorcast's groups, its heartbeat and its threads belong to one default group, and go
+# when it is destroyed, whatever the caller still holds: a kept DeviceMesh keeps the
+# destroyed default group's object alive (from C++, so no finaliser of ours runs), and a
+# kept loader keeps its role and group. torch calls nothing of ours in
+# ``destroy_process_group()``, so a world with groups has one daemon thread that looks,
+# every ``_WATCH_S``, whether its default group is still the process's; once it is not,
+# that thread closes the groups: device work is dropped, idle lane workers leave, each
+# group's wire is shut down and replaced by one that raises ``PeerError``, so that the
+# backend (its sockets and threads) goes with its last reference, in that thread or in a
+# lane worker finishing its job, never in the garbage collector's. The heartbeat asks the
+# same question (``World.current``) at every wake and stops. Closing never talks to
+# another rank, and an in-flight job ends at its own timeout, as on torch's own groups.
+_DESTROYED = (
+    "its default process group was destroyed (destroy_process_group), so tensorcast's groups "
+    "of it are closed; after init_process_group, build the loader (or mesh) again"
+)
+
+
+def _watch(ref: weakref.ReferenceType[World]) -> None:
+    """Close the world once its default group is destroyed (NOTE [ A destroyed default
+    group ]); leave when the world goes first."""
+    while True:
+        time.sleep(_WATCH_S)
+        state = ref()
+        if state is None or state.closed is not None:
+            return
+        if not state.current():
+            state.close(_DESTROYED)
+            return
+        del state  # not kept alive between two looks
+
+
+class _ClosedWire:
+    """The wire of a closed group: what it was, without its backend; messages raise."""
+
+    def __init__(self, wire: Wire, why: str) -> None:
+        self.device = wire.device
+        self.streams = wire.streams
+        self.size = wire.size
+        self._why = why
+
+    def head(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Any:
+        raise PeerError(self._why)
+
+    def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Any:
+        raise PeerError(self._why)
+
+    def abort(self) -> None:
+        """Nothing left to abort."""
+
+    def shutdown(self) -> None:
+        """Nothing left to release."""
+
+
+def _shut_down(groups: dict[tuple[int, ...], Group], why: str) -> None:
+    """Close ``groups`` for good (NOTE [ A destroyed default group ])."""
     for group in list(groups.values()):
         group.lane.inflight.clear()  # what the device was reading goes, and so does the worker
-        group.lane.wake()
+        wire, group.wire = (
+            group.wire,
+            _ClosedWire(group.wire, f"tensorcast's group over ranks {list(group.ranks)}: {why}"),
+        )
+        group.lane.wake()  # an idle worker leaves now
         with contextlib.suppress(Exception):
-            group.wire.shutdown()
+            wire.shutdown()
+        del wire  # the backend goes with its last reference (here, or a running job's)
     groups.clear()
 
 
@@ -245,3 +367,73 @@ def _default_timeout(default: Any) -> datetime.timedelta:
         if isinstance(timeout, datetime.timedelta):
             return timeout
     return dist.default_pg_timeout
+
+
+def open_role(
+    scope: str,
+    group: Sequence[int],
+    src: int,
+    what: str,
+    setup: dict[str, Any],
+    *,
+    extra: dict[str, Any] | None = None,
+    timeout: datetime.timedelta | None = None,
+    setup_timeout: datetime.timedelta | None = None,
+    first: tuple[int, int] | None = None,
+    verify: bool = False,
+) -> tuple[Role, dict[int, dict[str, Any]]]:
+    """Agree on ``setup`` among ``group``, then open a channel on tensorcast's group over
+    it: this rank's role, the :class:`Sender` on ``src``, a :class:`Receiver` elsewhere.
+    Every rank of ``group`` calls it together.
+
+    Args:
+        scope: names the ranks that number their setups together (``ranks_name`` of a
+            mesh's ranks, or of the group's); see NOTE [ Agreement before anything
+            collective ].
+        group: the source and its receivers (global ranks, in mesh order for a mesh).
+        src: the source's global rank.
+        what: names the thing in errors.
+        setup: what must agree on every rank of ``group``; the format and frame versions
+            are added, and whether payloads are promised.
+        extra: what this rank tells the others (see :meth:`Agreement.agree`).
+        timeout: the role's wait for one message; None means the default group's.
+        setup_timeout: bounds the agreement and the group's creation (None: ``timeout``).
+        first: a mesh's first rank and number of ranks (see :meth:`Agreement.agree`).
+        verify: carry a CRC32 of every payload and check it on receivers.
+
+    Returns:
+        The role, and every rank's ``extra``.
+
+    Raises:
+        DesyncError: the ranks disagree, or one did not come within the timeout.
+    """
+    state = world()
+    promises = promises_enabled()
+    versions = {"format": codec.FORMAT_VERSION, "frames": FRAMES_VERSION, "promises": promises}
+    wait = setup_timeout or timeout
+    channel_id, extras = state.agreement.agree(
+        scope, group, what, {**setup, **versions}, extra, first=first, timeout=wait
+    )
+    made = state.group(tuple(sorted(group)), wait)
+    timeout = timeout or state.timeout
+    if state.rank == src:
+        state.heartbeat.start(timeout.total_seconds())
+        pulling = state.heartbeat.busy("next(source)", channel_id)
+        sender = Sender(
+            made, src, channel_id, timeout=timeout, verify=verify, promises=promises,
+            pulling=pulling,
+        )  # fmt: skip
+        return sender, extras
+    receiver = Receiver(
+        made, src, rank=state.rank, channel_id=channel_id, timeout=timeout, promises=promises,
+        diagnose=functools.partial(_why, state.store, src, state.rank),
+    )  # fmt: skip
+    return receiver, extras
+
+
+def _why(
+    store: Any, src: int, rank: int, frame: tuple[int, int, int], error: BaseException, s: float
+) -> str:
+    """Why the source ``src`` did not send ``frame`` (``transport.diagnosis``); bound to
+    the store, not the world: a role does not keep the world alive."""
+    return diagnose(store, src, rank=rank, frame=frame, timeout_s=s, timed_out=timed_out(error))

@@ -27,7 +27,7 @@ land, and what holds when it does (the ranks stay in step, loudly or not at all)
                         step being submitted              batch (submitting is idempotent)
     ``close.wait``      an early close waiting for the    the steps stay; the next close
                         steps owed to the peers, and its  (or next use) waits for them;
-                        close job (loader ``jobs``)       the close job is recorded once
+                        close job (``loader.steps``)      the close job is recorded once
     ``broadcast.wait``  ``broadcast`` waiting for its     not yet started: withdrawn, as
                         job on the lane's worker          if never called; else the channel
                                                           breaks (no retry can pair it)

@@ -2,11 +2,32 @@
 
 With many small leaves, making one view per leaf is most of a rank's work on a batch. A
 pooled buffer (``transport.pool``) therefore keeps the views it was last viewed as, under
-a key naming the layout, and hands out ``detach()``-ed copies of them; a rank also makes
-the next copies while a head is on the wire (NOTE [ Views made ahead ] in
-``transport.receiver``). :class:`KeptViews` is that cache, one per pooled buffer, and
-:class:`Keeper` finds a buffer's cache from any slice of it. Both are the codec's
-``KeepsViews``.
+a key naming the layout, and hands out ``detach()``-ed copies of them. :class:`KeptViews`
+is that cache, one per pooled buffer, and :class:`Keeper` finds a buffer's cache from any
+slice of it; both are the codec's ``KeepsViews``.
+
+# NOTE [ Views made ahead ]
+Making the fresh copies is itself one ``detach()`` per leaf, so both sides make the next
+ones while a head is on the wire, where they would only wait: a receiver once it has
+posted the receive of the first message it is about to read, for the layout that message
+carried last; the source once it has posted its first message, for the next frame of the
+same layout that comes back to that message (its batch dropped by then). When the frame
+has that layout they are its leaves; when not, they are dropped. Nothing travels and
+nothing waits on them: they are made after the posting, before the wait.
+
+The life of one buffer's kept views, with ``n`` views of the layout ``K``:
+
+    =====================  ====  ======  ==================================================
+    state                  key   held    what happens next
+    =====================  ====  ======  ==================================================
+    no views               None  0       ``views(K)``: made by the codec, kept -> kept
+    kept                   K     n       ``views(K)``: n fresh copies handed out (stays);
+                                         ``detach_ahead()``: n copies made -> ahead
+    kept + ahead           K     2n      ``views(K)``: the copies handed out -> kept;
+                                         ``drop_ahead()`` (the frame had another layout,
+                                         or none) -> kept
+    another key asked      K'    0       all dropped, then made for ``K'`` -> kept (n')
+    =====================  ====  ======  ==================================================
 
 Every kept view and every copy made ahead holds a reference to the buffer's storage, and
 the pool reuses a buffer only when its storage's use count is what the buffer holds
@@ -34,11 +55,11 @@ class KeptViews:
     one taker).
     """
 
-    __slots__ = ("ahead", "held", "key", "views_")
+    __slots__ = ("ahead", "held", "kept", "key")
 
     def __init__(self) -> None:
         self.key: Hashable = None
-        self.views_: list[torch.Tensor] = []  # detached views: each holds a reference
+        self.kept: list[torch.Tensor] = []  # detached views: each holds a reference
         self.ahead: list[torch.Tensor] | None = None  # see detach_ahead
         #: the storage references held here: the kept views and the copies made ahead
         self.held = 0
@@ -55,20 +76,21 @@ class KeptViews:
         if self.key != key:
             self.held = 0  # lowered first (see the module's docstring)
             self.ahead = None  # made for another key
-            self.views_ = []
+            self.kept = []
             kept = [v.detach() for v in make(buffer)]
-            self.views_, self.key = kept, key
+            self.kept, self.key = kept, key
             self.held = len(kept)
         elif ahead is not None:
-            self.held = len(self.views_)  # handed to the caller
+            self.held = len(self.kept)  # handed to the caller
             self.ahead = None
             return ahead
-        return list(map(_detach, self.views_))
+        return list(map(_detach, self.kept))
 
     def detach_ahead(self) -> None:
         """Make the fresh tensors of the kept views now, for the next :meth:`views` of the
-        same key, while a head is on the wire. Held here, they count as the buffer's own."""
-        kept = self.views_
+        same key, while a head is on the wire (NOTE [ Views made ahead ]). Held here, they
+        count as the buffer's own."""
+        kept = self.kept
         if kept:
             self.held = len(kept)
             ahead = self.ahead = list(map(_detach, kept))
@@ -78,7 +100,7 @@ class KeptViews:
 
     def drop_ahead(self) -> None:
         """Let go of the copies made ahead (the frame did not use them)."""
-        self.held = len(self.views_)
+        self.held = len(self.kept)
         self.ahead = None
 
 

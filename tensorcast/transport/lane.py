@@ -2,12 +2,13 @@
 
 # NOTE [ One ordered lane ]
 Collectives match by order. tensorcast's traffic runs on process groups that it owns
-(see ``transport.groups``), one per set of ranks, and every transfer on such a group is a *job*
-in one FIFO, run by one worker thread. Jobs are submitted only from the caller's thread,
-at points that are the same on every rank (a loader's ``next()``, a
-``tensorcast.broadcast`` call), so every rank runs the same jobs in the same order,
-whatever mix of loaders, prefetch depths, early breaks and broadcasts the caller makes,
-and whatever the model does on its own groups in between. A loader's ``prefetch=k`` is
+(see ``transport.groups``), one per set of ranks, and every transfer on such a group is a
+*job* in one FIFO, run one at a time: inline on the caller's thread when nothing is queued
+or running (:meth:`Lane.start`), else by the lane's worker thread. Jobs are submitted only
+from the caller's thread, at points that are the same on every rank (a loader's
+``next()``, a ``tensorcast.broadcast`` call), so every rank runs the same jobs in the same
+order, whatever mix of loaders, prefetch depths, early breaks and broadcasts the caller
+makes, and whatever the model does on its own groups in between. A loader's ``prefetch=k`` is
 simply "k jobs submitted ahead of the consumer".
 
 A job that fails after its first message went out leaves the group in an unknown state:
@@ -29,14 +30,13 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from tensorcast._errors import PeerError, TensorcastError, UnsupportedLeafError
 from tensorcast.transport import interrupts as _interrupts
 from tensorcast.transport.device import Inflight
-from tensorcast.transport.job import Job
 
 __all__ = ["Job", "Lane"]
 
@@ -44,8 +44,60 @@ T = TypeVar("T")
 _IDLE_EXIT_S = 5.0
 
 
+class Job(Generic[T]):
+    """A transfer submitted to a lane; :meth:`result` waits for it.
+
+    ``_taken`` is set, under the lane's lock, when a thread starts running it: with its
+    presence in the lane's queue it tells whether a job is still owed a run (see
+    :meth:`Lane.settle`).
+    """
+
+    __slots__ = ("_error", "_fn", "_taken", "_value", "_waited", "done", "frames_at_start")
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self._fn = fn
+        # Held until the job is done. Not a threading.Event: its wait enters a Condition in
+        # Python, and a signal handler that raises there leaves the Event's lock held, so
+        # the job could never be marked done (a hang under a storm of signals). A waiter
+        # blocks in the C acquire, which a handler interrupts cleanly.
+        self._waited = threading.Lock()
+        self._waited.acquire()
+        #: set once the job has run (its value or error is then there)
+        self.done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._taken = False
+        #: the role's ``frames_taken()`` when the job ran inline (None: on the worker)
+        self.frames_at_start: int | None = None
+
+    @property
+    def error(self) -> BaseException | None:
+        """What the job raised, once it is done."""
+        return self._error
+
+    def result(self) -> T:
+        """The job's value, or its exception raised here; waits until it has run."""
+        if not self.done:
+            self._waited.acquire()  # let go at once: every later waiter sees done
+            self._waited.release()
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[no-any-return]
+
+    def _run(self) -> None:
+        try:
+            self._value = self._fn()
+        except BaseException as e:  # handed to whoever waits, never swallowed
+            self._error = e
+        finally:
+            self._fn = None  # type: ignore[assignment]
+            self.done = True
+            self._waited.release()
+
+
 class Lane:
-    """A FIFO of jobs on one of tensorcast's groups, run in order by one worker thread.
+    """A FIFO of jobs on one of tensorcast's groups, run in order, one at a time (NOTE
+    [ One ordered lane ]).
 
     Args:
         name: names the lane's thread and its errors (e.g. the group's ranks).
@@ -82,12 +134,6 @@ class Lane:
         self._inline: int | None = None  # the thread running a job inline
         self._worker_id: int | None = None
         self.broken: BaseException | None = None
-
-    def submit(self, fn: Callable[[], T]) -> Job[T]:
-        """Queue ``fn`` behind every job submitted before it; it runs on the worker."""
-        job: Job[T] = Job(fn)
-        self.enqueue(job)
-        return job
 
     def enqueue(self, job: Job[Any]) -> None:
         """Queue ``job`` behind every job queued before it; it runs on the worker."""
@@ -156,73 +202,41 @@ class Lane:
         """Whether the calling thread is running one of this lane's jobs."""
         return threading.get_ident() in (self._inline, self._worker_id)
 
-    def run(self, fn: Callable[[], T], frames: Callable[[], int]) -> T:
-        """Run ``fn`` in its turn and return its result (``tensorcast.broadcast``): right
-        here when the lane is idle, else on the worker.
+    def run(self, fn: Callable[[], T], frames_taken: Callable[[], int]) -> T:
+        """Run ``fn`` in its turn and return its result (``tensorcast.broadcast``), as
+        :meth:`start` runs a job: right here when the lane is idle, else on the worker.
 
         An interrupt here leaves no job for a retry to wait on (NOTE [ Interrupts ]): one
         before ``fn`` started leaves nothing (it is withdrawn from the queue, or never ran
-        inline); one after it took its frame (``frames()``, the channel's count, moved)
-        breaks the lane, and so does one that lost a job waited for on the worker.
+        inline); one after it took its frame breaks the lane, and so does one that lost a
+        job waited for on the worker.
         """
-        me = threading.get_ident()
-        if me == self._inline or me == self._worker_id:
-            self._not_from_a_job()
-        with self._lock:
-            inline = not self._jobs and not self._running
-            if inline:
-                self._running = True
-                self._inline = me
-        if not inline:
-            return self._run_queued(fn, frames)
-        taken = frames()
-        ran = False
-        try:
-            if _interrupts.hook is not None:
-                _interrupts.hook("lane.busy")
-            ran = True
-            if torch.is_inference_mode_enabled():  # buffers made here: no inference tensors
-                with torch.inference_mode(False):
-                    value = fn()
-            else:
-                value = fn()
-            if _interrupts.hook is not None:
-                _interrupts.hook("broadcast.wait")
-            return value
-        except BaseException as e:
-            if ran and frames() != taken and not _own(e):
-                self.break_(e)  # it took its frame and this call loses the result
-            raise
-        finally:
-            with self._lock:
-                self._running = False
-                self._inline = None
-                if self._jobs:
-                    self._cond.notify()
-
-    def _run_queued(self, fn: Callable[[], T], frames: Callable[[], int]) -> T:
-        """:meth:`run` behind the jobs queued before it, on the worker."""
         job: Job[T] = Job(fn)
-        self.enqueue(job)
         try:
+            self.start(job, frames_taken)
             if _interrupts.hook is not None:
                 _interrupts.hook("broadcast.wait")
             return job.result()
         except BaseException as e:
-            if not job.done:
+            if job.frames_at_start is not None:  # it ran here, or was to
+                if job.done:
+                    self.break_if_lost(job, e, frames_taken)
+            elif not job.done:
                 if not self.withdraw(job):
                     self.break_(e)  # it runs on the worker: its frame would pair with no call
             elif job.error is not e:
                 self.break_(e)  # it took its frame and this call loses the result
             raise
 
-    def start(self, job: Job[Any], frames: Callable[[], int]) -> None:
+    def start(self, job: Job[Any], frames_taken: Callable[[], int]) -> None:
         """Run ``job`` in its turn: right here when nothing is queued or running, else on
         the worker (:meth:`Job.result` waits for it either way).
 
-        Inline, the job runs on the caller's thread: the hop to the worker and back is a
-        measurable share of a small batch's time (see ``docs/design.md``). A job that an
-        interrupt kept from running is freed for the worker (:meth:`settle`).
+        Inline, the job runs on the caller's thread, with no hop to the worker and back
+        (``docs/design.md``, section 5). ``frames_taken()``, the count of frames its role
+        has taken (NOTE [ A frame is atomic ]), is read first: a job whose count moved and
+        whose result an interrupt then took breaks the lane (:meth:`break_if_lost`). A job
+        that an interrupt kept from running is freed for the worker (:meth:`settle`).
         """
         me = threading.get_ident()
         if me == self._inline or me == self._worker_id:
@@ -233,12 +247,12 @@ class Lane:
                 self._running = True
                 self._inline = me
                 job._taken = True
+                job.frames_at_start = frames_taken()  # a C call: no interrupt lands in it
             else:
                 self._queue(job)
         if not inline:
             return
         try:
-            job.frames = frames()
             if _interrupts.hook is not None:
                 _interrupts.hook("lane.busy")
             if torch.is_inference_mode_enabled():  # buffers made here must not be inference tensors
@@ -256,10 +270,16 @@ class Lane:
                     if self._jobs:
                         self._cond.notify()
 
-    def break_if_lost(self, job: Job[Any], error: BaseException, frames: Callable[[], int]) -> None:
+    def break_if_lost(
+        self, job: Job[Any], error: BaseException, frames_taken: Callable[[], int]
+    ) -> None:
         """Break the lane when an inline ``job`` took its frame and an interrupt then took
         its result (its error is no failure tensorcast raised)."""
-        if job.frames is not None and frames() != job.frames and not _own(error):
+        if (
+            job.frames_at_start is not None
+            and frames_taken() != job.frames_at_start
+            and not _own(error)
+        ):
             self.break_(error)
 
     def break_(self, cause: BaseException) -> None:

@@ -5,9 +5,8 @@ both sides take payload buffers from a :class:`BufferPool`, and first messages f
 :class:`FramePool`. A buffer is reused only when nothing but the pool holds its storage:
 every view handed to the caller holds a storage reference, so the storage's use count
 says whether the caller still holds any of it, and reuse needs no promise from the
-caller. Each buffer also keeps the views of the last layout it was viewed as
-(``transport.kept``), so a repeating batch of many small leaves makes no view anew (see
-``docs/design.md``, section 6); the references those hold count as the buffer's own.
+caller. Each buffer also keeps the views of the last layout it was viewed as, whose
+references count as the buffer's own (``transport.kept``, with their state table).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import torch
 
 from tensorcast.transport.kept import Keeper, KeptViews
 
-__all__ = ["BufferPool", "FramePool", "Message"]
+__all__ = ["BufferPool", "FirstMessage", "FramePool"]
 
 _MIN_CAPACITY = 4096
 _LARGE = 1 << 20
@@ -154,7 +153,7 @@ class BufferPool:
             entries[:] = keep
 
 
-class Message(_Entry):
+class FirstMessage(_Entry):
     """One first-message buffer: the tensor the wire moves, its host view, and what was
     made from it for the caller (kept, so that a repeating frame makes nothing anew: the
     views of its leaves, and the slice of its inline payload, :meth:`inline_payload`).
@@ -195,7 +194,7 @@ class Message(_Entry):
 
 class FramePool:
     """The first messages of one side of a channel: buffers of the frame's capacity,
-    each handed out again once nothing made from it is alive (see :class:`Message`).
+    each handed out again once nothing made from it is alive (see :class:`FirstMessage`).
 
     Used by one lane's jobs, one after another: no lock.
 
@@ -206,9 +205,9 @@ class FramePool:
 
     def __init__(self, *, max_buffers: int = 8) -> None:
         self._max_buffers = max_buffers
-        self._messages: list[Message] = []
+        self._messages: list[FirstMessage] = []
 
-    def take(self, capacity: int) -> Message:
+    def take(self, capacity: int) -> FirstMessage:
         """An idle message of exactly ``capacity`` bytes."""
         for message in self._messages:
             if message.capacity == capacity and message.is_idle():
@@ -216,7 +215,7 @@ class FramePool:
         # Capacities only grow: idle buffers of another size are not needed again.
         kept = [m for m in self._messages if m.capacity == capacity or not m.is_idle()]
         del kept[: max(0, len(kept) + 1 - self._max_buffers)]
-        message = Message(capacity)
+        message = FirstMessage(capacity)
         self._messages = [*kept, message]
         return message
 

@@ -1,58 +1,68 @@
-"""A receiver's side of a channel: a frame off the wire, validated, rebuilt as views.
+"""A receiver's role: a frame off the wire, validated, rebuilt as views.
 
-A frame is read in the order the source cut it (``transport.frame.plan_frame``, through the ``Cutter``, on both sides):
-the first message, then a spilled header, then a separate payload. The prefix and the
-header are validated before anything is allocated from their sizes. Until the whole
-frame is in, any failure breaks the lane (this rank cannot skip the rest of a frame it
-cannot read); once it is in, a bad CRC is an error of that step alone.
-
-# NOTE [ Views made ahead ]
-A batch of many small leaves spends much of each rank's time making one fresh tensor per
-leaf, a ``detach()`` of the views its first message keeps (see ``transport.kept``). Both sides
-make them while a head is on the wire, where they would only wait: a receiver once it
-has posted the receive of the first message it is about to read, for the layout that
-message carried last; the source once it has posted its first message, for the next
-frame of the same layout that comes back to that message (its batch dropped by then).
-When the frame has that layout they are its leaves; when not, they are dropped. Nothing
-travels and nothing waits on them: they are made after the posting, before the wait.
+A :class:`Receiver` is what a receiving rank holds for one channel: its stamp (the
+channel's agreed id, the pass, the step it expects next) and :meth:`Receiver.recv`,
+which returns the next batch, :data:`END` or :data:`CLOSE`, and raises ``SourceError``
+for a source's ERROR frame. A frame is read in the order the source cut it (one
+``Cutter`` per side, ``transport.frame``): the first message, then a spilled header, then
+a separate payload. The prefix and the header are validated before anything is
+allocated from their sizes. Until the whole frame is in, any failure breaks the lane
+(this rank cannot skip the rest of a frame it cannot read); once it is in, a bad CRC is
+an error of that step alone. The frame's leaves were made while its head was on the wire
+(NOTE [ Views made ahead ], ``transport.kept``).
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tensorcast._errors import DesyncError, HeaderError, PeerError, TensorcastError
-from tensorcast.codec import packed as _codec
-from tensorcast.codec import schema as _schema
-from tensorcast.codec import views as _views
-from tensorcast.codec.views import KeepsViews
-from tensorcast.transport.device import DevicePart
-from tensorcast.transport.frame import (
-    PREFIX_SIZE,
-    Flags,
-    FramePlan,
-    Kind,
-    Prefix,
-    Stamp,
-    crc32,
-)
-from tensorcast.transport.groups import Group
-from tensorcast.transport.pool import BufferPool, FramePool, Message
-from tensorcast.transport.promise import Cutter
-from tensorcast.transport.staging import Staging
+from tensorcast._errors import DesyncError, HeaderError, PeerError, SourceError, TensorcastError
+from tensorcast.codec import Decoded, KeepsViews, decode
+from tensorcast.transport.device import DevicePart, Staging
+from tensorcast.transport.frame import PREFIX_SIZE, Cut, Cutter, Flags, Kind, Prefix, crc32
+from tensorcast.transport.pool import BufferPool, FirstMessage, FramePool
 from tensorcast.transport.wire import Posted
 
-__all__ = ["Receiver"]
+if TYPE_CHECKING:
+    from tensorcast.transport.groups import Group
 
-_CUT = int(Flags.INLINE | Flags.SPILL)
+__all__ = ["CLOSE", "END", "Close", "End", "Receiver"]
+
 _CRC = int(Flags.CRC)
 _PROMISED = int(Flags.PROMISED)
+_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default process group timeout
+
+
+class End:
+    """What :meth:`Receiver.recv` returns for an END frame: the source's pass is over."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "END"
+
+
+class Close:
+    """What :meth:`Receiver.recv` returns for a CLOSE frame: the source left its pass
+    early, at this step (NOTE [ An early close ] in ``loader.steps``)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "CLOSE"
+
+
+END = End()
+CLOSE = Close()
+
+
+def _no_diagnosis(frame: tuple[int, int, int], error: BaseException, timeout_s: float) -> str:
+    return "no diagnosis"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,69 +71,97 @@ class _Incoming:
     decoded header and the payload (with what keeps its views)."""
 
     prefix: Prefix
-    cut: FramePlan
+    cut: Cut
     header: bytes
-    decoded: _schema.Decoded | None = None
+    decoded: Decoded | None = None
     payload: torch.Tensor | None = None
-    pool: KeepsViews | None = None
-    host: torch.Tensor | None = None  # a device frame's host block (``codec.views``)
+    kept: KeepsViews | None = None
+    host: torch.Tensor | None = None  # a device frame's host block (``Decoded.host_block``)
 
 
 class Receiver:
-    """Receives and rebuilds the frames of one source on one of tensorcast's groups.
+    """A receiver of one channel on one of tensorcast's groups: receives and rebuilds the
+    source's frames. :meth:`recv` and :meth:`start_pass` must run as jobs on the group's
+    lane (see NOTE [ One ordered lane ]).
 
     Args:
         group: tensorcast's group the frames travel on.
-        root: the source's group-local rank.
-        src: the source's global rank (for messages).
-        diagnose: ``diagnose(stamp, error, timeout_s)`` says why the source did not send
-            the frame ``stamp``, for the error of a wait that failed with ``error``.
+        src: the source's global rank.
+        rank: this rank (global), for messages.
+        channel_id: the number the ranks agreed on for this channel.
+        timeout: how long a message may take (None: torch's default group timeout); a
+            call's own timeout replaces it for that call.
         promises: expect promised payloads (see NOTE [ Promised payloads ]; host wires only).
+        diagnose: ``diagnose((channel, pass, step), error, timeout_s)`` says why the source
+            did not send that frame, for the error of a wait that failed with ``error``.
     """
+
+    is_source = False
 
     def __init__(
         self,
         group: Group,
-        root: int,
         src: int,
-        diagnose: Callable[[Stamp, BaseException, float], str],
         *,
+        rank: int,
+        channel_id: int = 0,
+        timeout: datetime.timedelta | None = None,
         promises: bool = False,
+        diagnose: Callable[[tuple[int, int, int], BaseException, float], str] = _no_diagnosis,
     ) -> None:
-        self._group = group
-        self._root = root
-        self._src = src
+        self.group = group
+        self.src = src
+        self.rank = rank
+        self.id = channel_id
+        self.pass_index = 0
+        self.step = 0  # frames counted in this pass (NOTE [ A frame is atomic ])
+        self.timeout = timeout or _DEFAULT_TIMEOUT
+        self._root = group.local(src)
         self._diagnose = diagnose
         self._messages = FramePool()  # first messages
         self._pool = BufferPool()  # payloads that travel on their own
         #: the wire's device streams: a payload is then received by a DevicePart
         self._streams = group.wire.streams
-        self._parts = Staging(group, root, self._break)  # device parts of frames
+        self._parts = Staging(group, self._root, self._break)  # device parts of frames
         self._cutter = Cutter(group, promises=promises)
         self.last_nbytes = 0  # the last batch's payload, for the loader's stats
 
-    def recv(
-        self, expect: Stamp, device: torch.device | None, timeout: datetime.timedelta
-    ) -> tuple[Kind, Any]:
-        """The next frame: ``(DATA, tree)``, ``(END, None)``, ``(CLOSE, None)`` or
-        ``(ERROR, message)``. Where the payload travels on a GPU, or lands on one, the
-        tree is a :class:`DevicePart` to post and take on the caller's thread (NOTE
-        [ Device work at next() ]).
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.group.ranks
+
+    def start_pass(self, pass_index: int) -> None:
+        """Number the frames of a new pass; run as a job, like the frames."""
+        self.pass_index = pass_index
+        self.step = 0
+
+    def recv(self, device: torch.device | None, timeout: datetime.timedelta | None = None) -> Any:
+        """The source's next frame, as what it stands for: a batch, :data:`END` or
+        :data:`CLOSE`. Where the payload travels on a GPU, or lands on one, the batch is
+        a :class:`DevicePart` to post and take on the caller's thread (NOTE [ Device work
+        at next() ]).
 
         Raises:
-            PeerError: the source died or did not send within ``timeout``.
+            SourceError: the source sent an ERROR frame (its batch or iterator failed).
+            PeerError: the lane broke earlier, or the source died or did not send within
+                ``timeout``.
             DesyncError: the frame is another step's, or another channel's.
             HeaderError: the frame is malformed or from another version.
         """
-        first = self._messages.take(self._group.capacity)
+        lane = self.group.lane
+        if lane.broken is not None:
+            lane.check()
+        wait = timeout or self.timeout
+        step = self.step
+        self.step = step + 1  # before the first message (NOTE [ A frame is atomic ])
+        first = self._messages.take(self.group.capacity)
         try:
             try:
-                frame = self._read(first, expect, timeout)
+                frame = self._read(first, step, wait)
             except BaseException as e:
                 self._break(e)
                 raise
-            self._cutter.done(frame.cut, frame.prefix.next_capacity)
-            return self._open(frame, expect, device, timeout)
+            return self._open(frame, step, device, wait)
         finally:
             if first.kept.ahead is not None:  # the frame did not use them
                 first.kept.drop_ahead()
@@ -131,18 +169,18 @@ class Receiver:
     def _break(self, error: BaseException) -> None:
         """Until a frame is in whole, any failure breaks the lane (this rank cannot skip
         the rest of a frame it cannot read); one from the collective is a ``PeerError``."""
-        group = self._group
+        group = self.group
         group.lane.break_(error)
         if isinstance(error, RuntimeError) and not isinstance(error, TensorcastError):
             raise PeerError(
-                f"receiving the rest of a frame from the source rank {self._src} on ranks "
+                f"receiving the rest of a frame from the source rank {self.src} on ranks "
                 f"{list(group.ranks)} failed: {type(error).__name__}: {error}"
             ) from error
 
-    def _read(self, first: Message, expect: Stamp, timeout: datetime.timedelta) -> _Incoming:
+    def _read(self, first: FirstMessage, step: int, timeout: datetime.timedelta) -> _Incoming:
         """Post, wait for the first message, check its prefix, cut the frame, take the
         rest (a spilled header, a separate payload), decode the header."""
-        wire, root = self._group.wire, self._root
+        wire, root = self.group.wire, self._root
         promised = self._cutter.promised
         posted: Posted | None = None
         buffer: torch.Tensor | None = None
@@ -155,19 +193,20 @@ class Receiver:
             head.wait(timeout)
         except RuntimeError as e:  # from the collective: the source died or timed out
             raise PeerError(
-                f"waiting for the source rank {self._src} on ranks {list(self._group.ranks)} "
+                f"waiting for the source rank {self.src} on ranks {list(self.group.ranks)} "
                 f"failed after up to {timeout.total_seconds():g} s: "
-                f"{self._diagnose(expect, e, timeout.total_seconds())} "
+                f"{self._diagnose((self.id, self.pass_index, step), e, timeout.total_seconds())} "
                 f"({type(e).__name__}: {e})"
             ) from e
         prefix = Prefix.unpack(first.mem, first.capacity)
-        cut = self._plan(prefix, expect, promised)
+        self._check(prefix, step, promised)
+        cut = self._cutter.read(prefix)
         if posted is not None:
             posted.wait(timeout)  # the payload, or zeros where the promise was not kept
         header = self._header(first, prefix, cut, timeout)
         if prefix.kind != Kind.DATA:
             return _Incoming(prefix, cut, header)
-        decoded = _schema.decode(header)  # validated before its sizes allocate anything
+        decoded = decode(header)  # validated before its sizes allocate anything
         n = prefix.payload_len
         if decoded.structure.nbytes != n:
             raise HeaderError(
@@ -187,100 +226,92 @@ class Receiver:
         return _Incoming(prefix, cut, header, decoded, payload, self._pool.kept)
 
     def _header(
-        self, first: Message, prefix: Prefix, cut: FramePlan, timeout: datetime.timedelta
+        self, first: FirstMessage, prefix: Prefix, cut: Cut, timeout: datetime.timedelta
     ) -> bytes:
         """The frame's header: in its first message, or spilled into a message of its own."""
         if not cut.spill:
             return first.mem[PREFIX_SIZE : PREFIX_SIZE + prefix.header_len].tobytes()
         spilled = torch.empty(prefix.header_len, dtype=torch.uint8)
-        self._group.wire.head(spilled, self._root, timeout).wait(timeout)
+        self.group.wire.head(spilled, self._root, timeout).wait(timeout)
         return spilled.numpy().tobytes()
 
-    def _host_block(
-        self, decoded: _schema.Decoded, timeout: datetime.timedelta
-    ) -> torch.Tensor | None:
+    def _host_block(self, decoded: Decoded, timeout: datetime.timedelta) -> torch.Tensor | None:
         """A device frame's leaves that are not tensors, which travel on the host (their
-        host block, ``codec.views``); None when every leaf is a tensor."""
-        spec = _views.view_spec(decoded)
-        if not spec.others:
+        host block, ``Decoded.host_block``); None when every leaf is a tensor."""
+        n = decoded.host_nbytes
+        if n is None:
             return None
-        host = torch.empty(spec.host_nbytes, dtype=torch.uint8)
-        if spec.host_nbytes:
-            self._group.wire.head(host, self._root, timeout).wait(timeout)
+        host = torch.empty(n, dtype=torch.uint8)
+        if n:
+            self.group.wire.head(host, self._root, timeout).wait(timeout)
         return host
 
     def _open(
         self,
         frame: _Incoming,
-        expect: Stamp,
+        step: int,
         device: torch.device | None,
         timeout: datetime.timedelta,
-    ) -> tuple[Kind, Any]:
+    ) -> Any:
         """A frame that is in whole (or whose payload a device part receives), as what it
         stands for; a bad CRC or bad small values are an error of this step alone."""
         prefix, payload, decoded = frame.prefix, frame.payload, frame.decoded
-        if prefix.kind in (Kind.END, Kind.CLOSE):
-            return prefix.kind, None
-        if prefix.kind == Kind.ERROR or decoded is None:
-            return Kind.ERROR, frame.header.decode("utf-8", "replace")
+        kind = prefix.kind
+        if kind == Kind.END:
+            return END
+        if kind == Kind.CLOSE:
+            return CLOSE
+        if kind == Kind.ERROR or decoded is None:
+            text = frame.header.decode("utf-8", "replace")
+            raise SourceError(f"source rank {self.src} reported: {text}")
         self.last_nbytes = prefix.payload_len
         if payload is None:
-            part = self._receive_on_device(decoded, prefix, expect, device, timeout, frame.host)
-            return Kind.DATA, part
+            return self._receive_on_device(decoded, prefix, step, device, timeout, frame.host)
         if int(prefix.flags) & _CRC:
-            self._check_crc(payload, prefix, expect)
+            self._check_crc(payload, prefix, step)
         if device is not None and device != payload.device:
-            build = functools.partial(_codec.rebuild, decoded)
-            return Kind.DATA, self._parts.upload(payload, device, build, timeout)
-        return Kind.DATA, _codec.rebuild(decoded, payload, pool=frame.pool)
+            return self._parts.upload(payload, device, decoded.rebuild, timeout)
+        return decoded.rebuild(payload, frame.kept)
 
-    def _check_crc(self, payload: torch.Tensor, prefix: Prefix, expect: Stamp) -> None:
+    def _check_crc(self, payload: torch.Tensor, prefix: Prefix, step: int) -> None:
         if crc32(payload) != prefix.crc:
             raise HeaderError(
-                f"step {expect.step}: the payload's CRC32 does not match the source's: the "
+                f"step {step}: the payload's CRC32 does not match the source's: the "
                 f"bytes were corrupted in transit"
             )
 
     def _receive_on_device(
         self,
-        decoded: _schema.Decoded,
+        decoded: Decoded,
         prefix: Prefix,
-        expect: Stamp,
+        step: int,
         device: torch.device | None,
         timeout: datetime.timedelta,
         host: torch.Tensor | None,
     ) -> DevicePart:
         def build(buffer: torch.Tensor) -> Any:
             if int(prefix.flags) & _CRC:  # verify=True: one copy to the host
-                self._check_crc(buffer, prefix, expect)
-            return _codec.rebuild(decoded, buffer, host=host)
+                self._check_crc(buffer, prefix, step)
+            return decoded.rebuild(buffer, host=host)
 
         return self._parts.part(prefix.payload_len, build, device, timeout)
 
-    def _plan(self, prefix: Prefix, expect: Stamp, promised: int) -> FramePlan:
-        """The frame's plan, once its prefix is the expected step's and cut as its own
-        sizes (and this rank's promise) say."""
-        got = (prefix.channel, prefix.pass_index, prefix.step)
-        if got != (expect.channel, expect.pass_index, expect.step):
+    def _check(self, prefix: Prefix, step: int, promised: int) -> None:
+        """Raise ``DesyncError`` unless the prefix is this channel's frame at ``step`` and
+        promised as this rank's rule says (NOTE [ Promised payloads ])."""
+        if (prefix.channel, prefix.pass_index, prefix.step) != (self.id, self.pass_index, step):
             raise DesyncError(
-                f"ranks {list(self._group.ranks)}: expected channel {expect.channel:#x} pass "
-                f"{expect.pass_index} step {expect.step} from the source rank {self._src}, got "
+                f"ranks {list(self.group.ranks)}: expected channel {self.id:#x} pass "
+                f"{self.pass_index} step {step} from the source rank {self.src}, got "
                 f"channel {prefix.channel:#x} pass {prefix.pass_index} step {prefix.step}: the "
                 f"ranks did not use their loaders (or tensorcast.broadcast) in the same order"
             )
-        plan = self._cutter.cut(prefix.header_len, prefix.payload_len, promised)
         flags = int(prefix.flags)  # plain int arithmetic: an IntFlag's operators run Python code
         if bool(flags & _PROMISED) != bool(promised):
             raise DesyncError(
-                f"ranks {list(self._group.ranks)}: step {expect.step} of channel "
-                f"{expect.channel:#x}: the source {'did' if flags & _PROMISED else 'did not'} "
+                f"ranks {list(self.group.ranks)}: step {step} of channel "
+                f"{self.id:#x}: the source {'did' if flags & _PROMISED else 'did not'} "
                 f"promise its payload and this rank expected {promised or 'no'} promised "
                 f"bytes: the ranks do not run the same tensorcast, or TENSORCAST_PROMISES "
                 f"differs between them"
             )
-        if flags & (_CUT | _PROMISED) != plan.flags:
-            raise HeaderError(
-                f"the frame is cut as {Flags(prefix.flags & _CUT)!r} but its sizes say "
-                f"{plan.flags!r}"
-            )
-        return plan

@@ -23,6 +23,7 @@ it would run on its own rank).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import queue
@@ -242,17 +243,20 @@ class _Posted:
 
 class CountingStore:
     """A store that counts the requests made through it (one per call), for tests and
-    benchmarks of what an agreement costs: ``CountingStore(store).requests``."""
+    benchmarks of what an agreement costs: ``CountingStore(store).requests``, and by
+    method in ``.calls`` (a wait's polls are its ``check`` calls)."""
 
     def __init__(self, store: Any) -> None:
         self.store = store
         self.requests = 0
+        self.calls: collections.Counter[str] = collections.Counter()
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.store, name)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.requests += 1
+            self.calls[name] += 1
             return method(*args, **kwargs)
 
         return counted

@@ -19,14 +19,14 @@ NcclWire    the same gloo group (no device sync     NCCL broadcast on the rank's
 ==========  ======================================  ===================================
 
 Why sends: ProcessGroupGloo runs a send or a receive on the calling thread but queues a
-broadcast for a worker thread on every rank, and for a small message that hop is about
-a third of its time (see ``docs/design.md``). The source sends one receiver after
-another, so large groups keep gloo's broadcast tree.
+broadcast for a worker thread on every rank, a hop that a small message pays on every
+rank. The source sends one receiver after another, so large groups keep gloo's
+broadcast tree.
 
 Ranks here are *group-local*. Both return a handle to ``wait`` on once the message is
-posted: a promised payload is posted together with its first message (see
-``transport.promise``), and a rank does work of its own while a head is on the wire (see
-``transport.receiver``, NOTE [ Views made ahead ]). A failure or a timeout raises
+posted: a promised payload is posted together with its first message (NOTE [ Promised
+payloads ]), and a rank does work of its own while a head is on the wire (NOTE [ Views
+made ahead ], ``transport.kept``). A failure or a timeout raises
 ``RuntimeError`` from torch, which the caller turns into a broken channel.
 """
 
@@ -77,7 +77,7 @@ class Wire(Protocol):
 
     def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Posted:
         """Post a payload's move from ``root`` to every rank and return at once: a promised
-        payload is waited for after the first message (see ``transport.promise``). ``timeout``
+        payload is waited for after the first message (NOTE [ Promised payloads ]). ``timeout``
         bounds it from now, and its ``wait`` too."""
         ...
 

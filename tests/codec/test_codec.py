@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import math
 import pickle
 import warnings
@@ -18,11 +19,21 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
-from trees import assert_same, bits_float, float_bits, is_view_into
+from trees import (
+    assert_same,
+    bits_float,
+    float_bits,
+    is_view_into,
+    mutated_batch,
+    remove_hooks,
+)
 
 import tensorcast as tc
+import tensorcast.codec
+from tensorcast.codec.build import _CONTAINER_TAGS
 from tensorcast.codec.dtypes import NUMPY_CODES, TORCH_CODES
-from tensorcast.codec.packed import encode
+from tensorcast.codec.encode import encode
+from tensorcast.codec.flatten import flatten
 
 # --------------------------------------------------------------------------- helpers
 
@@ -585,6 +596,26 @@ def test_deep_nesting(container: str) -> None:
     assert tail.count("[") == 64
 
 
+# --------------------------------------------------------------------------- the grammar
+
+
+def test_the_grammar_note_has_every_tag_the_codec_writes_and_reads() -> None:
+    """NOTE [ The token and value grammar ] is the one description of the header's tokens
+    and values: every tag flatten writes, and every container tag build reads, has its
+    line there."""
+    source = inspect.getsource(tensorcast.codec)
+    note = source.split("# NOTE [ The token and value grammar ]")[1]
+    tree = {
+        "containers": [(1,), OrderedDict(a=1.5), Point(torch.ones(1), "p")],
+        "values": [1 << 70, 1j, b"x", np.float32(1), np.str_("u"), np.bytes_(b"s")],
+    }
+    tokens, values, _, _ = flatten(tree)
+    written = {tok[0] for tok in tokens + values if type(tok) is list}
+    assert written == set("ltdoriIfcysS")
+    for tag in written | set(_CONTAINER_TAGS):
+        assert f'["{tag}"' in note, tag
+
+
 # --------------------------------------------------------------------------- read_header
 
 
@@ -752,3 +783,12 @@ def test_unpacking_one_header_twice_gives_independent_trees() -> None:
     first["d"]["e"]["new"] = 1
     first["t"].fill_(7)
     assert_same(second, tree)
+
+
+def test_mutation_while_packing_is_detected_locally() -> None:
+    """A dict whose size changes while it is listed raises a clear error naming its path."""
+    try:
+        with pytest.raises(RuntimeError, match=r"the dict at `batch\['big'\]` changed"):
+            tc.pack(mutated_batch())
+    finally:
+        remove_hooks()

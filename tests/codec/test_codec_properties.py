@@ -15,9 +15,9 @@ from trees import assert_same, is_view_into, tensors_of
 
 import tensorcast as tc
 from tensorcast.codec import flatten as _flatten
-from tensorcast.codec import packed as _codec
 from tensorcast.codec import schema as _schema
 from tensorcast.codec.dtypes import NUMPY_CODES, TORCH_CODES
+from tensorcast.codec.encode import Encoder, encode
 from tensorcast.codec.flatten import INLINE_LIMIT
 
 SETTINGS = settings(deadline=None, print_blob=True, max_examples=150)
@@ -255,10 +255,11 @@ def _swap_leaves(tree: Any) -> Any:
 @SETTINGS
 @given(trees, trees)
 def test_reusing_a_previous_layout_never_changes_the_header(first: Any, second: Any) -> None:
-    """Law: plan(b, previous=plan(a).layout).header == plan(b).header for any a, b.
+    """Law: an encoder that encoded ``a`` encodes ``b`` to encode(b)'s header, for any a, b.
 
-    The sender skips encoding a header when a batch repeats the previous one's layout
-    and small values; that shortcut must be invisible on the wire.
+    The sender's encoder skips laying a batch out when it repeats the previous one's
+    structure, and encoding its header when it repeats its small values too; those
+    shortcuts must be invisible on the wire.
     """
     for a, b in (
         (first, second),
@@ -267,8 +268,9 @@ def test_reusing_a_previous_layout_never_changes_the_header(first: Any, second: 
         ([True, torch.ones(1)], [torch.ones(1), True]),
         ({1: 0}, {True: 0}),
     ):
-        previous = _codec.encode(a).layout
-        assert _codec.encode(b, previous=previous).header == _codec.encode(b).header
+        encoder = Encoder()
+        encoder.encode(a)
+        assert encoder.encode(b).header == encode(b).header
 
 
 def _revalue(tree: Any, draw: st.DrawFn) -> Any:
@@ -302,7 +304,9 @@ def test_a_known_structure_changes_nothing_but_speed(tree: Any, data: st.DataObj
     assert_same(tc.unpack(tc.pack(tree)), tree)
     packed = tc.pack(nxt)
     assert_same(tc.unpack(packed), nxt)
-    assert _codec.encode(nxt, previous=_codec.encode(tree).layout).header == packed.header
+    encoder = Encoder()
+    encoder.encode(tree)
+    assert encoder.encode(nxt).header == packed.header
 
 
 @SETTINGS

@@ -25,7 +25,7 @@ from trees import assert_same
 
 import tensorcast as tc
 from tensorcast.codec import schema as _schema
-from tensorcast.codec.plan import encode as encode_tree
+from tensorcast.codec.encode import encode as encode_tree
 
 SETTINGS = settings(deadline=None, print_blob=True, max_examples=300)
 ATTACKS = Path(__file__).resolve().parent / "attacks"
@@ -411,7 +411,9 @@ def test_golden_header_without_the_c_encoder(how: str, monkeypatch: pytest.Monke
         encode = _schema._values_encoder()
     assert encode is _schema._dumps
     encoded = encode_tree(golden_tree())
-    header = _schema.encode(encoded.layout.prefix, encoded.smalls, values_encoder=encode)
+    header = _schema.encode(
+        encoded.layout.structure_bytes, encoded.value_tokens, values_encoder=encode
+    )
     assert header == GOLDEN_HEADER
 
 

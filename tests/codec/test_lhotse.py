@@ -538,7 +538,7 @@ def _header(tree: list[Any]) -> bytes:
     """A header of no buffer leaves; ``tree``'s small values written in their places."""
     tokens = [tok if type(tok) is list and tok[0] in "ltdorx" else None for tok in tree]
     values = [tok for tok in tree if not (type(tok) is list and tok[0] in "ltdorx")]
-    return _schema.encode(_schema.structure_prefix(0, 64, [], tokens), values)
+    return _schema.encode(_schema.structure_bytes(0, 64, [], tokens), values)
 
 
 @pytest.mark.parametrize(

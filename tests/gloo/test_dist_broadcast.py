@@ -9,54 +9,38 @@ number of pool calls (and group set-ups) stays small.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import gc
-import hashlib
 import pickle
-import struct
-import types
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.serialization
-from taps import WireTap, tapped
+from taps import WireTap, first_message_problems, tapped
 from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import init_device_mesh
-from trees import tensors_of
+from trees import (
+    PAYLOAD_STEPS,
+    STEADY_STEPS,
+    big_header,
+    check_same,
+    digest,
+    every_kind,
+    payload_batch,
+    steady_batch,
+    tensors_of,
+    tiny,
+)
 
 import tensorcast as tc
-from tensorcast.transport import frame as _frame
 from tensorcast.transport import groups as _groups
-from tensorcast.transport import sender as _sender
 from tensorcast.transport import wire as _wire
-from tensorcast.transport.frame import PREFIX_SIZE, Flags, Prefix, plan_frame
+from tensorcast.transport.frame import Flags, Prefix
 
 TIMEOUT = 120.0
-
-
-# -- registered container types (registered on import, so in every rank too) ------------
-
-
-class Span(NamedTuple):
-    start: int
-    stop: torch.Tensor
-
-
-@dataclasses.dataclass
-class Utterance:
-    text: str
-    audio: torch.Tensor
-    spans: list[Span]
-
-
-tc.register_type(Span, name="tests.Span")
-tc.register_type(Utterance, name="tests.Utterance")
 
 
 class Opaque:
@@ -64,175 +48,6 @@ class Opaque:
 
     def __repr__(self) -> str:
         return "Opaque()"
-
-
-# -- canonical form: equal iff bit-identical, same types, same structure ------------------
-
-
-def _sha(data: bytes) -> str:
-    return hashlib.sha1(data).hexdigest()
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return bytes(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-
-
-def canon(tree: Any) -> list[tuple[str, Any]]:
-    """``(path, description)`` per node in preorder; tensors and arrays by digest of their bytes."""
-    out: list[tuple[str, Any]] = []
-    stack: list[tuple[str, Any]] = [("", tree)]
-    while stack:
-        path, x = stack.pop()
-        kind = f"{type(x).__module__}.{type(x).__qualname__}"
-        children: list[tuple[str, Any]] = []
-        if isinstance(x, torch.Tensor):
-            desc: Any = (str(x.dtype), tuple(x.shape), x.device.type, _sha(_tensor_bytes(x)))
-        elif isinstance(x, np.ndarray):
-            desc = (x.dtype.str, x.shape, _sha(np.ascontiguousarray(x).tobytes()))
-        elif isinstance(x, np.generic):
-            desc = (x.dtype.str, x.tobytes())
-        elif type(x) is float:
-            desc = struct.pack("<d", x)
-        elif type(x) is complex:
-            desc = struct.pack("<dd", x.real, x.imag)
-        elif x is None or type(x) in (bool, int, str, bytes):
-            desc = x
-        elif isinstance(x, dict):
-            desc = [(type(k).__name__, k) for k in x]
-            children = [(f"{path}[{k!r}]", v) for k, v in x.items()]
-        elif isinstance(x, tuple) and hasattr(x, "_fields"):
-            desc = tuple(x._fields)
-            children = [(f"{path}.{f}", getattr(x, f)) for f in x._fields]
-        elif dataclasses.is_dataclass(x):
-            names = [f.name for f in dataclasses.fields(x)]
-            desc = tuple(names)
-            children = [(f"{path}.{f}", getattr(x, f)) for f in names]
-        elif isinstance(x, (list, tuple)):
-            desc = len(x)
-            children = [(f"{path}[{i}]", v) for i, v in enumerate(x)]
-        else:
-            raise TypeError(f"canon: unexpected {kind} at {path!r}")
-        out.append((path, (kind, desc)))
-        stack.extend(reversed(children))
-    return out
-
-
-def digest(tree: Any) -> str:
-    return _sha(repr(canon(tree)).encode())
-
-
-def check_same(got: Any, want: Any, what: str) -> None:
-    """Raise with the first differing node's path, not a wall of bytes."""
-    a, b = canon(got), canon(want)
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            raise AssertionError(
-                f"{what}: differs at {x[0]!r}: got {x[1]!r:.300}, want {y[1]!r:.300}"
-            )
-    if len(a) != len(b):
-        raise AssertionError(f"{what}: {len(a)} nodes received, {len(b)} expected")
-
-
-# -- the trees ----------------------------------------------------------------------------
-
-# fmt: off
-_TORCH_DTYPES = [
-    "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
-    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-    "float4_e2m1fn_x2",
-]
-_NUMPY_DTYPES = [
-    "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
-    "float16", "float32", "float64", "complex64", "complex128",
-]
-# fmt: on
-
-
-def _nan_with_payload() -> float:
-    return float(struct.unpack("<d", struct.pack("<Q", 0x7FF8_0000_DEAD_BEEF))[0])
-
-
-def every_kind() -> dict[str, Any]:
-    """One of everything the contract says travels: dtypes, shapes, leaves, containers."""
-    g = torch.Generator().manual_seed(7)
-    tensors: dict[str, Any] = {}
-    for name in _TORCH_DTYPES:
-        if not hasattr(torch, name):
-            continue
-        dtype = getattr(torch, name)
-        size = torch.empty((), dtype=dtype).element_size()
-        if dtype is torch.bool:
-            t = torch.randint(0, 2, (3, 8), generator=g).bool()
-        else:  # random bytes: NaN payloads, -0.0 and subnormals included
-            t = torch.randint(0, 256, (3, 8 * size), dtype=torch.uint8, generator=g).view(dtype)
-        tensors[name] = {
-            "plain": t,
-            "transposed": t.t(),  # arrives contiguous, same values
-            "scalar": t.reshape(-1)[5],
-            "empty": t[:, :0],
-        }
-    rng = np.random.default_rng(7)
-    arrays: dict[str, Any] = {}
-    for name in _NUMPY_DTYPES:
-        if name == "bool":
-            a = rng.integers(0, 2, size=32).astype(np.bool_)
-        else:
-            a = rng.integers(0, 256, size=32 * np.dtype(name).itemsize, dtype=np.uint8).view(name)
-        arrays[name] = {
-            "plain": a.reshape(4, -1),
-            "strided": a[::3],
-            "zero_d": a[:1].reshape(()),
-            "empty": a[:0],
-        }
-    deep: Any = torch.tensor([1.0])
-    for _ in range(200):
-        deep = [deep]
-    return {
-        "tensors": tensors,
-        "arrays": arrays,
-        "small": [
-            None,
-            True,
-            False,
-            0,
-            -1,
-            2**63,
-            -(2**70),
-            2**300,
-            1.5,
-            -0.0,
-            float("inf"),
-            _nan_with_payload(),
-            complex(1.0, -0.0),
-            "",
-            "text",
-            "\u00fcn\u00efc\u00f6d\u00e9 \U0001f600",
-            "long " * 1000,
-            b"",
-            b"\x00\xff",
-            bytes(range(256)) * 12,
-            np.float32(1.5),
-            np.int64(-3),
-            np.bool_(True),
-            np.complex64(1 + 2j),
-            np.uint16(7),
-        ],
-        "keys": {0: "int", True: "bool", None: "none", "s": "str"},
-        "ordered": OrderedDict([("b", 1), ("a", torch.zeros(2))]),
-        "tuple": (1, (2, ()), []),
-        "empty": [{}, (), []],
-        "registered": Utterance(
-            "hi",
-            torch.arange(5, dtype=torch.int16),
-            [Span(0, torch.tensor(3)), Span(3, torch.tensor(5))],
-        ),
-        "deep": deep,
-    }
-
-
-def tiny() -> dict[str, Any]:
-    return {"ids": torch.arange(4), "flag": True, "name": "x"}
 
 
 def large() -> dict[str, Any]:
@@ -259,11 +74,6 @@ def large_leaf_and_rest() -> dict[str, Any]:
     """A 4 MiB leaf, then 400 KB more."""
     g = torch.Generator().manual_seed(5)
     return {"audio": torch.randn(1 << 20, generator=g), "rest": torch.randn(100_000, generator=g)}
-
-
-def big_header() -> dict[str, Any]:
-    """A header well over 256 KiB and no buffer at all (every str is under the inline limit)."""
-    return {"words": [f"{i:05d}" + "w" * 1000 for i in range(300)], "n": 300}
 
 
 def big_header_and_payload() -> dict[str, Any]:
@@ -716,72 +526,6 @@ def test_every_dp_slot_gets_its_own_source_batches(pool8: Any) -> None:
         assert steps == [(dp, step) for step in range(4)], f"rank {rank}"
 
 
-def _steady_batch(step: int) -> Any:
-    """Batches whose header repeats for a while, then changes: a small value, a shape, a
-    dtype, a bytes leaf, an ndarray; and last, one structure whose small values change
-    every step."""
-    phase = min(step // 4, 4)
-    batch: dict[str, Any] = {
-        "x": torch.full((3, 4), float(step)),
-        "arr": np.full(5, step, dtype=np.int32),
-        "epoch": phase,  # travels in the header: a repeat of the header repeats it
-    }
-    if phase == 1:
-        batch["x"] = torch.full((4, 3), float(step))
-    elif phase == 2:
-        batch["x"] = torch.full((3, 4), step, dtype=torch.int64)
-    elif phase == 3:
-        batch["blob"] = bytes([step]) * 2000
-    elif phase == 4:
-        batch["step"] = step
-        batch["note"] = "n" * (step * 37 % 200)  # a header of a new length every step
-    return batch
-
-
-STEADY_STEPS = 32
-
-
-def _payload_batch(step: int) -> Any:
-    """Batches whose payload follows the first message, with new small values every step:
-    several megabytes with bytes between the large leaves; then one payload of 300 KB in
-    one tensor; then a shape that changes every step."""
-    phase = min(step // 6, 2)
-    if phase == 0:
-        return {
-            "audio": torch.full((2, 300_000), float(step)),
-            "lens": torch.tensor([step, 300_000]),
-            "step": step,
-            "id": "utt-" + "x" * (step * 7 % 30),  # a header of a new length every step
-        }
-    length = 75_000 if phase == 1 else 75_000 + 16 * step
-    return {"x": torch.full((length,), float(step)), "step": step}
-
-
-PAYLOAD_STEPS = 16
-
-
-def first_message_problems(first: torch.Tensor) -> list[str]:
-    """What is wrong with a source's first message: a byte that is not zero outside its
-    prefix, its header and its inline payload (the stale bytes of an earlier frame, or of
-    this process's memory, travelling to the peers)."""
-    data = first.numpy()
-    capacity = len(data)
-    prefix = Prefix.unpack(data.data, capacity)
-    plan = plan_frame(capacity, prefix.header_len, prefix.payload_len, inline_ok=True)
-    if plan.flags != prefix.flags & (Flags.INLINE | Flags.SPILL):
-        return [f"flags {prefix.flags!r} but the plan says {plan.flags!r}"]
-    head = PREFIX_SIZE + (0 if plan.spill else plan.header_len)
-    at = end = capacity
-    if plan.inline:
-        at, end = plan.payload_at, plan.payload_at + plan.payload_len
-    problems = []
-    if data[head:at].any():
-        problems.append(f"non-zero bytes between the head ({head}) and {at}")
-    if data[end:].any():
-        problems.append(f"non-zero bytes after the inline payload ({end} of {capacity})")
-    return problems
-
-
 @tapped
 def _rank_changing(rank: int, world: int, tap: WireTap) -> tuple[list[list[str]], list[str]]:
     """Every step's messages in order, and what was wrong with the source's first
@@ -800,8 +544,8 @@ def _rank_changing(rank: int, world: int, tap: WireTap) -> tuple[list[list[str]]
         problems.extend(f"{where[0]}: {p}" for p in first_message_problems(tensor))
 
     counter = CountMessages(tap, look)
-    steps = [(f"steady {i}", _steady_batch, i) for i in range(STEADY_STEPS)]
-    steps += [(f"payload {i}", _payload_batch, i) for i in range(PAYLOAD_STEPS)]
+    steps = [(f"steady {i}", steady_batch, i) for i in range(STEADY_STEPS)]
+    steps += [(f"payload {i}", payload_batch, i) for i in range(PAYLOAD_STEPS)]
     logs = []
     for name, make, i in steps:
         where[0] = name
@@ -834,145 +578,6 @@ def test_batches_whose_header_or_payload_changes_arrive_as_sent(pool2: Any) -> N
     assert problems == []
 
 
-class _FakeGroup:
-    """What a ``Sender`` reads of its group: the transfer device and the capacity."""
-
-    def __init__(self) -> None:
-        self.wire = types.SimpleNamespace(device=torch.device("cpu"), streams=None)
-        self.capacity = _frame.INITIAL_CAPACITY
-
-
-def test_first_messages_carry_no_stale_bytes() -> None:
-    """Whatever the frames before it wrote (a longer header, a longer inline payload, a
-    payload whose end moved within its alignment, a spilled header), in this first
-    message or in another the consumer held while it was written, a first message is
-    zero outside its prefix, its header and its inline payload."""
-    group = _FakeGroup()
-    sender = _sender.Sender(group, 0)  # type: ignore[arg-type]
-    frames: list[tuple[str, Any]] = []
-    frames += [(f"steady {i}", _steady_batch(i)) for i in range(STEADY_STEPS)]
-    frames += [(f"payload {i}", _payload_batch(i)) for i in range(3)]
-    frames += [(f"every_kind {i}", every_kind()) for i in range(2)]
-    frames += [("big_header", big_header()), ("tiny", tiny())]
-    frames += [  # an inline payload whose last bytes stop short of where the last one's did
-        (f"tail {k}", {"tail": torch.full((64 - k,), 255, dtype=torch.uint8)}) for k in range(4)
-    ]
-    problems = []
-
-    def check(what: str, out: Any) -> None:
-        problems.extend(f"{what}: {p}" for p in first_message_problems(out.message.buffer))
-        group.capacity = out.plan.next_capacity  # what a sent frame does
-
-    for step, (name, tree) in enumerate(frames):  # batch after batch
-        check(name, sender.data(tree, _frame.Stamp(1, 0, step), None)[0])
-    for step, (name, tree) in enumerate(frames):  # with the end of a pass, or a failure
-        stamp = _frame.Stamp(1, 1, step)
-        check(f"{name}, pass 1", sender.data(tree, stamp, None)[0])
-        check(f"END after {name}", sender.end(stamp))
-        check(f"{name} after an END", sender.data(tree, stamp, None)[0])
-        check(f"ERROR after {name}", sender.error("x" * (step % 7), stamp))
-    held: list[Any] = []  # batches kept a while, as a consumer may: first messages rotate
-    for step, (name, tree) in enumerate(frames * 2):
-        out, own = sender.data(tree, _frame.Stamp(1, 2, step), None)
-        check(f"{name}, with {len(held)} batches held", out)
-        held = [*held[-(step % 3) :], own] if step % 3 else [own]
-    assert problems == []
-
-
 def test_nothing_is_pickled_on_any_rank(pool4: Any) -> None:
     digests = pool4.run(_rank_zero_pickle, timeout=TIMEOUT)
     assert all(d == digests[0] for d in digests)
-
-
-class _FakeGloo:
-    """The part of a gloo backend a ``GlooWire`` uses; records each operation and wait."""
-
-    class Work:
-        def __init__(self, log: list[Any], op: tuple[Any, ...]) -> None:
-            self.log, self.op = log, op
-
-        def wait(self, timeout: Any = None) -> bool:
-            self.log.append(("wait", self.op, timeout))
-            return True
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self.log: list[Any] = []
-
-    def size(self) -> int:
-        return self._size
-
-    def _work(self, *op: Any) -> Any:
-        self.log.append(op)
-        return self.Work(self.log, op)
-
-    def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
-        return self._work("send", peer)
-
-    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
-        return self._work("recv", peer)
-
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        return self._work("broadcast", opts.rootRank)
-
-
-def test_heads_are_sends_on_small_gloo_groups_only() -> None:
-    """The rule every rank applies alike (the group's size is the same on all): on groups
-    of up to ``HEAD_SENDS_MAX_RANKS`` the source sends each receiver its heads, one after
-    another; larger groups keep gloo's broadcast tree; payloads are always broadcasts.
-    Every operation is waited for, with the timeout."""
-    most = _wire.HEAD_SENDS_MAX_RANKS
-    assert most == 4
-    tensor = torch.zeros(8, dtype=torch.uint8)
-    timeout = datetime.timedelta(seconds=3)
-    for size in range(2, 2 * most + 1):
-        for rank in range(size):
-            for root in {0, 1, size - 1}:
-                gloo = _FakeGloo(size)
-                wire = _wire.GlooWire(gloo, rank)
-                assert wire.size == size and wire.device == torch.device("cpu")
-                wire.head(tensor, root, timeout).wait(timeout)
-                heads = [op for op in gloo.log if op[0] != "wait"]
-                if size > most:
-                    assert heads == [("broadcast", root)], (size, rank, root)
-                elif rank == root:
-                    assert heads == [("send", p) for p in range(size) if p != root]
-                else:
-                    assert heads == [("recv", root)]
-                gloo.log.clear()
-                wire.payload(tensor, root, timeout).wait(timeout)
-                assert gloo.log == [("broadcast", root), ("wait", ("broadcast", root), timeout)]
-                gloo.log.clear()
-
-
-def test_heads_wait_for_every_send_with_the_timeout() -> None:
-    gloo = _FakeGloo(4)
-    timeout = datetime.timedelta(seconds=3)
-    _wire.GlooWire(gloo, 0).head(torch.zeros(8, dtype=torch.uint8), 0, timeout).wait(timeout)
-    sends = [("send", p) for p in (1, 2, 3)]
-    # Posted together, then waited for: a slow receiver does not hold up the sends after it.
-    assert gloo.log == sends + [("wait", op, timeout) for op in sends]
-
-
-def test_broadcast_batch_is_a_no_op_without_torch_distributed() -> None:
-    assert not dist.is_initialized()
-    batch = {"x": torch.ones(2)}
-    assert tc.broadcast_batch(batch, None) is batch
-
-    class Mesh:  # would span 4 ranks if a process group existed
-        mesh = torch.arange(4).reshape(2, 2)
-        mesh_dim_names = ("cp", "tp")
-
-    assert tc.broadcast_batch(batch, Mesh()) is batch
-    with pytest.raises(RuntimeError, match="init_process_group"):
-        tc.broadcast(batch, 0)
-
-
-def test_canon_tells_bit_patterns_apart() -> None:
-    """The checks above are only as strong as ``canon``: it must see -0.0 and NaN payloads."""
-    assert digest(every_kind()) == digest(every_kind())
-    assert digest({"f": 0.0}) != digest({"f": -0.0})
-    assert digest(torch.tensor([0.0])) != digest(torch.tensor([-0.0]))
-    assert digest([1]) != digest((1,))
-    assert digest({"a": 1, "b": 2}) != digest({"b": 2, "a": 1})
-    assert digest(np.float32(1)) != digest(np.float64(1))

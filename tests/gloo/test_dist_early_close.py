@@ -1,5 +1,5 @@
 """Ranks that break out of a loader's loop after different batches fail loudly, in bounded
-time, on every rank (NOTE [ An early close ] in ``tensorcast/loader/jobs.py``).
+time, on every rank (NOTE [ An early close ] in ``tensorcast/loader/steps.py``).
 
 Two gloo ranks: rank 0 is the source, rank 1 its receiver. A "model" runs its own
 all_reduce on the default group every step both ranks take. Each rank breaks after its

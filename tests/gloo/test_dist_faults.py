@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import hashlib
 import itertools
 import os
@@ -34,13 +33,13 @@ import torch.distributed as dist
 from rankpool import Died, RankPool, in_a_new_process_group
 from taps import WireTap, tapped
 from torch.distributed.device_mesh import init_device_mesh
-from trees import assert_same, tensor_bytes
+from trees import assert_same, mutated_batch, remove_hooks, tensor_bytes
 
 import tensorcast as tc
-from tensorcast.codec import packed as _codec
+from tensorcast import codec
 from tensorcast.codec import schema as _schema
 from tensorcast.transport import frame as _frame
-from tensorcast.transport.frame import FRAMES_VERSION, PREFIX_SIZE, Flags, Prefix, plan_frame
+from tensorcast.transport.frame import FRAMES_VERSION, PREFIX_SIZE, Flags, cut_frame
 
 TIMEOUT = 5.0  # the channel's timeout in the fault scenarios, seconds
 MARGIN = 30.0  # slack for a loaded 2-core machine
@@ -138,42 +137,7 @@ def big_text_batch() -> dict[str, Any]:
     }
 
 
-_installed_hooks: list[Any] = []
 
-
-class _GrowDuringGC:
-    """A gc callback that adds a key to ``target`` at every collection.
-
-    With the collection threshold at 1 (see ``_mutated_batch``), every allocation of a
-    tracked object collects: the dict then grows between any two steps of reading it,
-    deterministically. This is exactly what another thread writing to the batch would
-    do, without depending on thread scheduling.
-    """
-
-    def __init__(self, target: dict[str, int], limit: int = 100_000):
-        self.target = target
-        self.limit = limit
-
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start" and len(self.target) < self.limit:
-            self.target[f"added-{len(self.target)}"] = 0
-
-
-def _mutated_batch() -> dict[str, Any]:
-    big = {f"k{i}": i for i in range(50_000)}
-    hook = _GrowDuringGC(big)
-    gc.callbacks.append(hook)
-    _installed_hooks.append((hook, gc.get_threshold()))
-    gc.set_threshold(1)
-    return {"x": torch.ones(2), "big": big}
-
-
-def _remove_hooks() -> None:
-    while _installed_hooks:
-        hook, threshold = _installed_hooks.pop()
-        gc.set_threshold(*threshold)
-        if hook in gc.callbacks:
-            gc.callbacks.remove(hook)
 
 
 def _cyclic_batch() -> list[Any]:
@@ -196,7 +160,7 @@ BAD_INPUTS: dict[str, tuple[Callable[[], Any], type[BaseException], str]] = {
     "dict subclass": (lambda: {"m": _MyDict(a=1)}, tc.UnsupportedLeafError, "_MyDict"),
     "bad dict key": (lambda: {"m": {1.5: 0}}, tc.UnsupportedLeafError, "dict key"),
     "cyclic tree": (_cyclic_batch, ValueError, "contains itself"),
-    "mutated while packed": (_mutated_batch, RuntimeError, "changed while it was being packed"),
+    "mutated while packed": (mutated_batch, RuntimeError, "changed while it was being packed"),
     # A stride-0 view claims 32 TiB without allocating it: over the format's limit, which
     # the message must name.
     "over the size limit": (
@@ -263,7 +227,7 @@ def _fresh_group_on_failure(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(rank, world, *args)
         except BaseException:
-            _remove_hooks()
+            remove_hooks()
             dist.destroy_process_group()
             raise
 
@@ -299,7 +263,7 @@ def _bad_inputs(rank: int, world: int, cases: list[str], prefetch: int) -> dict[
         for i, name in enumerate(cases):
             _, error_type, fragment = BAD_INPUTS[name]
             got, err, waited = _iterate(loader)
-            _remove_hooks()
+            remove_hooks()
             # Nothing before the bad batch is lost, on any rank.
             assert len(got) == 2, f"{name}: {len(got)} batches before the error, expected 2"
             for step, batch in enumerate(got):
@@ -324,7 +288,7 @@ def _bad_inputs(rank: int, world: int, cases: list[str], prefetch: int) -> dict[
         assert_same(got[3], good_batch(99, 3))
         report["digests"] = [tree_digest(b) for b in got]
     finally:
-        _remove_hooks()
+        remove_hooks()
     return report
 
 
@@ -432,8 +396,8 @@ def _flip_inline_payload(wire: Any, tensor: torch.Tensor, root: int) -> None:
         return
     fields = _prefix_fields(tensor)
     if fields["flags"] & Flags.INLINE and fields["payload_len"]:
-        plan = plan_frame(
-            tensor.numel(), fields["header_len"], fields["payload_len"], inline_ok=True
+        plan = cut_frame(
+            tensor.numel(), fields["header_len"], fields["payload_len"], host_payloads=True
         )
         tensor[plan.payload_at + plan.payload_len // 2] ^= 0x5A
 
@@ -493,13 +457,13 @@ def _setups_that_disagree(rank: int, world: int) -> dict[str, Any]:
             want if rank == 0 else None, mesh, axes=axes, timeout=TIMEOUT
         ),
     )
-    real_format = _schema.FORMAT_VERSION
+    real_format = codec.FORMAT_VERSION  # what the transport's setup agreement reads
     if rank == 1:
-        _schema.FORMAT_VERSION = real_format + 1  # a rank with another tensorcast
+        codec.FORMAT_VERSION = real_format + 1  # a rank with another tensorcast
     try:
         desync("format", lambda: tc.BroadcastingDataLoader(want if rank == 0 else None, mesh))
     finally:
-        _schema.FORMAT_VERSION = real_format
+        codec.FORMAT_VERSION = real_format
     if rank == 1:
         os.environ["TENSORCAST_PROMISES"] = "0"  # one rank runs without promised payloads
     try:
@@ -765,70 +729,6 @@ def _check_survivors(results: list[Any], victim: int, role: dict[int, str]) -> N
 
 
 # -- tests -----------------------------------------------------------------------------
-
-
-def test_offsets_past_2_and_4_gib_are_exact() -> None:
-    """The layout of a batch over 4 GiB: offsets and sizes are exact ints, aligned, in
-    order, and receivers' views land at those offsets. Stride-0 tensors and a meta buffer
-    keep it from allocating anything."""
-    u8 = torch.zeros(1, dtype=torch.uint8)
-    f32 = torch.zeros(1, dtype=torch.float32)
-    tree = {
-        "head": torch.ones(3, dtype=torch.int8),
-        "g2": u8.expand((1 << 31) + 3),  # crosses 2 GiB
-        "g4": f32.expand(1 << 30),  # 4 GiB on its own, ends past 6 GiB
-        "tail": torch.ones(5, dtype=torch.float64),
-        "text": "y" * 5000,
-    }
-    plan = _codec.encode(tree)
-    schema = tc.read_header(plan.header)
-    want, end = [], 0
-    for path, n in (
-        ("['head']", 3),
-        ("['g2']", (1 << 31) + 3),
-        ("['g4']", 4 << 30),
-        ("['tail']", 40),
-        ("['text']", 5000),
-    ):
-        off = (end + 63) // 64 * 64
-        want.append((path, off, n))
-        end = off + n
-    assert [(s.path, s.offset, s.nbytes) for s in schema.leaves] == want
-    assert schema.nbytes == plan.nbytes == end > 6 << 30
-    # The receiver side: views into a buffer of that size, on the meta device (tensor
-    # leaves only: a str leaf is copied out, and a meta buffer has no bytes).
-    buffer = torch.empty(schema.nbytes, dtype=torch.uint8, device="meta")
-    decoded = _schema.decode(plan.header)
-    full = decoded.structure
-    decoded = _schema.Decoded(
-        _schema.Structure(full.nbytes, full.align, full.leaves[:4], full.tokens), decoded.values
-    )
-    leaves = _codec.views(decoded, buffer)
-    for spec, view in zip(schema.leaves[:4], leaves, strict=True):
-        assert view.storage_offset() * view.element_size() == spec.offset
-        assert view.numel() * view.element_size() == spec.nbytes
-    # The frame prefix carries such sizes without truncation...
-    capacity = _frame.INITIAL_CAPACITY
-    cut = plan_frame(capacity, len(plan.header), schema.nbytes, inline_ok=True)
-    prefix = Prefix(
-        _frame.Kind.DATA, cut.flags, 1, 2, 3, len(plan.header), schema.nbytes,
-        cut.next_capacity, 0xFFFFFFFF,
-    )  # fmt: skip
-    first = bytearray(capacity)
-    prefix.pack_into(first)
-    assert Prefix.unpack(first, capacity) == prefix
-    # ... and the plan sends the payload whole, in one message of its own after the first.
-    assert cut.separate_payload and not cut.inline and cut.payload_len == schema.nbytes
-    assert capacity <= cut.next_capacity <= _frame.MAX_CAPACITY
-
-
-def test_mutation_while_packing_is_detected_locally() -> None:
-    """A dict whose size changes while it is listed raises a clear error naming its path."""
-    try:
-        with pytest.raises(RuntimeError, match=r"the dict at `batch\['big'\]` changed"):
-            tc.pack(_mutated_batch())
-    finally:
-        _remove_hooks()
 
 
 def test_bad_input_on_the_source(pool2: RankPool) -> None:

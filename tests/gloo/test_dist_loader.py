@@ -668,46 +668,6 @@ def test_every_dp_slot_iterates_its_own_data(pool8: Any) -> None:
         assert got == [[(dp, i) for i in range(N - dp)]] * 2, f"rank {rank}"
 
 
-# -- in-process: no process group --------------------------------------------------------------
-
-
-def test_no_op_without_torch_distributed() -> None:
-    assert not dist.is_initialized()
-    items = [batch(i) for i in range(3)]
-
-    class Mesh:  # would span 4 ranks if a process group existed
-        mesh = torch.arange(4).reshape(2, 2)
-        mesh_dim_names = ("cp", "tp")
-
-    for prefetch in (0, 1):
-        loader = tc.BroadcastingDataLoader(items, Mesh(), prefetch=prefetch)
-        assert all(a is b for a, b in zip(loader, items, strict=True))
-        assert len(loader) == 3
-        assert loader.is_source
-        assert list(tc.BroadcastingDataLoader(None, Mesh(), prefetch=prefetch)) == []
-    stateful = Stateful(N)
-    loader = tc.BroadcastingDataLoader(stateful)
-    loader.load_state_dict({"pos": 4})
-    assert loader.state_dict() == {"pos": 4}
-    check(list(loader), [batch(4), batch(5)], "no-op resume")
-
-
-def test_error_hierarchy() -> None:
-    assert issubclass(tc.TensorcastError, RuntimeError)
-    assert issubclass(tc.SourceError, tc.TensorcastError)
-    assert issubclass(tc.HeaderError, tc.TensorcastError)
-    assert issubclass(tc.UnsupportedLeafError, TypeError)
-    assert not issubclass(tc.UnsupportedLeafError, tc.TensorcastError)
-
-
-def test_bad_arguments() -> None:
-    for prefetch in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="prefetch"):
-            tc.BroadcastingDataLoader([], prefetch=prefetch)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="src"):
-        tc.BroadcastingDataLoader([], src=0)
-
-
 def _rank_hand_out_waits_for_no_later_step(rank: int, world: int) -> dict[str, Any]:
     """prefetch=2 on a CPU group: the source's batch 1 comes only once the caller holds
     batch 0. A hand-out that waited for the next step's job (as a device pass does, to

@@ -197,13 +197,3 @@ def test_len_samplers_epochs_and_stateless_sources_on_every_rank(pool2: RankPool
     assert source["other warnings"] == receiver["other warnings"] == []
     assert "has no len()" in source["unsized"] and "has no len()" in receiver["unsized"]
     assert source["unsized batches"] == receiver["unsized batches"] == [[0], [1], [2]]
-
-
-def test_stateless_source_warns_once_without_a_process_group() -> None:
-    """The no-op loader (no torch.distributed group here) delegates the same way."""
-    loader = tc.BroadcastingDataLoader(DataLoader(Numbers(), batch_size=4))
-    with pytest.warns(UserWarning, match="restarts the pass") as record:
-        assert loader.state_dict() == {}
-        assert loader.state_dict() == {}
-    assert len(record) == 1
-    assert len(loader) == 4

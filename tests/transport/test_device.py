@@ -20,9 +20,8 @@ import torch
 
 from tensorcast._errors import HeaderError, PeerError
 from tensorcast.transport.device import DevicePart
-from tensorcast.transport.frame import Kind, Stamp
 from tensorcast.transport.groups import Group
-from tensorcast.transport.lane import Lane
+from tensorcast.transport.lane import Job, Lane
 from tensorcast.transport.receiver import Receiver
 from tensorcast.transport.sender import Sender
 from tensorcast.transport.testing import FakeWire
@@ -37,7 +36,7 @@ def device_pair(
     wires = FakeWire.pair(streams=True)
     groups = [Group((0, 1), w, Lane(f"dev{w.rank}", w.abort, idle_exit_s=0.2)) for w in wires]
     sender = Sender(groups[0], 0, verify=verify, timeout=timeout)
-    receiver = Receiver(groups[1], 0, 0, lambda *_: "the fake source is fine")
+    receiver = Receiver(groups[1], 0, rank=1, timeout=TIMEOUT)
     return sender, receiver, groups[0], groups[1]
 
 
@@ -68,37 +67,38 @@ def run_both(
     out: dict[str, Any] = {}
 
     def consumer(name: str, lane: Lane, step_fn: Any) -> None:
+        def submit(i: int) -> Job[Any]:
+            job: Job[Any] = Job(lambda: step_fn(i))
+            lane.enqueue(job)  # on the lane's worker, as a loader's prefetched steps
+            return job
+
         try:
-            jobs = [lane.submit(lambda i=i: step_fn(i)) for i in range(min(ahead, len(trees)))]
+            jobs = [submit(i) for i in range(min(ahead, len(trees)))]
             taken = []
             for i in range(len(trees)):
                 if len(jobs) <= i:
-                    jobs.append(lane.submit(lambda i=i: step_fn(i)))
+                    jobs.append(submit(i))
                 part = jobs[i].result()
                 assert isinstance(part, DevicePart), type(part)
                 taken.append(part.take())
                 if i + ahead < len(trees):
-                    jobs.append(lane.submit(lambda i=i + ahead: step_fn(i)))
+                    jobs.append(submit(i + ahead))
             out[name] = taken
         except BaseException as e:  # reported by the test
             out[name] = e
 
     def send(i: int) -> Any:
-        frame, own = sender.data(trees[i], Stamp(1, 0, i), source_device)
-        sender.send(frame, TIMEOUT)
-        return own
+        return sender.send_batch(trees[i], source_device, TIMEOUT)
 
     def recv(i: int) -> Any:
-        kind, part = receiver.recv(Stamp(1, 0, i), None, TIMEOUT)
-        assert kind == Kind.DATA
-        return part
+        return receiver.recv(None, TIMEOUT)
 
     threads = [
         threading.Thread(
-            target=consumer, args=("source", sender._group.lane, send), name="source-main"
+            target=consumer, args=("source", sender.group.lane, send), name="source-main"
         ),
         threading.Thread(
-            target=consumer, args=("receiver", receiver._group.lane, recv), name="receiver-main"
+            target=consumer, args=("receiver", receiver.group.lane, recv), name="receiver-main"
         ),
     ]
     for t in threads:
@@ -166,16 +166,13 @@ def test_pinned_staging_is_reused_only_once_its_upload_is_seen_done() -> None:
     got: list[Any] = []
 
     def recv() -> None:
-        for step in range(3, 9):
-            _kind, part = receiver.recv(Stamp(1, 0, step), None, TIMEOUT)
-            got.append(part.take())
+        for _ in range(3, 9):
+            got.append(receiver.recv(None, TIMEOUT).take())
 
     t = threading.Thread(target=recv)
     t.start()
-    for step in range(3, 9):
-        frame, own = sender.data(tree, Stamp(1, 0, step), None)
-        sender.send(frame, TIMEOUT)
-        own.take()
+    for _ in range(3, 9):
+        sender.send_batch(tree, None, TIMEOUT).take()
     t.join(20)
     assert len(got) == 6
     # The device's being done is seen at the next post, on the caller's thread: the
@@ -188,13 +185,9 @@ def test_device_work_not_done_by_its_deadline_breaks_the_lane() -> None:
     sender, receiver, sgroup, _ = device_pair(timeout=datetime.timedelta(seconds=0.3))
     sgroup.wire.streams.hold = True  # a payload that never completes: a dead peer
     got: list[Any] = []
-    t = threading.Thread(
-        target=lambda: got.append(receiver.recv(Stamp(1, 0, 0), None, TIMEOUT)[1].take())
-    )
+    t = threading.Thread(target=lambda: got.append(receiver.recv(None, TIMEOUT).take()))
     t.start()
-    frame, own = sender.data({"x": torch.arange(10_000.0)}, Stamp(1, 0, 0), None)
-    sender.send(frame, TIMEOUT)
-    own.take()
+    sender.send_batch({"x": torch.arange(10_000.0)}, None).take()  # the role's 0.3 s
     t.join(10)
     deadline = time.monotonic() + 5
     while sgroup.lane.broken is None and time.monotonic() < deadline:
@@ -210,13 +203,11 @@ def test_a_bad_crc_of_a_device_payload_is_raised_at_take_and_again() -> None:
     sender, receiver, _, rgroup = device_pair(verify=True)
     rgroup.wire.corrupt_next_payload = True
     got: list[Any] = []
-    t = threading.Thread(target=lambda: got.append(receiver.recv(Stamp(1, 0, 0), None, TIMEOUT)))
+    t = threading.Thread(target=lambda: got.append(receiver.recv(None, TIMEOUT)))
     t.start()
-    frame, own = sender.data({"x": torch.arange(10_000.0)}, Stamp(1, 0, 0), None)
-    sender.send(frame, TIMEOUT)
-    own.take()
+    sender.send_batch({"x": torch.arange(10_000.0)}, None, TIMEOUT).take()
     t.join(10)
-    _kind, part = got[0]
+    part = got[0]
     with pytest.raises(HeaderError, match="CRC32"):
         part.take()
     with pytest.raises(HeaderError, match="CRC32"):
@@ -227,8 +218,8 @@ def test_a_bad_crc_of_a_device_payload_is_raised_at_take_and_again() -> None:
 def test_leaves_that_are_not_tensors_travel_on_the_host_beside_a_device_payload() -> None:
     """A device frame carries its numpy, bytes and str leaves in one more head message
     (their host block), so that no receiver copies them back from the GPU."""
-    from tensorcast.codec import packed as _codec
-    from tensorcast.codec import views as _views
+    from tensorcast import pack
+    from tensorcast.codec import decode
 
     sender, receiver, sgroup, _ = device_pair()
     tree = {
@@ -237,11 +228,11 @@ def test_leaves_that_are_not_tensors_travel_on_the_host_beside_a_device_payload(
         "text": "é" * 2000,
         "raw": bytes(range(256)) * 8,
     }
-    spec = _views.view_spec(_codec.read_prepacked(_codec.pack(tree)))
-    assert spec.host_nbytes > 0
+    host_nbytes = decode(pack(tree).header).host_nbytes
+    assert host_nbytes
     log = sgroup.wire.log
     own, got = run_both(sender, receiver, [tree, tree], ahead=1)
     assert same(tree, own[1]) and same(tree, got[1])
     heads = [n for kind, n in log if kind == "head"]
-    assert heads.count(spec.host_nbytes) == 2  # one host block per frame
+    assert heads.count(host_nbytes) == 2  # one host block per frame
     assert not got[1]["feats"].flags.owndata  # a view of the block it came in, no copy

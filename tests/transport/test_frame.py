@@ -1,17 +1,22 @@
-"""Pure tests of the frame: how ``plan_frame`` cuts a frame into messages, and how a
+"""Pure tests of the frame: how ``cut_frame`` cuts a frame into messages, and how a
 first message's ``Prefix`` is written, read back and refused. Nothing communicates.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorcast as tc
+from tensorcast.codec import schema as _schema
+from tensorcast.codec.encode import encode
+from tensorcast.codec.views import ViewSpec, leaf_views
 from tensorcast.transport import frame as _frame
 from tensorcast.transport.frame import (
     FRAMES_VERSION,
@@ -21,11 +26,12 @@ from tensorcast.transport.frame import (
     MAX_HEADER_BYTES,
     PAYLOAD_ALIGN,
     PREFIX_SIZE,
+    Cut,
     Flags,
-    FramePlan,
     Kind,
     Prefix,
-    plan_frame,
+    Promises,
+    cut_frame,
 )
 
 SETTINGS = settings(deadline=None, print_blob=True, max_examples=300)
@@ -39,7 +45,7 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def first_message(plan: FramePlan) -> list[tuple[int, int, str]]:
+def first_message(plan: Cut) -> list[tuple[int, int, str]]:
     """The byte ranges of the first message that carry something, as the sender writes
     them: the prefix, the header unless it spilled, the payload when it is inline."""
     spans = [(0, PREFIX_SIZE, "prefix")]
@@ -50,7 +56,7 @@ def first_message(plan: FramePlan) -> list[tuple[int, int, str]]:
     return spans
 
 
-def later_messages(plan: FramePlan) -> list[tuple[str, int]]:
+def later_messages(plan: Cut) -> list[tuple[str, int]]:
     """The messages besides the first one, in order, and their sizes: the promised one
     (posted with the first), then what follows the first."""
     out = []
@@ -63,79 +69,79 @@ def later_messages(plan: FramePlan) -> list[tuple[str, int]]:
     return out
 
 
-# -- plan_frame: worked examples --------------------------------------------------------
+# -- cut_frame: worked examples --------------------------------------------------------
 
 
 def test_a_small_frame_travels_in_its_first_message() -> None:
-    plan = plan_frame(INITIAL_CAPACITY, 100, 200, inline_ok=True)
+    plan = cut_frame(INITIAL_CAPACITY, 100, 200, host_payloads=True)
     assert plan.flags == Flags.INLINE and plan.inline and not plan.spill
     assert not plan.separate_payload and later_messages(plan) == []
     # The inline payload ends the message, aligned: where it starts depends on its length
     # alone, not on the header's.
     assert plan.payload_at == INITIAL_CAPACITY - _align(200)
-    assert plan.payload_at == plan_frame(INITIAL_CAPACITY, 900, 200, inline_ok=True).payload_at
+    assert plan.payload_at == cut_frame(INITIAL_CAPACITY, 900, 200, host_payloads=True).payload_at
     assert plan.next_capacity == INITIAL_CAPACITY, "a frame that fits asks for no more room"
 
 
 def test_frames_without_payload() -> None:
     for header_len in (0, 5, INITIAL_CAPACITY - PREFIX_SIZE):  # an END frame; an ERROR frame
-        plan = plan_frame(INITIAL_CAPACITY, header_len, 0, inline_ok=True)
+        plan = cut_frame(INITIAL_CAPACITY, header_len, 0, host_payloads=True)
         assert not plan.spill and not plan.separate_payload and later_messages(plan) == []
         assert plan.next_capacity == INITIAL_CAPACITY
 
 
 def test_a_header_that_does_not_fit_spills_and_the_next_capacity_grows() -> None:
     header_len = INITIAL_CAPACITY  # with the prefix, over the first message's capacity
-    plan = plan_frame(INITIAL_CAPACITY, header_len, 0, inline_ok=True)
+    plan = cut_frame(INITIAL_CAPACITY, header_len, 0, host_payloads=True)
     assert plan.flags == Flags.SPILL and plan.spill and not plan.inline
     assert later_messages(plan) == [("header", header_len)]
     assert plan.next_capacity == 2 * INITIAL_CAPACITY
-    again = plan_frame(plan.next_capacity, header_len, 0, inline_ok=True)
+    again = cut_frame(plan.next_capacity, header_len, 0, host_payloads=True)
     assert not again.spill, "the next frame like this one fits in its first message"
 
 
 def test_a_payload_that_does_not_fit_follows_and_the_next_capacity_grows() -> None:
-    plan = plan_frame(INITIAL_CAPACITY, 100, 10_000, inline_ok=True)
+    plan = cut_frame(INITIAL_CAPACITY, 100, 10_000, host_payloads=True)
     assert plan.flags == Flags.NONE and plan.separate_payload
     assert later_messages(plan) == [("payload", 10_000)]
     want = _align(PREFIX_SIZE + 100) + _align(10_000)
     assert plan.next_capacity == 16384 >= want > 8192  # the smallest power of two that fits
-    again = plan_frame(plan.next_capacity, 100, 10_000, inline_ok=True)
+    again = cut_frame(plan.next_capacity, 100, 10_000, host_payloads=True)
     assert again.inline and later_messages(again) == []
 
 
 def test_capacities_only_grow() -> None:
-    plan = plan_frame(64 << 10, 10, 10, inline_ok=True)
+    plan = cut_frame(64 << 10, 10, 10, host_payloads=True)
     assert plan.inline and plan.next_capacity == 64 << 10
 
 
 def test_growth_is_capped_at_max_capacity() -> None:
     # A payload larger than the cap always travels on its own; the next capacity grows
     # for the header alone.
-    plan = plan_frame(INITIAL_CAPACITY, 10_000, MAX_CAPACITY, inline_ok=True)
+    plan = cut_frame(INITIAL_CAPACITY, 10_000, MAX_CAPACITY, host_payloads=True)
     assert plan.spill and later_messages(plan) == [("header", 10_000), ("payload", MAX_CAPACITY)]
     assert plan.next_capacity == 16384
-    big = plan_frame(MAX_CAPACITY, 100, 6 << 30, inline_ok=True)
+    big = cut_frame(MAX_CAPACITY, 100, 6 << 30, host_payloads=True)
     assert big.separate_payload and big.next_capacity == MAX_CAPACITY
     # A header larger than the cap spills every time and asks for nothing.
-    huge = plan_frame(INITIAL_CAPACITY, MAX_CAPACITY, 0, inline_ok=True)
+    huge = cut_frame(INITIAL_CAPACITY, MAX_CAPACITY, 0, host_payloads=True)
     assert huge.spill and huge.next_capacity == INITIAL_CAPACITY
     # A frame just under the cap grows the capacity to it, and fits there.
-    near = plan_frame(INITIAL_CAPACITY, 100, MAX_CAPACITY - 1024, inline_ok=True)
+    near = cut_frame(INITIAL_CAPACITY, 100, MAX_CAPACITY - 1024, host_payloads=True)
     assert near.next_capacity == MAX_CAPACITY
-    assert plan_frame(MAX_CAPACITY, 100, MAX_CAPACITY - 1024, inline_ok=True).inline
+    assert cut_frame(MAX_CAPACITY, 100, MAX_CAPACITY - 1024, host_payloads=True).inline
 
 
 def test_payloads_never_go_inline_where_they_live_on_a_device() -> None:
-    plan = plan_frame(INITIAL_CAPACITY, 100, 200, inline_ok=False)
+    plan = cut_frame(INITIAL_CAPACITY, 100, 200, host_payloads=False)
     assert not plan.inline and plan.separate_payload
     assert later_messages(plan) == [("payload", 200)]
     assert plan.next_capacity == INITIAL_CAPACITY, "growth counts the header alone"
-    spilled = plan_frame(INITIAL_CAPACITY, 5000, 1 << 20, inline_ok=False)
+    spilled = cut_frame(INITIAL_CAPACITY, 5000, 1 << 20, host_payloads=False)
     assert spilled.spill and spilled.next_capacity == 8192
 
 
-# -- plan_frame: laws --------------------------------------------------------------------
+# -- cut_frame: laws --------------------------------------------------------------------
 
 capacities = st.integers(12, 18).map(lambda k: 1 << k)  # INITIAL_CAPACITY .. MAX_CAPACITY
 lengths = st.one_of(
@@ -150,11 +156,11 @@ lengths = st.one_of(
     capacity=capacities,
     header_len=st.one_of(st.integers(0, 3 * MAX_CAPACITY), st.integers(0, MAX_HEADER_BYTES)),
     payload_len=lengths,
-    inline_ok=st.booleans(),
+    host_payloads=st.booleans(),
     promise=st.one_of(st.sampled_from(["none", "kept"]), lengths),
 )
 def test_plans_carry_every_byte_once(
-    capacity: int, header_len: int, payload_len: int, inline_ok: bool, promise: str | int
+    capacity: int, header_len: int, payload_len: int, host_payloads: bool, promise: str | int
 ) -> None:
     """For any sizes and any promise, the frame's messages carry exactly ``header_len +
     payload_len`` bytes besides the prefix and a promise's zeros, the first message's
@@ -164,7 +170,9 @@ def test_plans_carry_every_byte_once(
     fits a frame like this one where the cap allows."""
     assert INITIAL_CAPACITY <= capacity <= MAX_CAPACITY
     promised = {"none": 0, "kept": payload_len}.get(promise, promise)  # type: ignore[call-overload]
-    plan = plan_frame(capacity, header_len, payload_len, inline_ok=inline_ok, promised=promised)
+    plan = cut_frame(
+        capacity, header_len, payload_len, host_payloads=host_payloads, promised=promised
+    )
     assert (plan.capacity, plan.header_len, plan.payload_len) == (
         capacity,
         header_len,
@@ -179,7 +187,7 @@ def test_plans_carry_every_byte_once(
     for (_, end, a), (start, _, b) in itertools.pairwise(ordered):
         assert end <= start, f"{a} and {b} overlap in {spans}"
     if plan.inline:
-        assert inline_ok and plan.payload_at % PAYLOAD_ALIGN == 0
+        assert host_payloads and plan.payload_at % PAYLOAD_ALIGN == 0
     assert plan.spill == (PREFIX_SIZE + header_len > capacity)
     assert plan.promised == promised
     assert plan.in_promise == (promised > 0 and not plan.inline and payload_len == promised)
@@ -190,20 +198,23 @@ def test_plans_carry_every_byte_once(
         | (Flags.SPILL if plan.spill else 0)
         | (Flags.PROMISED if promised else 0)
     )
-    assert plan.inline == plan_frame(capacity, header_len, payload_len, inline_ok=inline_ok).inline
+    assert (
+        plan.inline
+        == cut_frame(capacity, header_len, payload_len, host_payloads=host_payloads).inline
+    )
 
     nxt = plan.next_capacity
     assert _is_pow2(nxt) and capacity <= nxt <= MAX_CAPACITY
-    again = plan_frame(nxt, header_len, payload_len, inline_ok=inline_ok)
+    again = cut_frame(nxt, header_len, payload_len, host_payloads=host_payloads)
     if PREFIX_SIZE + header_len <= MAX_CAPACITY:
         assert not again.spill, "the next capacity fits this frame's header"
-    if inline_ok and _align(PREFIX_SIZE + header_len) + _align(payload_len) <= MAX_CAPACITY:
+    if host_payloads and _align(PREFIX_SIZE + header_len) + _align(payload_len) <= MAX_CAPACITY:
         assert again.inline, "the next capacity fits this whole frame"
     assert again.next_capacity == nxt, "a frame like the last one asks for nothing more"
     # The prefix a sender writes for this plan is one a receiver accepts.
     data = bytearray(PREFIX_SIZE)
     if header_len <= MAX_HEADER_BYTES:
-        Prefix(Kind.DATA, plan.flags, 1, 0, 0, header_len, payload_len, nxt).pack_into(data)
+        write(Prefix(Kind.DATA, plan.flags, 1, 0, 0, header_len, payload_len, nxt), data)
         got = Prefix.unpack(data, capacity)
         assert (got.flags, got.header_len, got.payload_len, got.next_capacity) == (
             plan.flags,
@@ -214,6 +225,11 @@ def test_plans_carry_every_byte_once(
 
 
 # -- Prefix ------------------------------------------------------------------------------
+
+
+def write(prefix: Prefix, data: bytearray) -> None:
+    """``prefix`` packed into ``data`` by the one writer, ``Prefix.write``."""
+    Prefix.write(data, *dataclasses.astuple(prefix))
 
 
 def raw(**fields: Any) -> bytes:
@@ -246,7 +262,7 @@ def test_prefix_round_trip_keeps_large_sizes_exact() -> None:
     ]  # fmt: skip
     for prefix in prefixes:
         data = bytearray(INITIAL_CAPACITY)
-        prefix.pack_into(data)
+        write(prefix, data)
         assert data[:4] == b"TCFR" and data[4] == FRAMES_VERSION
         assert not any(data[PREFIX_SIZE:]), "the prefix writes its own bytes only"
         got = Prefix.unpack(memoryview(data), INITIAL_CAPACITY)
@@ -268,7 +284,7 @@ def test_prefix_round_trip_keeps_large_sizes_exact() -> None:
     grow=st.integers(0, 6),
     crc=st.integers(0, 2**32 - 1),
 )
-def test_prefix_unpack_inverts_pack_into(
+def test_prefix_unpack_inverts_write(
     kind: Kind,
     flags: Flags,
     channel: int,
@@ -280,7 +296,7 @@ def test_prefix_unpack_inverts_pack_into(
     grow: int,
     crc: int,
 ) -> None:
-    """``Prefix.unpack(pack_into(p)) == p`` for every prefix a sender can write."""
+    """``Prefix.unpack(write(p)) == p`` for every prefix a sender can write."""
     if kind != Kind.DATA:
         payload_len = 0
     if kind in (Kind.END, Kind.CLOSE):
@@ -288,7 +304,7 @@ def test_prefix_unpack_inverts_pack_into(
     nxt = min(capacity << grow, MAX_CAPACITY)
     prefix = Prefix(kind, flags, channel, pass_index, step, header_len, payload_len, nxt, crc)
     data = bytearray(PREFIX_SIZE)
-    prefix.pack_into(data)
+    write(prefix, data)
     assert Prefix.unpack(bytes(data), capacity) == prefix
 
 
@@ -374,3 +390,138 @@ def test_prefix_unpack_of_any_fields_returns_or_raises_header_error(
     assert _is_pow2(prefix.next_capacity)
     if prefix.kind != Kind.DATA:
         assert prefix.payload_len == 0
+
+
+def test_offsets_past_2_and_4_gib_are_exact() -> None:
+    """The layout of a batch over 4 GiB: offsets and sizes are exact ints, aligned, in
+    order, and receivers' views land at those offsets. Stride-0 tensors and a meta buffer
+    keep it from allocating anything."""
+    u8 = torch.zeros(1, dtype=torch.uint8)
+    f32 = torch.zeros(1, dtype=torch.float32)
+    tree = {
+        "head": torch.ones(3, dtype=torch.int8),
+        "g2": u8.expand((1 << 31) + 3),  # crosses 2 GiB
+        "g4": f32.expand(1 << 30),  # 4 GiB on its own, ends past 6 GiB
+        "tail": torch.ones(5, dtype=torch.float64),
+        "text": "y" * 5000,
+    }
+    plan = encode(tree)
+    schema = tc.read_header(plan.header)
+    want, end = [], 0
+    for path, n in (
+        ("['head']", 3),
+        ("['g2']", (1 << 31) + 3),
+        ("['g4']", 4 << 30),
+        ("['tail']", 40),
+        ("['text']", 5000),
+    ):
+        off = (end + 63) // 64 * 64
+        want.append((path, off, n))
+        end = off + n
+    assert [(s.path, s.offset, s.nbytes) for s in schema.leaves] == want
+    assert schema.nbytes == plan.nbytes == end > 6 << 30
+    # The receiver side: views into a buffer of that size, on the meta device (tensor
+    # leaves only: a str leaf is copied out, and a meta buffer has no bytes).
+    buffer = torch.empty(schema.nbytes, dtype=torch.uint8, device="meta")
+    table = _schema.decode(plan.header).structure.leaves[:4]
+    leaves = leaf_views(ViewSpec(table), len(table), buffer)
+    for spec, view in zip(schema.leaves[:4], leaves, strict=True):
+        assert view.storage_offset() * view.element_size() == spec.offset
+        assert view.numel() * view.element_size() == spec.nbytes
+    # The frame prefix carries such sizes without truncation...
+    capacity = INITIAL_CAPACITY
+    cut = cut_frame(capacity, len(plan.header), schema.nbytes, host_payloads=True)
+    prefix = Prefix(
+        Kind.DATA, cut.flags, 1, 2, 3, len(plan.header), schema.nbytes,
+        cut.next_capacity, 0xFFFFFFFF,
+    )  # fmt: skip
+    first = bytearray(capacity)
+    write(prefix, first)
+    assert Prefix.unpack(first, capacity) == prefix
+    # ... and the plan sends the payload whole, in one message of its own after the first.
+    assert cut.separate_payload and not cut.inline and cut.payload_len == schema.nbytes
+    assert capacity <= cut.next_capacity <= MAX_CAPACITY
+
+
+# -- the promise rule (NOTE [ Promised payloads ]): what a channel promises, given the
+# frames before, as the source and every receiver apply it ---------------------------------
+
+# Payload sizes: none, inline at the initial capacity, and three that travel alone.
+SIZES = [0, 64, 100_000, 300_000, 1 << 20]
+
+
+def promised_cuts(sizes: list[int], *, on: bool = True) -> list[Cut]:
+    """The cuts of a channel's frames of these payload sizes, cut as a source cuts them."""
+    promises, plans = Promises(on), []
+    for n in sizes:
+        plan = cut_frame(INITIAL_CAPACITY, 40, n, host_payloads=True, promised=promises.next())
+        assert promises.record(plan) == promises.next()  # what the next frame promises
+        plans.append(plan)
+    return plans
+
+
+def test_fixed_size_payloads_are_promised_from_the_third_frame() -> None:
+    plans = promised_cuts([300_000] * 6)
+    assert [p.promised for p in plans] == [0, 0] + [300_000] * 4
+    assert all(p.in_promise and not p.separate_payload for p in plans[2:])
+
+
+def test_inline_and_empty_payloads_are_never_promised() -> None:
+    assert not any(p.promised for p in promised_cuts([64] * 5 + [0] * 5))
+
+
+def test_the_switch_turns_promises_off() -> None:
+    assert not any(p.promised for p in promised_cuts([300_000] * 5, on=False))
+
+
+@pytest.mark.parametrize(("value", "on"), [(None, True), ("1", True), ("0", False)])
+def test_the_environment_switch(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, on: bool
+) -> None:
+    if value is None:
+        monkeypatch.delenv("TENSORCAST_PROMISES", raising=False)
+    else:
+        monkeypatch.setenv("TENSORCAST_PROMISES", value)
+    assert _frame.promises_enabled() is on
+
+
+def test_a_promise_not_kept_doubles_the_run_the_next_one_needs() -> None:
+    a, b = 300_000, 200_000
+    sizes = [a, a, b, *[b] * 4, a, *[a] * 8, 0]
+    promised = [p.promised for p in promised_cuts(sizes)]
+    # a a | b: a not kept -> need 4 | b b b: 3 in a row | b: kept | a: b not kept -> need 8
+    assert promised[:8] == [0, 0, a, 0, 0, 0, b, b]
+    # eight a's in a row (the one that broke b's promise included): the ninth is promised,
+    # kept; the empty frame after it promises a too, and breaks it
+    assert promised[8:] == [0] * 7 + [a, a]
+
+
+def _oracle(sizes: list[int]) -> list[int]:
+    """The rule of NOTE [ Promised payloads ], written from its text: what each frame
+    promises."""
+    out: list[int] = []
+    need = 2
+    for i, n in enumerate(sizes):
+        before = [0 if s <= 64 else s for s in sizes[max(i - need, 0) : i]]
+        promise = before[0] if len(before) == need and len(set(before)) == 1 else 0
+        out.append(promise)
+        if promise and promise != (0 if n <= 64 else n):
+            need = min(2 * need, 16)
+    return out
+
+
+@settings(deadline=None, max_examples=300)
+@given(st.lists(st.sampled_from(SIZES), max_size=60))
+def test_promises_follow_the_rule_and_break_at_most_once_per_change(sizes: list[int]) -> None:
+    """For any stream of sizes: a frame promises what the rule's text says; a promise is
+    kept exactly when the frame's payload is separate and of that size; a promise not kept
+    (its zeros sent for nothing) needs the size to have changed at that frame, and once
+    three were broken the next needs a run of 16."""
+    plans = promised_cuts(sizes)
+    assert [p.promised for p in plans] == _oracle(sizes)
+    for p in plans:
+        assert p.in_promise == (p.promised > 0 and not p.inline and p.payload_len == p.promised)
+    broken = [i for i, p in enumerate(plans) if p.promised and not p.in_promise]
+    assert all(sizes[i] != sizes[i - 1] for i in broken)
+    for j, i in enumerate(broken[3:], start=3):
+        assert i >= 16 and len(set(sizes[i - 16 : i])) == 1, (j, i, sizes)

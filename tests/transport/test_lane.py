@@ -6,17 +6,34 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 
 from tensorcast import PeerError
-from tensorcast.transport.job import Job
-from tensorcast.transport.lane import Lane
+from tensorcast.transport.lane import Job, Lane
+
+T = TypeVar("T")
 
 
 def _lane(**kw: float) -> tuple[Lane, list[str]]:
     aborted: list[str] = []
     return Lane("0-1", lambda: aborted.append("abort"), **kw), aborted
+
+
+def _queued(lane: Lane, fn: Callable[[], T]) -> Job[T]:
+    """``fn`` queued behind every job queued before it: it runs on the worker."""
+    job: Job[T] = Job(fn)
+    lane.enqueue(job)
+    return job
+
+
+def _started(lane: Lane, fn: Callable[[], T]) -> Job[T]:
+    """``fn`` started as a loader's step is: inline when the lane is idle."""
+    job: Job[T] = Job(fn)
+    lane.start(job, lambda: 0)
+    return job
 
 
 def test_an_idle_lane_runs_a_job_inline_on_the_callers_thread() -> None:
@@ -35,7 +52,7 @@ def test_a_busy_lane_runs_the_next_job_on_its_worker_after_the_running_one() -> 
         gate.wait(5)
         order.append(("first", threading.get_ident()))
 
-    job = lane.submit(first)  # on the worker; holds the lane until the gate opens
+    job = _queued(lane, first)  # on the worker; holds the lane until the gate opens
     assert not lane.idle()
     later = threading.Timer(0.1, gate.set)
     later.start()
@@ -49,25 +66,41 @@ def test_a_busy_lane_runs_the_next_job_on_its_worker_after_the_running_one() -> 
 def test_jobs_run_in_submission_order() -> None:
     lane, _ = _lane()
     seen: list[int] = []
-    jobs = [lane.submit(lambda i=i: seen.append(i) or i) for i in range(50)]
+    gate = threading.Event()
+    first = _queued(lane, lambda: gate.wait(5) and -1)  # holds the worker: the rest queue
+    jobs = [_started(lane, lambda i=i: seen.append(i) or i) for i in range(50)]
+    assert not any(j.done for j in jobs), "started behind a running job, they are queued"
+    gate.set()
+    assert first.result() == -1
     assert [j.result() for j in jobs] == list(range(50))
     assert seen == list(range(50))
+
+
+def test_a_job_started_on_an_idle_lane_runs_inline_and_counts_its_frames() -> None:
+    lane, _ = _lane()
+    taken = [3]
+    job = Job(lambda: taken.append(taken.pop() + 1) or threading.get_ident())
+    lane.start(job, lambda: taken[0])
+    assert job.done and job.result() == threading.get_ident()
+    assert taken == [4]
+    assert job.frames_at_start == 3, "the role's count, read before the job ran"
+    assert lane.idle()
 
 
 def test_the_worker_leaves_when_idle_and_comes_back_with_the_next_job() -> None:
     # A name of its own: the workers of the other tests' lanes stay for their 5 idle seconds.
     lane = Lane("idle-exit", lambda: None, idle_exit_s=0.05)
-    assert lane.submit(lambda: 1).result() == 1
+    assert _queued(lane, lambda: 1).result() == 1
     deadline = time.monotonic() + 5
     while any(t.name == "tensorcast-lane-idle-exit" for t in threading.enumerate()):
         assert time.monotonic() < deadline, "the idle worker did not leave"
         time.sleep(0.01)
-    assert lane.submit(lambda: 2).result() == 2
+    assert _queued(lane, lambda: 2).result() == 2
 
 
 def test_submitting_from_a_job_of_the_same_lane_is_refused() -> None:
     lane, _ = _lane()
-    job = lane.submit(lambda: lane.submit(lambda: None))
+    job = _queued(lane, lambda: _queued(lane, lambda: None))
     with pytest.raises(RuntimeError, match="inside a loader's source iterator"):
         job.result()
     with pytest.raises(RuntimeError, match="inside a loader's source iterator"):
@@ -76,7 +109,7 @@ def test_submitting_from_a_job_of_the_same_lane_is_refused() -> None:
 
 def test_a_jobs_exception_reaches_whoever_waits_for_it() -> None:
     lane, _ = _lane()
-    job = lane.submit(lambda: 1 / 0)
+    job = _queued(lane, lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         job.result()
     assert lane.broken is None, "a job's own failure does not break the lane"

@@ -120,7 +120,9 @@ def test_a_beat_reads_back_as_written(
 
 def test_the_thread_writes_once_while_the_source_steps_quickly() -> None:
     """On the real thread at a 600 s timeout (1 s wakes, 10 s slow period): a source
-    stepping every 20 ms makes one write in 3 s, where the heartbeat of 0.2.0 made three."""
+    stepping every 20 ms makes one write in 3 s, where the heartbeat of 0.2.0 made three.
+    A second is allowed: a wake held up by two fast periods on a loaded machine writes at
+    once (the rule ``Schedule`` is tested for, in simulated time, above)."""
     store = Counting(dist.HashStore())
     heartbeat = Heartbeat(store, 0, 600.0, lambda: True)
     mark = heartbeat.busy("next(source)", 7)
@@ -130,7 +132,7 @@ def test_the_thread_writes_once_while_the_source_steps_quickly() -> None:
         with mark:
             time.sleep(0.005)
         time.sleep(0.015)
-    assert store.sets == 1, store.sets
+    assert 1 <= store.sets <= 2, store.sets
 
 
 def test_a_long_state_beats_fast_and_a_held_gil_is_reported() -> None:

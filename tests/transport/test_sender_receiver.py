@@ -15,13 +15,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from taps import first_message_problems
+from trees import STEADY_STEPS, big_header, every_kind, payload_batch, steady_batch, tiny
 
-from tensorcast._errors import DesyncError, HeaderError, PeerError
+from tensorcast._errors import DesyncError, HeaderError, PeerError, SourceError
 from tensorcast.transport import frame as _frame
-from tensorcast.transport.frame import PREFIX_SIZE, Kind, Stamp
+from tensorcast.transport.frame import Kind
 from tensorcast.transport.groups import Group
 from tensorcast.transport.lane import Lane
-from tensorcast.transport.receiver import Receiver
+from tensorcast.transport.receiver import END, Receiver
 from tensorcast.transport.sender import Sender
 from tensorcast.transport.testing import FakeWire
 
@@ -29,36 +31,39 @@ TIMEOUT = datetime.timedelta(seconds=10)
 
 
 def pair(
-    *, verify: bool = False, promises: bool = False, receiver_promises: bool | None = None
+    *,
+    verify: bool = False,
+    promises: bool = False,
+    receiver_promises: bool | None = None,
+    channel_id: int = 1,
 ) -> tuple[Sender, Receiver, FakeWire, FakeWire, Group]:
     wires = FakeWire.pair()
     groups = [Group((0, 1), w, Lane(f"fake{w.rank}", w.abort)) for w in wires]
-    sender = Sender(groups[0], 0, verify=verify, promises=promises)
+    sender = Sender(groups[0], 0, channel_id, verify=verify, promises=promises)
     receiver = Receiver(
         groups[1],
         0,
-        0,
-        lambda *_: "the fake source is fine",
+        rank=1,
+        channel_id=channel_id,
         promises=promises if receiver_promises is None else receiver_promises,
+        diagnose=lambda *_: "the fake source is fine",
     )
     return sender, receiver, wires[0], wires[1], groups[1]
 
 
-def transfer(
-    sender: Sender, receiver: Receiver, tree: Any, stamp: Stamp, expect: Stamp | None = None
-) -> tuple[Any, tuple[Kind, Any]]:
+def transfer(sender: Sender, receiver: Receiver, tree: Any) -> tuple[Any, Any]:
+    """Send ``tree`` as the sender's next frame; its own tree, and what the receiver got."""
     got: list[Any] = []
 
     def receive() -> None:
         try:
-            got.append(receiver.recv(expect or stamp, None, TIMEOUT))
+            got.append(receiver.recv(None, TIMEOUT))
         except BaseException as e:
             got.append(e)
 
     t = threading.Thread(target=receive)
     t.start()
-    out, own = sender.data(tree, stamp, None)
-    sender.send(out, TIMEOUT)
+    own = sender.send_batch(tree, None, TIMEOUT)
     t.join(20)
     if isinstance(got[0], BaseException):
         raise got[0]
@@ -75,8 +80,7 @@ def test_inline_separate_and_spilled_frames_rebuild_and_grow_alike() -> None:
     ]
     for step, tree in enumerate(trees):
         src_wire.log.clear()
-        own, (kind, got) = transfer(sender, receiver, tree, Stamp(1, 0, step))
-        assert kind == Kind.DATA
+        own, got = transfer(sender, receiver, tree)
         for key, want in tree.items():
             if isinstance(want, torch.Tensor):
                 assert torch.equal(got[key], want) and torch.equal(own[key], want)
@@ -84,7 +88,8 @@ def test_inline_separate_and_spilled_frames_rebuild_and_grow_alike() -> None:
                 assert got[key] == want == own[key]
         kinds = [what for what, _ in src_wire.log]
         assert kinds == [["head"], ["head", "payload"], ["head", "head"], ["head"]][step]
-        assert rgroup.capacity == sender._group.capacity
+        assert rgroup.capacity == sender.group.capacity
+        assert sender.step == receiver.step == step + 1, "each role counts its frames"
     assert rgroup.capacity > _frame.INITIAL_CAPACITY
 
 
@@ -110,8 +115,7 @@ def test_leaves_made_ahead_are_never_another_layouts_or_a_held_batchs(
     held: list[tuple[Any, Any, Any]] = []
     for step, (layout, hold) in enumerate(steps):
         tree = _SAME_SIZE[layout](step)
-        own, (kind, got) = transfer(sender, receiver, tree, Stamp(3, 0, step))
-        assert kind == Kind.DATA
+        own, got = transfer(sender, receiver, tree)
         for out in (own, got):
             assert list(out) == list(tree)
             for key, want in tree.items():
@@ -123,25 +127,34 @@ def test_leaves_made_ahead_are_never_another_layouts_or_a_held_batchs(
             assert torch.equal(own[key], want) and torch.equal(got[key], want)
 
 
-def test_end_and_error_frames() -> None:
-    sender, receiver, *_ = pair()
+def test_end_and_error_frames_are_an_end_marker_and_a_source_error() -> None:
+    sender, receiver, *_ = pair(channel_id=2)
+    for role in (sender, receiver):
+        role.start_pass(1)
     got: list[Any] = []
-    t = threading.Thread(
-        target=lambda: got.extend(receiver.recv(Stamp(2, 1, s), None, TIMEOUT) for s in (0, 1))
-    )
+
+    def receive() -> None:
+        got.append(receiver.recv(None, TIMEOUT))
+        with pytest.raises(SourceError) as error:
+            receiver.recv(None, TIMEOUT)
+        got.append(error.value)
+
+    t = threading.Thread(target=receive)
     t.start()
-    sender.send(sender.end(Stamp(2, 1, 0)), TIMEOUT)
-    sender.send(
-        sender.error("source iterator failed: ValueError: shard 3", Stamp(2, 1, 1)), TIMEOUT
-    )
+    sender.send_end(TIMEOUT)
+    sender.send_error("source iterator failed: ValueError: shard 3", TIMEOUT)
     t.join(20)
-    assert got == [(Kind.END, None), (Kind.ERROR, "source iterator failed: ValueError: shard 3")]
+    assert got[0] is END
+    assert str(got[1]) == "source rank 0 reported: source iterator failed: ValueError: shard 3"
+    assert sender.step == receiver.step == 2, "both frames counted on both sides"
+    assert receiver.group.lane.broken is None, "a source's failure is no broken lane"
 
 
 def test_a_frame_of_another_step_is_a_desync_that_breaks_the_lane() -> None:
-    sender, receiver, _, rwire, rgroup = pair()
+    sender, receiver, _, rwire, rgroup = pair(channel_id=7)
+    receiver.step = 1  # a receiver that took one frame more than the source sent
     with pytest.raises(DesyncError, match="expected channel 0x7 pass 0 step 1"):
-        transfer(sender, receiver, {"x": torch.ones(2)}, Stamp(7, 0, 0), expect=Stamp(7, 0, 1))
+        transfer(sender, receiver, {"x": torch.ones(2)})
     assert rgroup.lane.broken is not None and rwire.aborted
     with pytest.raises(PeerError, match="failed earlier"):
         rgroup.lane.check()
@@ -152,31 +165,90 @@ def test_a_corrupted_payload_fails_its_step_only() -> None:
     big = {"a": torch.arange(100_000, dtype=torch.int64)}
     rwire.corrupt_next_payload = True
     with pytest.raises(HeaderError, match="CRC32"):
-        transfer(sender, receiver, big, Stamp(1, 0, 0))
+        transfer(sender, receiver, big)
     assert rgroup.lane.broken is None  # the frame was read whole: the stream is in step
-    _, (kind, got) = transfer(sender, receiver, big, Stamp(1, 0, 1))
-    assert kind == Kind.DATA and torch.equal(got["a"], big["a"])
+    assert receiver.step == 1, "the refused frame was this step's"
+    _, got = transfer(sender, receiver, big)
+    assert torch.equal(got["a"], big["a"])
 
 
-def test_no_stale_bytes_in_a_reused_first_message() -> None:
-    sender, *_ = pair()
-    long, short = {"s": "x" * 600, "t": torch.ones(3)}, {"t": torch.ones(3)}
-    sender.data(long, Stamp(1, 0, 0), None)
-    out, _ = sender.data(short, Stamp(1, 0, 1), None)
-    data = out.message.buffer.numpy().tobytes()
-    prefix = _frame.Prefix.unpack(data, len(data))
-    head_end = PREFIX_SIZE + prefix.header_len
-    inline_at = len(data) - 64
-    assert data[head_end:inline_at] == bytes(inline_at - head_end)
+# -- no stale bytes travel -----------------------------------------------------------------
+
+
+class _Heads:
+    """A fake wire's end that keeps a copy of every head it posts."""
+
+    def __init__(self, wire: FakeWire) -> None:
+        self._wire = wire
+        self.heads: list[torch.Tensor] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._wire, name)
+
+    def head(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Any:
+        self.heads.append(tensor.clone())
+        return self._wire.head(tensor, root, timeout)
+
+    def first_messages(self) -> list[torch.Tensor]:
+        """The heads that are first messages (a spilled header follows its own)."""
+        out, spilled = [], False
+        for head in self.heads:
+            if not spilled:
+                out.append(head)
+                prefix = _frame.Prefix.unpack(head.numpy().data, head.numel())
+                spilled = bool(prefix.flags & _frame.Flags.SPILL)
+            else:
+                spilled = False
+        return out
+
+
+def test_first_messages_carry_no_stale_bytes() -> None:
+    """Whatever the frames before it wrote (a longer header, a longer inline payload, a
+    payload whose end moved within its alignment, a spilled header, the end of a pass, an
+    error), in this first message or in another the consumer held while it was written, a
+    first message is zero outside its prefix, its header and its inline payload."""
+    wires = FakeWire.pair()
+    tap = _Heads(wires[0])
+    sender = Sender(Group((0, 1), tap, Lane("fake0", wires[0].abort)), 0)  # type: ignore[arg-type]
+    frames: list[tuple[str, Any]] = []
+    frames += [(f"steady {i}", steady_batch(i)) for i in range(STEADY_STEPS)]
+    frames += [(f"payload {i}", payload_batch(i)) for i in range(3)]
+    frames += [(f"every_kind {i}", every_kind()) for i in range(2)]
+    frames += [("big_header", big_header()), ("tiny", tiny())]
+    frames += [  # an inline payload whose last bytes stop short of where the last one's did
+        (f"tail {k}", {"tail": torch.full((64 - k,), 255, dtype=torch.uint8)}) for k in range(4)
+    ]
+    sent: list[str] = []  # what each first message was, in order
+    for name, tree in frames:  # batch after batch
+        sender.send_batch(tree, None, TIMEOUT)
+        sent.append(name)
+    sender.start_pass(1)
+    for step, (name, tree) in enumerate(frames):  # with the end of a pass, or a failure
+        sender.send_batch(tree, None, TIMEOUT)
+        sender.send_end(TIMEOUT)
+        sender.send_batch(tree, None, TIMEOUT)
+        sender.send_error("x" * (step % 7), TIMEOUT)
+        sent += [f"{name}, pass 1", f"END after {name}", f"{name} after an END", "ERROR"]
+    held: list[Any] = []  # batches kept a while, as a consumer may: first messages rotate
+    for step, (name, tree) in enumerate(frames * 2):
+        own = sender.send_batch(tree, None, TIMEOUT)
+        sent.append(f"{name}, with {len(held)} batches held")
+        held = [*held[-(step % 3) :], own] if step % 3 else [own]
+    firsts = tap.first_messages()
+    assert len(firsts) == len(sent)
+    problems = [f"{what}: {p}" for what, m in zip(sent, firsts) for p in first_message_problems(m)]
+    assert problems == []
 
 
 def test_a_lying_prefix_is_a_header_error() -> None:
     capacity = 4096
     buf = bytearray(capacity)
-    _frame.Prefix(Kind.DATA, _frame.Flags.INLINE, 1, 0, 0, 10, 1 << 20, capacity).pack_into(buf)
+    _frame.Prefix.write(buf, Kind.DATA, _frame.Flags.INLINE, 1, 0, 0, 10, 1 << 20, capacity)
     prefix = _frame.Prefix.unpack(bytes(buf), capacity)
-    plan = _frame.plan_frame(capacity, prefix.header_len, prefix.payload_len, inline_ok=True)
-    assert not plan.inline  # a receiver compares the two and refuses the frame
+    wires = FakeWire.pair()
+    cutter = _frame.Cutter(Group((0, 1), wires[1], Lane("fake", wires[1].abort)), promises=False)
+    with pytest.raises(HeaderError, match="cut as"):  # its sizes say: not inline
+        cutter.read(prefix)
     for bad, match in (
         (b"XXXX" + bytes(buf[4:]), "not a tensorcast frame"),
         (bytes(buf[:4]) + b"\x09" + bytes(buf[5:]), "frame version 9"),
@@ -202,18 +274,18 @@ def _stream(sender: Sender, receiver: Receiver, items: list[Any]) -> list[Any]:
 
     def receive() -> None:
         try:
-            for step in range(len(items)):
-                got.append(receiver.recv(Stamp(1, 0, step), None, TIMEOUT))
+            for _ in items:
+                got.append(receiver.recv(None, TIMEOUT))
         except BaseException as e:
             got.append(e)
 
     t = threading.Thread(target=receive)
     t.start()
-    for step, item in enumerate(items):
+    for item in items:
         if item == "END":
-            sender.send(sender.end(Stamp(1, 0, step)), TIMEOUT)
+            sender.send_end(TIMEOUT)
         else:
-            sender.send(sender.data(item, Stamp(1, 0, step), None)[0], TIMEOUT)
+            sender.send_batch(item, None, TIMEOUT)
     t.join(20)
     return got
 
@@ -253,10 +325,10 @@ def test_a_promise_is_kept_when_the_size_repeats_and_zeros_go_where_it_is_not() 
         got = _stream(sender, receiver, items)
         for step, item in enumerate(items):
             if item == "END":
-                assert got[step] == (Kind.END, None)
+                assert got[step] is END
                 continue
-            kind, tree = got[step]
-            assert kind == Kind.DATA and tree.keys() == item.keys(), (name, step)
+            tree = got[step]
+            assert tree.keys() == item.keys(), (name, step)
             assert all(torch.equal(tree[k], v) for k, v in item.items() if k != "step")
         assert src_wire.log == want, name  # what each step sent, in the order it was posted
 
@@ -267,7 +339,7 @@ def test_ranks_that_disagree_on_promises_fail_loudly(source_promises: bool) -> N
         promises=source_promises, receiver_promises=not source_promises
     )
     got = _stream(sender, receiver, [_audio(100_000, s) for s in range(3)])
-    assert [kind for kind, _ in got[:2]] == [Kind.DATA, Kind.DATA]
+    assert all(isinstance(tree, dict) for tree in got[:2])
     assert isinstance(got[2], DesyncError), got[2]
     assert "TENSORCAST_PROMISES" in str(got[2])
     assert rgroup.lane.broken is not None and rwire.aborted

@@ -1,10 +1,12 @@
-"""The last steps of packing: a batch encoded (flattened, laid out, its header made),
-then written into any buffer large enough.
+"""The encode side: a batch encoded (flattened, laid out, its header made), then
+written into any buffer large enough.
 
-An :class:`Encoded` touches no buffer until it is written, so the caller picks the
-buffer (pooled, pinned, on a GPU) once it knows the size. Writing hands back the tree the
-receivers will rebuild from the header, made from what the encoder already knows: the
-source never decodes the header it has just encoded.
+An :class:`Encoder` encodes one source's batches, reusing the last one's layout
+(``codec.layout``) while the structure repeats, so a steady-state step flattens the tree
+and encodes its small values, nothing more. An :class:`Encoded` touches no buffer until
+it is written, so the caller picks the buffer (pooled, pinned, on a GPU) once it knows the
+size. Writing hands back the tree the receivers will rebuild from the header, made from
+what the encoder already knows: the source never decodes the header it has just encoded.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from tensorcast.codec.flatten import BufferLeaf, flatten
 from tensorcast.codec.layout import DEFAULT_ALIGN, KIND, Layout, lay_out
 from tensorcast.codec.views import KeepsViews, leaf_views
 
-__all__ = ["Encoded", "encode"]
+__all__ = ["Encoded", "Encoder", "encode"]
 
 _MEMSET_BELOW = 1 << 20
 _MEMSET_ABOVE_LEAVES = 64
@@ -31,14 +33,14 @@ class Encoded:
     """A batch flattened, laid out and its header encoded, ready to be written into any
     large-enough buffer."""
 
-    __slots__ = ("header", "layout", "leaves", "nbytes", "smalls")
+    __slots__ = ("header", "layout", "leaves", "nbytes", "value_tokens")
 
     def __init__(
-        self, leaves: list[BufferLeaf], smalls: list[Any], layout: Layout, header: bytes
+        self, leaves: list[BufferLeaf], value_tokens: list[Any], layout: Layout, header: bytes
     ) -> None:
         self.leaves = leaves
         #: the small values' tokens, as the header carries them
-        self.smalls = smalls
+        self.value_tokens = value_tokens
         #: the leaves' places and the structure, reused by the next batch when it matches
         self.layout = layout
         self.header = header
@@ -97,13 +99,21 @@ class Encoded:
             _write_others(buffer, spec.others, leaves, host)
         return views
 
-    def write_tree(self, buffer: torch.Tensor, pool: KeepsViews | None = None) -> Any:
+    @property
+    def host_nbytes(self) -> int | None:
+        """The size of the host block of the leaves that are not tensors (numpy arrays,
+        bytes, str), which travels beside a buffer on a GPU; None when every leaf is a
+        tensor."""
+        spec = self.layout.write_spec
+        return spec.host_nbytes if spec.others else None
+
+    def write_tree(self, buffer: torch.Tensor, kept: KeepsViews | None = None) -> Any:
         """Write the batch into ``buffer`` and return its tree as the receivers rebuild
-        it: leaves that view ``buffer`` (fresh tensors on views ``pool`` keeps, when
-        ``buffer`` came from it), plain tensors even for leaves that require grad."""
+        it: leaves that view ``buffer`` (fresh tensors on views ``kept`` keeps, when
+        ``buffer`` came from there), plain tensors even for leaves that require grad."""
         spec = self.layout.write_spec
         with torch.no_grad():  # copies of leaves that require grad stay out of autograd
-            tensor_views = self.write(buffer, views=spec.pooled_views(buffer, pool))
+            tensor_views = self.write(buffer, views=spec.kept_views(buffer, kept))
         return self._tree(self._leaf_values(buffer, tensor_views))
 
     def view_tree(self, buffer: torch.Tensor) -> Any:
@@ -137,7 +147,7 @@ class Encoded:
                 buffer[off : off + n].copy_(host[pos : pos + n], non_blocking=True)
 
     def _tree(self, leaf_values: list[Any]) -> Any:
-        program, consts = self.layout.compiled(self.smalls)
+        program, consts = self.layout.compiled(self.value_tokens)
         return run(program, leaf_values, consts)
 
     def _leaf_values(self, buffer: torch.Tensor, tensor_views: list[torch.Tensor]) -> list[Any]:
@@ -206,29 +216,58 @@ def _write_others(
             buffer[off : off + n].copy_(staged)
 
 
-def encode(tree: Any, *, align: int = DEFAULT_ALIGN, previous: Layout | None = None) -> Encoded:
-    """Flatten ``tree`` and lay its leaves out; no buffer is touched yet.
+class Encoder:
+    """Encodes one source's batches, one after another: while their structure repeats,
+    the last batch's layout is reused and only the small values are encoded anew.
+
+    Args:
+        align: every leaf's offset is a multiple of this (a power of two).
+
+    Raises:
+        ValueError: ``align`` is not a power of two the format allows.
+    """
+
+    __slots__ = ("_align", "_layout")
+
+    def __init__(self, *, align: int = DEFAULT_ALIGN) -> None:
+        if type(align) is not int or not 1 <= align <= _schema.MAX_ALIGN or align & (align - 1):
+            raise ValueError(
+                f"align must be a power of two in [1, {_schema.MAX_ALIGN}], got {align!r}"
+            )
+        self._align = align
+        #: the last batch's layout; it holds no tensors, so it keeps no batch alive
+        self._layout: Layout | None = None
+
+    def encode(self, tree: Any) -> Encoded:
+        """Flatten ``tree`` and lay its leaves out; no buffer is touched yet.
+
+        Raises:
+            UnsupportedLeafError: a leaf, key or container cannot travel.
+            ValueError: tensors on more than one device, a cyclic tree, a buffer over the
+                format's limit.
+        """
+        tokens, values, leaves, loose = flatten(tree)
+        # A leaf's (kind, code, shape) fixes its size, so equal kinds and tokens mean an
+        # equal layout: steady state compares them instead of laying the leaves out, and
+        # encodes only the small values.
+        kinds = list(map(KIND, leaves))
+        layout = self._layout
+        if (
+            layout is None
+            or loose
+            or not layout.comparable
+            or layout.tokens != tokens
+            or layout.kinds != kinds
+        ):
+            layout = self._layout = lay_out(leaves, kinds, tokens, self._align, not loose)
+        return Encoded(leaves, values, layout, layout.header(values))
+
+
+def encode(tree: Any, *, align: int = DEFAULT_ALIGN) -> Encoded:
+    """Flatten ``tree`` and lay its leaves out, with nothing reused from another batch.
 
     Raises:
         UnsupportedLeafError: a leaf, key or container cannot travel.
         ValueError: bad ``align``, tensors on more than one device, a cyclic tree.
     """
-    if type(align) is not int or not 1 <= align <= _schema.MAX_ALIGN or align & (align - 1):
-        raise ValueError(f"align must be a power of two in [1, {_schema.MAX_ALIGN}], got {align!r}")
-    tokens, values, leaves, loose = flatten(tree)
-    # A leaf's (kind, code, shape) fixes its size, so equal kinds and tokens mean an equal
-    # layout: steady state compares them instead of laying the leaves out, and encodes
-    # only the small values.
-    kinds = list(map(KIND, leaves))
-    if (
-        previous is not None
-        and previous.comparable
-        and not loose
-        and previous.align == align
-        and previous.tokens == tokens
-        and previous.kinds == kinds
-    ):
-        layout = previous
-    else:
-        layout = lay_out(leaves, kinds, tokens, align, not loose)
-    return Encoded(leaves, values, layout, layout.header(values))
+    return Encoder(align=align).encode(tree)

@@ -1,0 +1,51 @@
+"""The arguments both entry points take alike: timeouts, output devices, packed batches."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tensorcast.codec import Packed, resolve_device, unpack
+
+__all__ = ["distributed", "output_device", "to_timedelta", "unpack_if_packed"]
+
+_AVAILABLE = dist.is_available()  # fixed by how torch was built
+
+
+def distributed() -> bool:
+    """Whether ``torch.distributed`` is built and initialized."""
+    return _AVAILABLE and dist.is_initialized()
+
+
+def to_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
+    """A timeout in seconds (or a timedelta) as a timedelta; None stays None.
+
+    Raises:
+        ValueError: not a positive number of seconds.
+    """
+    if timeout is None or isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return datetime.timedelta(seconds=timeout)
+
+
+def output_device(device: torch.device | str | int | None) -> torch.device | None:
+    """Where output tensors land: ``device`` normalised, a bare ``"cuda"`` meaning this
+    rank's GPU: the one ``init_process_group(device_id=)`` bound, else the current one."""
+    if device is None:
+        return None
+    dev = torch.device(device) if not isinstance(device, int) else None
+    if dev is not None and dev.type == "cuda" and dev.index is None and distributed():
+        bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+        if bound is not None and bound.type == "cuda":
+            return resolve_device(bound)
+    return resolve_device(device)
+
+
+def unpack_if_packed(batch: Any) -> Any:
+    """A pre-packed batch rebuilt as a tree; anything else unchanged."""
+    return unpack(batch) if isinstance(batch, Packed) else batch

@@ -1,0 +1,89 @@
+"""``BroadcastingDataLoader`` without a process group: a no-op over its source, and the
+checks of its arguments. The loader across ranks is tested in ``tests/gloo``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+from trees import assert_same
+
+import tensorcast as tc
+
+N = 6  # batches per pass
+
+
+def batch(i: int) -> dict[str, Any]:
+    return {"x": torch.arange(4, dtype=torch.float32) + i, "ids": [i, -(2**70)], "name": f"b{i}"}
+
+
+class Stateful:
+    """A resumable source: its state is the index of the next batch to yield."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pos = 0
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        while self.pos < self.n:
+            self.pos += 1
+            yield batch(self.pos - 1)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pos = state["pos"]
+
+
+class Numbers(Dataset[int]):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def test_no_op_without_torch_distributed() -> None:
+    assert not dist.is_initialized()
+    items = [batch(i) for i in range(3)]
+
+    class Mesh:  # would span 4 ranks if a process group existed
+        mesh = torch.arange(4).reshape(2, 2)
+        mesh_dim_names = ("cp", "tp")
+
+    for prefetch in (0, 1):
+        loader = tc.BroadcastingDataLoader(items, Mesh(), prefetch=prefetch)
+        assert all(a is b for a, b in zip(loader, items, strict=True))
+        assert len(loader) == 3
+        assert loader.is_source
+        assert list(tc.BroadcastingDataLoader(None, Mesh(), prefetch=prefetch)) == []
+    loader = tc.BroadcastingDataLoader(Stateful(N))
+    loader.load_state_dict({"pos": 4})
+    assert loader.state_dict() == {"pos": 4}
+    assert_same(list(loader), [batch(4), batch(5)], "no-op resume")
+
+
+def test_bad_arguments() -> None:
+    for prefetch in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="prefetch"):
+            tc.BroadcastingDataLoader([], prefetch=prefetch)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="src"):
+        tc.BroadcastingDataLoader([], src=0)
+
+
+def test_stateless_source_warns_once_without_a_process_group() -> None:
+    """The no-op loader (no torch.distributed group here) delegates the same way."""
+    loader = tc.BroadcastingDataLoader(DataLoader(Numbers(), batch_size=4))
+    with pytest.warns(UserWarning, match="restarts the pass") as record:
+        assert loader.state_dict() == {}
+        assert loader.state_dict() == {}
+    assert len(record) == 1
+    assert len(loader) == 4

@@ -22,13 +22,16 @@ What rank 1 measures, in one run:
     python benchmarks/bench_gpu_overlap.py
     python benchmarks/bench_gpu_overlap.py --steps 60 --json bench-results/gpu_overlap.json
 
-Exits with 77 and does nothing where no CUDA device is visible; with ``--check``, with 1
-when a target is missed.
+``--json`` is written as the run goes (the baselines first, then every figure), so a run
+cut off keeps what it measured; a run that fails or outlives ``--timeout`` (240 s by
+default) writes its error there too. Exits with 77 and does nothing where no CUDA device
+is visible; with 1 when the run failed, or with ``--check`` when a target is missed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -42,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the rank launcher
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # a plain copy: nothing installed
 
 from rankpool import RankPool
 
@@ -120,6 +124,17 @@ def _overlap(trace: dict[str, Any], min_bytes: int) -> dict[str, Any]:
     }
 
 
+def _write_json(path: str | None, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` whole or not at all (a reader never sees half a file)."""
+    if not path:
+        return
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
+    tmp.replace(target)
+
+
 def _pinned_copy_GBps(nbytes: int, matmuls: Any = None, reps: int = 10) -> float:
     """A plain ``copy_`` from pinned memory to the GPU, on a stream of its own, timed with
     CUDA events; under ``matmuls()`` on the current stream when given."""
@@ -191,6 +206,14 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any] | None:
     compute_only = periods(lambda i: matmuls(), 20)[3:]
     idle_GBps = _pinned_copy_GBps(nbytes)
     under_compute_GBps = _pinned_copy_GBps(nbytes, matmuls)
+    baselines = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "config": {**args, "matmuls_per_step": k, "per_matmul_ms": round(per_matmul_ms, 3)},
+        "step_ms_compute_only": round(statistics.median(compute_only), 3),
+        "plain_pinned_copy_GBps": {"idle": idle_GBps, "under_the_matmuls": under_compute_GBps},
+    }
+    _write_json(args["json"], {"phase": "baselines measured; the loader's steps next", **baselines})
 
     loader = tc.BroadcastingDataLoader(
         None, group=dist.group.WORLD, src=0, prefetch=args["prefetch"], device="cuda"
@@ -223,18 +246,15 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any] | None:
     added = step_loader - step_alone
     upload = overlap["upload_ms_median"]
     ratio = overlap["upload_GBps"] / idle_GBps if overlap["upload_GBps"] else None
-    return {
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "config": {**args, "matmuls_per_step": k, "per_matmul_ms": round(per_matmul_ms, 3)},
-        "step_ms_compute_only": round(step_alone, 3),
+    result = {
+        **baselines,
+        "phase": "done",
         "step_ms_with_loader": round(step_loader, 3),
         "ms_added_per_step": round(added, 3),
         "hidden_share_from_step_times": (
             round(max(0.0, min(1.0, 1 - added / upload)), 3) if upload else None
         ),
         "profiler": overlap,
-        "plain_pinned_copy_GBps": {"idle": idle_GBps, "under_the_matmuls": under_compute_GBps},
         "h2d_bandwidth_ratio": ratio,
         "host_steps_per_s": args["steps"] / wall_s,
         "data_stall_ms_median": stats.stall.median * 1e3,
@@ -245,6 +265,8 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any] | None:
         },
         "step_ms": {"compute_only": compute_only, "with_loader": with_loader},
     }
+    _write_json(args["json"], result)
+    return result
 
 
 def _target(value: float | None, target: float) -> dict[str, Any]:
@@ -260,17 +282,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--json", metavar="PATH", help="write every figure and raw step time here")
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds the ranks may take in all")
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print(f"needs CUDA: torch {torch.__version__} sees no CUDA device; nothing was measured")
+        reason = f"needs CUDA: torch {torch.__version__} sees no CUDA device; nothing was measured"
+        print(reason)
+        _write_json(args.json, {"skipped": reason})
         return SKIPPED
     config = {
         k: getattr(args, k) for k in ("batch_mb", "n", "step_ms", "steps", "warmup", "prefetch")
     }
-    pool = RankPool(2, pg_timeout=300)
+    config["json"] = str(Path(args.json).resolve()) if args.json else None
+    pool = RankPool(2, pg_timeout=args.timeout)
     try:
-        results = pool.run(_rank, config, timeout=900)
+        results = pool.run(_rank, config, timeout=args.timeout)
+    except Exception as e:  # a rank failed, died or outlived the timeout: say so, keep the rest
+        partial = {}
+        if args.json and Path(args.json).exists():
+            with contextlib.suppress(ValueError):
+                partial = json.loads(Path(args.json).read_text(encoding="utf-8"))
+        _write_json(args.json, {**partial, "error": f"{type(e).__name__}: {e}"[:4000]})
+        print(f"the run failed: {type(e).__name__}: {e}")
+        return 1
     finally:
         pool.close()
     r = results[1]
@@ -295,9 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  data stall: median {r['data_stall_ms_median']:.2f} ms, share {r['stall_share']:.3f}")
     for name, t in r["targets"].items():
         print(f"  target {name} >= {t['target']}: {'met' if t['met'] else 'MISSED'} ({t['value']})")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(r, indent=1, default=str) + "\n")
+    _write_json(args.json, r)
     missed = not all(t["met"] for t in r["targets"].values())
     return 1 if args.check and missed else 0
 

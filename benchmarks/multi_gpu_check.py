@@ -51,11 +51,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a plain copy: nothing installed
+
 import torch
 import torch.distributed as dist
 
 import tensorcast as tc
-from tensorcast.codec.packed import resolve_device
+from tensorcast.codec import resolve_device
 from tensorcast.transport import groups as _groups
 
 SKIPPED = 77

@@ -1,9 +1,11 @@
 """The CUDA paths, on a machine with a GPU (skipped elsewhere).
 
 The checks live in ``tests/gpu/gpu_stream_check.py``, a script that can also be run by
-hand; here each of its parts runs under pytest wherever CUDA is available, through the
-script itself (each part in processes of its own, under the script's hard timeouts), and
-every check of the part must pass.
+hand (``bash tests/gpu/device_run.sh OUTDIR`` runs all of it in one command); here each
+of its parts runs under pytest wherever CUDA is available, through the script itself
+(each part in processes of its own, under the script's hard limits), and no check of the
+part may fail. A check that cannot judge here (a feature not there yet, a profiler trace
+it cannot read) is a SKIP, listed in the test's output.
 """
 
 from __future__ import annotations
@@ -26,19 +28,21 @@ ROOT = SCRIPT.parents[2]
 
 @pytest.mark.parametrize("part", sorted(PART_TIMEOUT_S))
 def test_gpu_stream_check_part(part: str, tmp_path: Path) -> None:
-    report = tmp_path / "report.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (
         os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
     )
     rc, out = run_killable(
-        [sys.executable, str(SCRIPT), "--parts", part, "--json", str(report)],
+        [sys.executable, str(SCRIPT), "--parts", part, "--out", str(tmp_path)],
         cwd=ROOT,
         env=env,
-        timeout=PART_TIMEOUT_S[part] + 60,  # the script kills a part at its own limit
+        timeout=PART_TIMEOUT_S[part] + 30,  # the script ends a part at its own limit
     )
+    report = tmp_path / f"part-{part}.json"
     checks = json.loads(report.read_text())["checks"] if report.exists() else []
-    failed = [f"{c['id']} {c['name']}:\n{c['detail']}" for c in checks if c["status"] != "PASS"]
     assert checks, f"part {part} reported nothing (rc={rc}):\n{out[-4000:]}"
+    failed = [f"{c['id']} {c['name']}:\n{c['detail']}" for c in checks if c["status"] == "FAIL"]
+    skipped = [f"{c['id']}: {c['detail'][:200]}" for c in checks if c["status"] == "SKIP"]
+    print(f"part {part}: skipped {skipped}" if skipped else f"part {part}: nothing skipped")
     assert not failed, "\n".join(failed) + f"\n{out[-2000:]}"
     assert rc == 0, out[-4000:]

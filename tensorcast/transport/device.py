@@ -5,23 +5,37 @@ On a GPU, order is a matter of streams as well as of threads. A lane's worker do
 work only (gloo heads, header checks, packing into pinned staging); everything a frame
 does on the GPU (the upload, the NCCL payload, the stream waits) is one
 :class:`DevicePart`, posted by the consumer's thread at ``next()`` / ``broadcast()``:
-points that are the same on every rank, in lane order. It runs on a stream tensorcast
-owns that first waits on the caller's current stream, so it starts after whatever the
-caller queued before (the same collectives on every rank: no cross-communicator cycle),
-and overlaps whatever the caller queues after. The batch is handed out with an event:
-the caller's current stream waits on it, whichever thread did what before, and the
-buffer is recorded on that stream (it comes from the caching allocator, so
-``record_stream`` works: a consumer that reads on a side stream and drops the batch
-cannot have it overwritten). What the work reads (pinned staging, the source's batch) is
-held until its event is seen done, on the caller's thread; a pooled staging buffer is
-reused only then (:class:`Inflight`).
+points that are the same on every rank, in lane order. A loader posts the next frame's
+part before it builds this one's, so that a frame refused on one rank only (a bad CRC)
+does not keep that rank from posting what its peers post. Each group's parts run on a
+stream of the group's own (uploads for a host wire, which wait on no peer, on one per
+device) that first waits on the caller's current stream, so a part starts after whatever
+the caller queued before and overlaps whatever it queues after.
+The batch is handed out with an event: the caller's current stream waits on it,
+whichever thread did what before, and the buffer is recorded on that stream (it comes
+from the caching allocator, so ``record_stream`` works: a consumer that reads on a side
+stream and drops the batch cannot have it overwritten).
+
+What a part reads of the device's memory that is not its own (the source's CUDA batch)
+is recorded on the transfer stream when posted and not held: the caller may drop it at
+once, on any path. What it reads on the host (pinned staging) is held until its event is
+seen done on the caller's thread, at a later post or take (:class:`Inflight`), and only
+then is a pooled staging buffer reused; nothing of the device's is held there.
+
+Across groups tensorcast adds no order: a slow peer on one group delays only what the
+caller's stream takes from that group. NCCL does not promise that kernels of two
+communicators progress side by side, so programs whose groups overlap post them in the
+same order on every rank, as for the model's own collectives (a loader's ``next()`` and
+a ``tensorcast.broadcast`` are such points).
 
 A payload that does not complete within the channel's timeout breaks the lane: the
 lane's worker looks at a posted part only once its deadline has passed, so in steady
-state it makes no CUDA call at all.
+state it makes no CUDA call at all (a part not seen done keeps it, asleep and holding no
+device memory, until then: asking the device at another time could fall inside a CUDA
+graph capture on the caller's thread).
 
-The lane's thread makes each part (:class:`Staging`: pinned staging, the host block of
-the leaves that are not tensors, the payload's collective bound); the caller's thread
+The lane's thread makes each part (``transport.staging``: pinned staging, the host block
+of the leaves that are not tensors, the payload's collective bound); the caller's thread
 posts and takes it (:func:`post`, :func:`hand_out`). :class:`Streams` is the seam:
 :class:`CudaStreams` on a GPU, a fake in ``transport.testing`` that records every call.
 """
@@ -31,7 +45,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
-import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,23 +52,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from tensorcast.codec import Decoded, Encoded, Packed
-from tensorcast.transport.pool import BufferPool
-
 if TYPE_CHECKING:
-    from tensorcast.transport.groups import Group
     from tensorcast.transport.lane import Lane
 
-__all__ = [
-    "CudaStreams",
-    "DevicePart",
-    "Inflight",
-    "Staging",
-    "Streams",
-    "hand_out",
-    "post",
-    "streams_for",
-]
+__all__ = ["CudaStreams", "DevicePart", "Inflight", "Streams", "hand_out", "post", "streams_for"]
 
 
 class Streams(Protocol):
@@ -135,7 +135,8 @@ _streams_lock = threading.Lock()
 
 
 def streams_for(device: torch.device) -> CudaStreams:
-    """The one :class:`CudaStreams` of ``device`` in this process."""
+    """The one :class:`CudaStreams` of ``device`` in this process, for uploads of host
+    payloads (an NCCL group has streams of its own)."""
     with _streams_lock:
         streams = _streams.get(device)
         if streams is None:
@@ -144,9 +145,10 @@ def streams_for(device: torch.device) -> CudaStreams:
 
 
 class Inflight:
-    """Device work posted and not yet seen done: what it reads, held until then, and its
-    deadline. Filled and emptied on the caller's thread (:meth:`add`, :meth:`reap`); the
-    lane's worker only looks at work past its deadline (:meth:`overdue`).
+    """Device work posted and not yet seen done: the host memory it reads, held until
+    then, and its deadline (NOTE [ Device work at next() ]). Filled and emptied on the
+    caller's thread (:meth:`add`, :meth:`reap`); the lane's worker only looks at work past
+    its deadline (:meth:`overdue`).
 
     Args:
         watch: called after work is added (the lane's worker then watches deadlines).
@@ -157,8 +159,11 @@ class Inflight:
         self._lock = threading.Lock()
         # (deadline, streams, event, kept), in posting order
         self._items: collections.deque[tuple[float, Streams, Any, Any]] = collections.deque()
+        # (streams, event, kept) of work no longer watched (see clear)
+        self._unwatched: list[tuple[Streams, Any, Any]] = []
 
     def __len__(self) -> int:
+        """The work whose deadline is watched (the lane's worker stays for it)."""
         return len(self._items)
 
     def add(self, streams: Streams, event: Any, kept: Any, timeout_s: float) -> None:
@@ -167,7 +172,11 @@ class Inflight:
         self._watch()
 
     def clear(self) -> None:
+        """Stop watching deadlines (the lane broke, or its group closed), so the worker
+        may leave. What the work reads on the host stays held until seen done: dropped
+        now, a pool could hand it out again under a copy still reading it."""
         with self._lock:
+            self._unwatched += [item[1:] for item in self._items if item[3] is not None]
             self._items.clear()
 
     def reap(self) -> None:
@@ -176,6 +185,8 @@ class Inflight:
             items = self._items
             while items and items[0][1].done(items[0][2]):
                 items.popleft()
+            if self._unwatched:
+                self._unwatched = [u for u in self._unwatched if not u[0].done(u[1])]
 
     def next_deadline(self) -> float | None:
         with self._lock:
@@ -205,7 +216,9 @@ class DevicePart:
             pinned staging, or the source's CUDA batch packed), or None.
         send: ``send(buffer)`` posts the payload's collective and returns its handle,
             whose ``wait`` makes the current stream wait; or None.
-        kept: what the work reads, held until it is seen done (staging, the batch).
+        kept: what the work reads on the host, held until it is seen done (staging).
+        reads: device tensors of the caller's the work reads (the source's CUDA batch):
+            recorded on the transfer stream when posted, then let go.
         ready: an event the work waits on first (a batch made on the lane's worker).
         buffer: the destination when it exists already (a source's own CUDA buffer).
         inflight: where the posted work is held until done; ``timeout_s`` its deadline.
@@ -221,6 +234,7 @@ class DevicePart:
         "_inflight",
         "_kept",
         "_on_error",
+        "_reads",
         "_ready",
         "_send",
         "_started",
@@ -239,6 +253,7 @@ class DevicePart:
         fill: Callable[[torch.Tensor], Any] | None = None,
         send: Callable[[torch.Tensor], Any] | None = None,
         kept: Any = None,
+        reads: tuple[torch.Tensor, ...] = (),
         ready: Any = None,
         buffer: torch.Tensor | None = None,
         inflight: Inflight,
@@ -251,6 +266,7 @@ class DevicePart:
         self._fill = fill
         self._send = send
         self._kept = kept
+        self._reads = reads
         self._ready = ready
         self._buffer = buffer
         self._inflight = inflight
@@ -280,21 +296,24 @@ class DevicePart:
             with streams.transfer():
                 if self._ready is not None:
                     streams.wait(self._ready)
+                for tensor in self._reads:  # first: a failure below drops them safely too
+                    streams.hand_over(tensor)
                 buffer = self._buffer
                 if buffer is None:
                     buffer = self._buffer = streams.empty(self.nbytes)
                 if self._fill is not None:
                     self._fill(buffer)
-                if self._send is not None:  # its wait makes this stream wait, not the host
+                if self._send is not None:  # a stream wait (NOTE [ A stream wait ], wire)
                     self._send(buffer).wait(datetime.timedelta(seconds=self._timeout_s))
                 event = streams.record()
         except BaseException as e:  # nothing of the frame may go on on this rank
             self._on_error(e)
             raise
         self._event = event
-        # Held until the device is done with them: pinned staging is reused only then.
-        self._inflight.add(streams, event, (self._kept, buffer), self._timeout_s)
+        # The buffer is the allocator's, on the transfer stream: only host memory is held.
+        self._inflight.add(streams, event, self._kept, self._timeout_s)
         self._fill = self._send = self._kept = self._ready = None
+        self._reads = ()
 
     def take(self) -> Any:
         """The batch, for the caller's current stream: posts the work if not yet done,
@@ -306,6 +325,7 @@ class DevicePart:
             assert buffer is not None
             self.streams.wait(self._event)
             self.streams.hand_over(buffer)
+            self._inflight.reap()  # what is done by now goes now (a one-off broadcast's)
             try:
                 self._tree = self._build(buffer)
             except Exception as e:  # a refusal of this step (an interrupt: built again)
@@ -316,13 +336,18 @@ class DevicePart:
         return self._tree
 
 
-def hand_out(value: Any, lane: Lane) -> Any:
+def hand_out(value: Any, lane: Lane, ahead: Callable[[], None] | None = None) -> Any:
     """What a job returned, as the caller gets it: a frame's device part is posted (if it
     was not yet) and taken for the caller's current stream; anything else as it is. Only
-    on the caller's thread, in lane order."""
+    on the caller's thread, in lane order. ``ahead`` posts what comes next (a loader's
+    next frame) after this part and before its tree is built: a build refused on this
+    rank alone then skips no post its peers make (NOTE [ Device work at next() ])."""
     if isinstance(value, DevicePart):
         if lane.broken is not None:
             lane.check()
+        if ahead is not None:
+            value.post()
+            ahead()
         return value.take()
     return value
 
@@ -331,167 +356,3 @@ def post(value: Any) -> None:
     """Post a frame's device part ahead of its hand-out (a loader's ``prefetch``)."""
     if isinstance(value, DevicePart):
         value.post()
-
-
-# -- the lane's thread: device parts made ------------------------------------------
-
-_CPU = torch.device("cpu")
-#: pinned staging buffers kept per side: one per frame between its packing and its
-#: upload's end, a few frames deep
-STAGING_BUFFERS = 4
-
-#: a part, its payload's host copy (None: on the GPU), its host block (None: no leaf else)
-_Staged = tuple[DevicePart, torch.Tensor | None, torch.Tensor | None]
-
-
-def _upload_from(source: torch.Tensor) -> Callable[[torch.Tensor], Any]:
-    """A fill that copies ``source`` into the buffer, on the transfer stream."""
-    return lambda buffer: buffer.copy_(source, non_blocking=True)
-
-
-def _local(error: BaseException) -> None:
-    """A failure of this rank's own copy, raised as it is (the frame went out whole)."""
-
-
-class Staging:
-    """The device parts of one side of a channel on ``group``.
-
-    Args:
-        group: tensorcast's group; its wire's ``streams`` (None on a host wire) are where
-            payloads travel, and its lane holds posted work until done.
-        root: the source's group-local rank.
-        on_error: called with what posting a payload raised (it breaks the lane).
-    """
-
-    def __init__(self, group: Group, root: int, on_error: Callable[[BaseException], None]) -> None:
-        self._group = group
-        self._root = root
-        self._on_error = on_error
-        self._pools: dict[torch.device, BufferPool] = {}  # pinned staging, per GPU
-
-    def _pool(self, streams: Streams) -> BufferPool:
-        pool = self._pools.get(streams.device)
-        if pool is None:
-            pool = self._pools[streams.device] = BufferPool(
-                max_buffers=STAGING_BUFFERS, allocate=streams.host
-            )
-        return pool
-
-    @property
-    def _streams(self) -> Streams:
-        streams = self._group.wire.streams
-        assert streams is not None, "a device part needs a device wire"
-        return streams
-
-    def packed(
-        self, encoded: Encoded, device: torch.device | None, timeout: datetime.timedelta
-    ) -> _Staged:
-        """A source's tree: packed into pinned staging here when it is on the host, else
-        (a CUDA batch) packed on the transfer stream when posted."""
-        streams = self._streams
-        pool = self._pool(streams)
-        n = encoded.nbytes
-        block = None
-        host_nbytes = encoded.host_nbytes
-        if host_nbytes is not None:
-            block = encoded.host_block(pool.take(host_nbytes, _CPU))
-        own = functools.partial(encoded.device_tree, host=block)
-        if encoded.device.type == "cpu":
-            staging = pool.take(n, _CPU)
-            with torch.no_grad():
-                encoded.write(staging)
-            fill = _upload_from(staging)
-            return self.part(n, own, device, timeout, fill=fill, kept=staging), staging, block
-
-        def write(buffer: torch.Tensor) -> None:
-            with torch.no_grad():
-                encoded.write(buffer, others=False)
-            if block is not None:
-                encoded.upload_others(buffer, block)
-
-        ready = streams.record()  # the batch was made on this thread's stream
-        kept = (encoded, block)
-        return self.part(n, own, device, timeout, fill=write, kept=kept, ready=ready), None, block
-
-    def prepacked(
-        self,
-        batch: Packed,
-        decoded: Decoded,
-        device: torch.device | None,
-        timeout: datetime.timedelta,
-    ) -> _Staged:
-        """A source's :class:`Packed`: a host buffer through pinned staging, a buffer on
-        the wire's device as it is (its views are this rank's tree)."""
-        streams = self._streams
-        pool = self._pool(streams)
-        buffer, n = batch.buffer, decoded.nbytes
-        block = None
-        host_nbytes = decoded.host_nbytes
-        if host_nbytes is not None:
-            out = pool.take(host_nbytes, _CPU)
-            # A GPU buffer's other leaves come back to the host once, here (a sync).
-            block = decoded.host_block(buffer if buffer.is_cpu else buffer.cpu(), out)
-        build = functools.partial(decoded.rebuild, host=block)
-        if buffer.is_cpu:
-            staging = pool.take(n, _CPU).copy_(buffer)
-            fill = _upload_from(staging)
-            return self.part(n, build, device, timeout, fill=fill, kept=staging), staging, block
-        ready = streams.record()  # the buffer was made on this thread's stream
-        if buffer.is_inference() or buffer.device != streams.device:
-            fill = _upload_from(buffer)
-            part = self.part(n, build, device, timeout, fill=fill, kept=buffer, ready=ready)
-        else:
-            part = self.part(n, build, device, timeout, buffer=buffer, ready=ready)
-        return part, None, block
-
-    def part(
-        self,
-        n: int,
-        build: Callable[[torch.Tensor], Any],
-        device: torch.device | None,
-        timeout: datetime.timedelta,
-        **work: Any,
-    ) -> DevicePart:
-        """The device side of a frame of ``n`` payload bytes on the wire's device:
-        ``work`` fills the buffer (on the source), then the payload's collective moves
-        it; ``build`` makes this rank's tree of it, moved to ``device`` when asked."""
-        streams = self._streams
-        wire, root = self._group.wire, self._root
-        if device is not None and device != streams.device:
-            build = _on_device(build, device)
-        if n:
-            work["send"] = lambda buffer: wire.payload(buffer, root, timeout)
-        return self._part(streams, n, build, timeout, self._on_error, **work)
-
-    def upload(
-        self,
-        payload: torch.Tensor,
-        device: torch.device,
-        build: Callable[[torch.Tensor], Any],
-        timeout: datetime.timedelta,
-    ) -> DevicePart:
-        """This rank's tree of a host payload, on ``device`` (a host wire's caller asked
-        for CUDA tensors): through pinned staging here, uploaded when posted."""
-        streams = streams_for(device)
-        staging = self._pool(streams).take(payload.numel(), _CPU).copy_(payload)
-        fill = _upload_from(staging)
-        return self._part(streams, payload.numel(), build, timeout, _local, fill=fill, kept=staging)
-
-    def _part(
-        self,
-        streams: Streams,
-        n: int,
-        build: Callable[[torch.Tensor], Any],
-        timeout: datetime.timedelta,
-        on_error: Callable[[BaseException], None],
-        **work: Any,
-    ) -> DevicePart:
-        inflight, timeout_s = self._group.lane.inflight, timeout.total_seconds()
-        return DevicePart(
-            streams, n, build, inflight=inflight, timeout_s=timeout_s, on_error=on_error, **work
-        )
-
-
-def _on_device(build: Callable[[torch.Tensor], Any], device: torch.device) -> Any:
-    """``build``, its tree made from a copy of the buffer on ``device`` (asked for)."""
-    return lambda buffer: build(buffer.to(device))

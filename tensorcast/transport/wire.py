@@ -33,12 +33,15 @@ made ahead ], ``transport.kept``). A failure or a timeout raises
 from __future__ import annotations
 
 import datetime
+import os
+import warnings
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion
 
-from tensorcast.transport.device import Streams, streams_for
+from tensorcast.transport.device import CudaStreams, Streams
 
 __all__ = ["HEAD_SENDS_MAX_RANKS", "GlooWire", "NcclWire", "Posted", "Wire"]
 
@@ -158,16 +161,28 @@ class GlooWire:
 class NcclWire(GlooWire):
     """Heads on a gloo group, payloads on an NCCL group over the same ranks.
 
-    A payload is posted on the caller's thread, inside tensorcast's stream (NOTE [ Device
-    work at next() ]): NCCL's own stream first waits on it, and waiting for the payload
-    makes it wait on NCCL's end (no host sync).
+    A payload is posted on the caller's thread, inside this group's own transfer stream
+    (NOTE [ Device work at next() ]: one per group, so that groups do not wait on each
+    other's peers): NCCL's own stream first waits on it, and waiting for the payload makes
+    it wait on NCCL's end (NOTE [ A stream wait ]).
     """
 
     def __init__(self, gloo: Any, nccl: Any, rank: int, device: torch.device) -> None:
         super().__init__(gloo, rank)
         self._nccl = nccl
         self.device = device
-        self.streams = streams_for(device)
+        self.streams = CudaStreams(device)
+        variable = blocking_wait()
+        if variable is not None:
+            warnings.warn(
+                f"{variable} is set: with torch {torch.__version__}, tensorcast's NCCL payloads "
+                f"then wait on the host at every hand-over (a host sync per batch on the "
+                f"training thread, so a transfer no longer overlaps the step, and a hung peer "
+                f"holds that thread up to NCCL's own timeout). Unset it, or use torch 2.6 or "
+                f"later, where tensorcast's stream wait ignores it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Posted:
         return _StreamWait(self._nccl.broadcast([tensor], self._opts(root)))
@@ -194,12 +209,37 @@ class _All:
             work.wait(timeout)
 
 
+# NOTE [ A stream wait ]
+# A payload's end is waited for with ``Work.synchronize()``: since torch 2.6
+# (pytorch/pytorch#137295) it only makes the current stream wait on NCCL's end event, and
+# lets go of what PGNCCL stashed for the allocator. ``Work.wait()`` does the same, unless a
+# timeout is given or TORCH_NCCL_BLOCKING_WAIT=1 (or its old name NCCL_BLOCKING_WAIT) is
+# set: it then polls on the host until the collective is done, a host wait per batch on
+# the caller's thread. Before 2.6 ``synchronize()`` polls too under that variable, so an
+# NCCL wire warns once when it is made there (:func:`blocking_wait`). Blocking-wait mode
+# also runs no PGNCCL watchdog; the channel's deadline (NOTE [ Device work at next() ])
+# still breaks a lane whose payload never completes.
+_TRUE = ("1", "y", "yes", "t", "true")  # what torch's getCvarBool reads as set
+
+
+def blocking_wait(version: str = torch.__version__) -> str | None:
+    """The variable that makes a payload's stream wait a host wait on this torch (NOTE
+    [ A stream wait ]), or None; the first of the two names that is set decides, as in
+    torch."""
+    for name in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"):
+        value = os.environ.get(name)
+        if value is not None:
+            on = value.strip().lower() in _TRUE
+            return name if on and TorchVersion(version) < "2.6" else None
+    return None
+
+
 class _StreamWait:
     """An NCCL collective whose ``wait`` makes the current stream wait, never the host
-    (NCCL's own ``wait(timeout)`` blocks the host until the collective is done)."""
+    (NOTE [ A stream wait ])."""
 
     def __init__(self, work: Any) -> None:
         self._work = work
 
     def wait(self, timeout: datetime.timedelta) -> None:
-        self._work.wait()
+        self._work.synchronize()

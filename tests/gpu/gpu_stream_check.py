@@ -93,6 +93,13 @@ Part C, an NCCL group of one (``init_process_group("nccl", world_size=1, device_
   not handed to the allocator before the transfer read it (review N-7).
 - T20: with ``TORCH_NCCL_BLOCKING_WAIT=1``, a broadcast still returns at once while the
   stream is busy, or tensorcast warns or refuses naming the variable (review N-5).
+- T21: two of tensorcast's NCCL groups on the GPU (two communicators of one rank, made
+  as tensorcast makes them): group A's part waits 1.5 s on a slow peer, group B's is
+  posted after it and is done at once, while A's is not (review N-4).
+- T22: tensorcast's group's abort made to block for 30 s; a broadcast whose payload waits
+  behind a 2 s sleep past its 0.3 s deadline breaks the lane on its worker, and a job
+  queued behind the break raises ``PeerError`` within 15 s, the abort running on a
+  thread of its own (review N-6).
 - T12: a real ``Sender`` and ``Receiver`` on real lanes, over a wire whose payloads are
   CUDA copies with NCCL's stream contract, consumers on alternating side streams, the
   default stream busy before every step, ``prefetch`` 1 and 2: every snapshot that
@@ -140,10 +147,8 @@ import torch.distributed as dist
 import tensorcast as tc
 
 # tensorcast's internals: the one place this script names them (the public API has no
-# way to pair a sender with a receiver in one process, or to reach a group's lane). The
-# roles' calls go through the few functions under "tensorcast's roles" below.
+# way to pair a sender with a receiver in one process, or to reach a group's lane).
 from tensorcast.codec.dtypes import TORCH_CODES
-from tensorcast.transport import frame as _frame
 from tensorcast.transport import groups as _groups
 from tensorcast.transport.device import CudaStreams, DevicePart, Inflight
 from tensorcast.transport.groups import Group
@@ -151,6 +156,7 @@ from tensorcast.transport.lane import Job, Lane
 from tensorcast.transport.pool import BufferPool
 from tensorcast.transport.receiver import Receiver
 from tensorcast.transport.sender import Sender
+from tensorcast.transport.staging import Staging
 from tensorcast.transport.testing import FakeWire
 
 _STARTED = time.monotonic()  # the first part's clock starts with this process
@@ -204,6 +210,8 @@ CHECKS: dict[str, dict[str, str]] = {
         "T14": "lane.break_ returns, the next broadcast raises PeerError",
         "T19": "a CUDA input outlives its queued transfer when the deadline breaks (N-7)",
         "T20": "TORCH_NCCL_BLOCKING_WAIT=1: no host wait, or a warning (N-5)",
+        "T21": "two groups' payloads on one GPU do not wait on each other (N-4)",
+        "T22": "a deadline break whose abort blocks still fails the queued job (N-6)",
         "T12": "sender / receiver on real lanes over CUDA-stream payloads",
         "T12s": "no host sync on the NCCL-style receiver's threads",
         "T6c": "capture while the source's worker makes a frame (ready event, staging)",
@@ -232,11 +240,8 @@ _BENIGN_CUDA_CALLS = (  # runtime calls that neither touch a stream nor memory
 
 
 # -- tensorcast's roles -------------------------------------------------------------------
-# A sender and a receiver paired in one process, and jobs on a lane. Two shapes of the
-# transport's roles are met: 0.2.0's, where the caller stamps each frame, and the
-# reorganised one's, where the roles number their frames themselves.
-
-_STAMPED = hasattr(Sender, "data")  # 0.2.0
+# A sender and a receiver paired in one process (source: group rank 0, global rank 0;
+# receiver: global rank 1); the roles number their frames themselves.
 
 
 def submit(lane: Lane, fn: Callable[[], Any]) -> Any:
@@ -244,49 +249,6 @@ def submit(lane: Lane, fn: Callable[[], Any]) -> Any:
     job: Any = Job(fn)
     lane.enqueue(job)
     return job
-
-
-def new_sender(group: Group, *, verify: bool = False) -> Any:
-    """The source (group rank 0, global rank 0) of a channel on ``group``."""
-    return Sender(group, 0, verify=verify, timeout=TD)
-
-
-def new_receiver(group: Group) -> Any:
-    """The receiver (global rank 1) of the source's channel on ``group``."""
-    if _STAMPED:
-        return Receiver(group, 0, 0, lambda *_: "the in-memory source is fine")
-    return Receiver(group, 0, rank=1, timeout=TD)
-
-
-def write_frame(sender: Any, batch: Any, step: int, device: Any = None) -> tuple[Any, Any]:
-    """The frame of ``batch`` (step ``step`` of the channel) and this rank's own tree."""
-    if _STAMPED:
-        return sender.data(batch, _frame.Stamp(1, 0, step), device)  # type: ignore[no-any-return]
-    return sender.write(batch, device, TD)  # type: ignore[no-any-return]
-
-
-def send_frame(sender: Any, batch: Any, step: int, device: Any = None) -> Any:
-    """Write and send step ``step``'s frame; its own tree. A batch that cannot travel is
-    announced with an ERROR frame, then raised, as a channel does."""
-    try:
-        out, own = write_frame(sender, batch, step, device)
-    except ValueError as e:
-        if _STAMPED:
-            sender.send(sender.error(str(e), _frame.Stamp(1, 0, step)), TD)
-        else:
-            sender.send_error(str(e), TD)
-        raise
-    sender.send(out, TD)
-    return own
-
-
-def recv_frame(receiver: Any, step: int, device: Any = None) -> Any:
-    """Step ``step``'s batch (a device part where it lands on a GPU)."""
-    if _STAMPED:
-        kind, part = receiver.recv(_frame.Stamp(1, 0, step), device, TD)
-        expect(kind == _frame.Kind.DATA, f"step {step}: a {kind!r} frame")
-        return part
-    return receiver.recv(device, TD)
 
 
 # -- recording ------------------------------------------------------------------------
@@ -715,13 +677,14 @@ def t1_dropped_tree_not_overwritten(dev: torch.device, sleeper: Sleeper) -> dict
     lanes = [Lane(f"check-a{w.rank}", w.abort) for w in wires]
     # (FakeWire's streams are the host fake's type; these ends have none)
     groups = [Group((0, 1), w, lane) for w, lane in zip(wires, lanes)]  # type: ignore[arg-type]
-    sender, receiver = new_sender(groups[0]), new_receiver(groups[1])
+    sender = Sender(groups[0], 0, timeout=TD)
+    receiver = Receiver(groups[1], 0, rank=1, timeout=TD)
     report: dict[str, Any] = {}
 
     def frame(step: int) -> dict[str, DevicePart]:
         # the in-memory source posts at once; the receiver reads after
-        own = send_frame(sender, {"x": torch.full((n,), step, dtype=torch.uint8)}, step, dev)
-        part = recv_frame(receiver, step, dev)
+        own = sender.send_batch({"x": torch.full((n,), step, dtype=torch.uint8)}, dev, TD)
+        part = receiver.recv(dev, TD)
         for side, p in (("own", own), ("received", part)):
             expect(isinstance(p, DevicePart), f"{side}: not a device part but {type(p).__name__}")
         return {"own": own, "received": part}
@@ -1593,6 +1556,8 @@ def part_c(rec: Recorder, store_dir: str) -> None:
         _in_nccl_world(store_dir, "world-4", lambda: t19_input_outlives_its_transfer(sleeper)),
     )
     rec.run("T20", lambda: t20_blocking_wait(store_dir, sleeper))
+    rec.run("T21", _in_nccl_world(store_dir, "world-6", lambda: t21_groups_apart(sleeper)))
+    rec.run("T22", _in_nccl_world(store_dir, "world-7", lambda: t22_abort_that_blocks(sleeper)))
     pair: dict[str, Any] = {}
     rec.run("T12", lambda: t12_sender_receiver_on_cuda_streams(sleeper, pair))
     rec.run("T12s", lambda: t12s_receiver_syncs(pair))
@@ -1787,11 +1752,10 @@ def t11_syncs_per_broadcast(sleeper: Sleeper) -> dict[str, Any]:
     # taken from the pinned staging on the host); a CUDA batch has no host copy to take
     # it from, and is a ValueError
     group = _groups.world().group((dist.get_rank(),))
-    sender = new_sender(group, verify=True)
-    steps = itertools.count()
+    sender = Sender(group, 0, verify=True, timeout=TD)
 
     def send(tree: Any) -> Any:
-        own = send_frame(sender, tree, next(steps))
+        own = sender.send_batch(tree, None, TD)  # an ERROR frame, then raised, if refused
         return own.take() if isinstance(own, DevicePart) else own
 
     cpu = {"a": torch.randn(1 << 16), "b": torch.arange(5)}
@@ -1948,6 +1912,145 @@ def t20_blocking_wait(store_dir: str, sleeper: Sleeper) -> dict[str, Any]:
     return report
 
 
+def t21_groups_apart(sleeper: Sleeper) -> dict[str, Any]:
+    """Two NCCL wires made as tensorcast makes a group's (``groups.make_wire``), each with
+    a lane: group A's part first waits on a slow peer (an event behind a 1.5 s sleep on a
+    side stream), group B's is posted after it. Each group has its own transfer stream,
+    so B is done at once and A is not (review N-4); both carry the right bytes."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    base = dist.distributed_c10d._get_default_store()
+    td = datetime.timedelta(seconds=30)
+    wires = [
+        _groups.make_wire(
+            dist.PrefixStore(f"t21/{name}/", base),
+            0,
+            1,
+            connect=td,
+            timeout=td,
+            device=dev,
+            name=f"t21-{name}",
+            ranks=(0,),
+        )
+        for name in "ab"
+    ]
+    report: dict[str, Any] = {"own_streams": wires[0].streams is not wires[1].streams}
+    try:
+        lanes = [
+            Lane(f"t21-{i}", w.abort, dev.index, device_group=True) for i, w in enumerate(wires)
+        ]
+        stagings = [
+            Staging(Group((0,), w, lane), 0, lambda error: None) for w, lane in zip(wires, lanes)
+        ]
+        n = 4 * MIB
+        sources = [torch.full((n,), v, dtype=torch.uint8, device=dev) for v in (5, 6)]
+        torch.cuda.synchronize()
+        slow = torch.cuda.Stream(dev)
+        with torch.cuda.stream(slow):
+            sleeper.sleep(1500)
+        late = record_event(slow)  # the slow peer of group A
+
+        def part(i: int, **work: Any) -> DevicePart:
+            src = sources[i]
+            fill = lambda buffer: buffer.copy_(src, non_blocking=True)  # noqa: E731
+            return stagings[i].part(n, lambda buffer: buffer, None, TD, fill=fill, **work)
+
+        a, b = part(0, ready=late), part(1)
+        a.post()
+        b.post()
+        side_a, side_b = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+        with torch.cuda.stream(side_a):
+            got_a = a.take()
+            a_event = record_event(side_a)
+        with torch.cuda.stream(side_b):
+            got_b = b.take()
+            b_done = poll(record_event(side_b), 1.0)
+        a_done_then = bool(a_event.query())
+        a_done = poll(a_event, 10.0)
+        torch.cuda.synchronize()
+        report.update(
+            b_done_s=None if b_done is None else round(b_done, 4),
+            a_done_when_b_was=a_done_then,
+            a_done_after_s=None if a_done is None else round(a_done, 3),
+        )
+        right = [bool((got == v).all()) for got, v in ((got_a, 5), (got_b, 6))]
+        for lane in lanes:
+            lane.inflight.reap()  # done: the workers leave
+    finally:
+        for wire in wires:
+            wire.shutdown()
+    expect(report["own_streams"], "both groups have the same transfer stream", report)
+    expect(
+        b_done is not None and b_done < 0.5,
+        f"group B's payload waited for group A's slow peer ({b_done} s)",
+        report,
+    )
+    expect(not a_done_then, "group A's part did not wait on its slow peer: nothing tested", report)
+    expect(all(right), f"wrong bytes (A, B): {right}", report)
+    return report
+
+
+def t22_abort_that_blocks(sleeper: Sleeper) -> dict[str, Any]:
+    """An NCCL abort can block (NVIDIA/nccl #829, #549). tensorcast's group's abort is made
+    to block for up to 30 s; a broadcast whose payload waits behind a 2 s sleep has a
+    0.3 s deadline, so the lane's worker breaks the lane and aborts. A job queued behind
+    must still run on that worker and raise ``PeerError`` soon (the abort waited for a
+    bounded time, on a thread of its own: review N-6)."""
+    tree = {"x": torch.full((MIB,), 3, dtype=torch.uint8, device="cuda")}
+    tc.broadcast(tree, 0)
+    torch.cuda.synchronize()
+    group = _groups.world().group((dist.get_rank(),))
+    lane = group.lane
+    release = threading.Event()
+    aborted_on: list[str] = []
+
+    class BlockingAbort:
+        """The group's wire, its abort held until released (as a stuck ``ncclCommAbort``)."""
+
+        def __init__(self, wire: Any) -> None:
+            self._wire = wire
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._wire, name)
+
+        def abort(self) -> None:
+            aborted_on.append(threading.current_thread().name)
+            release.wait(30)
+            self._wire.abort()
+
+    group.wire = BlockingAbort(group.wire)  # type: ignore[assignment]
+    report: dict[str, Any] = {}
+    s = torch.cuda.Stream()
+    try:
+        with torch.cuda.stream(s):
+            sleeper.sleep(2000)  # the transfer stream waits on s
+            out = tc.broadcast(tree, 0, timeout=0.3)
+        started = time.perf_counter()
+        while lane.broken is None and time.perf_counter() - started < 10:
+            time.sleep(0.01)
+        report["broken_after_s"] = round(time.perf_counter() - started, 2)
+        report["broken"] = repr(lane.broken)[:200]
+        job: Any = Job(lane.check)
+        lane.enqueue(job)  # on the worker, behind the break it is making
+        while not job.done and time.perf_counter() - started < 15:
+            time.sleep(0.01)
+        report["queued_job_done_after_s"] = round(time.perf_counter() - started, 2)
+        report["queued_job_error"] = repr(job.error)[:200] if job.done else None
+        report["aborted_on"] = aborted_on
+        del out
+    finally:
+        release.set()
+        report["device_drained_s"] = poll(record_event(s), 20.0)
+    expect(lane.broken is not None, "the 0.3 s deadline did not break the lane", report)
+    expect(job.done, "the job queued behind a blocked abort did not run within 15 s", report)
+    expect(isinstance(job.error, tc.PeerError), f"the queued job: {job.error!r}", report)
+    expect(
+        len(aborted_on) == 1 and aborted_on[0].startswith("tensorcast-abort"),
+        f"the abort ran on {aborted_on}",
+        report,
+    )
+    return report
+
+
 # -- T12: a wire whose payloads are CUDA copies with NCCL's stream contract -------------
 
 
@@ -2055,14 +2158,15 @@ def _t12_pair(
         Lane(f"link{w.rank}", w.abort, dev.index, device_group=True, idle_exit_s=0.5) for w in wires
     ]
     groups = [Group((0, 1), w, lane) for w, lane in zip(wires, lanes)]
-    sender, receiver = new_sender(groups[0]), new_receiver(groups[1])
+    sender = Sender(groups[0], 0, timeout=TD)
+    receiver = Receiver(groups[1], 0, rank=1, timeout=TD)
 
     def send(i: int) -> Any:
         # odd steps: a CUDA batch made on the lane's worker, as a source iterator makes it
-        return send_frame(sender, step_batch(i + 1, "cuda" if i % 2 else "cpu"), i)
+        return sender.send_batch(step_batch(i + 1, "cuda" if i % 2 else "cpu"), None, TD)
 
     def recv(i: int) -> Any:
-        return recv_frame(receiver, i)
+        return receiver.recv(None, TD)
 
     out: dict[str, Any] = {}
     receiver_syncs: list[int] = []
@@ -2177,7 +2281,7 @@ def t6c_capture_while_the_worker_makes_a_frame() -> dict[str, Any]:
     link: queue.Queue[Any] = queue.Queue()
     wire = CudaLinkWire(heads, link, dev)
     lane = Lane("capture0", wire.abort, dev.index, device_group=True, idle_exit_s=0.5)
-    sender = new_sender(Group((0, 1), wire, lane))
+    sender = Sender(Group((0, 1), wire, lane), 0, timeout=TD)
     static = torch.zeros(1 << 16, device="cuda")
     warm_for_capture(static)
     kwargs = capture_kwargs()
@@ -2194,7 +2298,6 @@ def t6c_capture_while_the_worker_makes_a_frame() -> dict[str, Any]:
     report: dict[str, Any] = {
         "capture_error_mode": kwargs.get("capture_error_mode", "torch's default (global)"),
     }
-    stamps = itertools.count()
     for variant, make in variants.items():
         errors: list[str] = []
         snaps: list[tuple[int, torch.Tensor]] = []
@@ -2209,7 +2312,7 @@ def t6c_capture_while_the_worker_makes_a_frame() -> dict[str, Any]:
             ) -> Any:
                 go.wait(10)
                 try:
-                    frame, own = write_frame(sender, batch, next(stamps))
+                    frame, own = sender.write(batch, None, TD)
                 finally:
                     made.set()
                 sender.send(frame, TD)

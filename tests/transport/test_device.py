@@ -10,8 +10,10 @@ lane order (NOTE [ Device work at next() ]).
 from __future__ import annotations
 
 import datetime
+import gc
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -19,12 +21,13 @@ import pytest
 import torch
 
 from tensorcast._errors import HeaderError, PeerError
-from tensorcast.transport.device import DevicePart
+from tensorcast.transport import staging
+from tensorcast.transport.device import DevicePart, Inflight
 from tensorcast.transport.groups import Group
 from tensorcast.transport.lane import Job, Lane
 from tensorcast.transport.receiver import Receiver
 from tensorcast.transport.sender import Sender
-from tensorcast.transport.testing import FakeWire
+from tensorcast.transport.testing import FakeStreams, FakeWire
 
 TIMEOUT = datetime.timedelta(seconds=10)
 DEVICE_CALLS = ("transfer", "empty", "payload", "record", "wait", "hand_over")
@@ -236,3 +239,119 @@ def test_leaves_that_are_not_tensors_travel_on_the_host_beside_a_device_payload(
     heads = [n for kind, n in log if kind == "head"]
     assert heads.count(host_nbytes) == 2  # one host block per frame
     assert not got[1]["feats"].flags.owndata  # a view of the block it came in, no copy
+
+
+def _part(streams: FakeStreams, inflight: Inflight, **work: Any) -> DevicePart:
+    return DevicePart(
+        streams, 64, lambda buffer: {"x": buffer[:8]}, inflight=inflight, timeout_s=10.0,
+        on_error=lambda error: None, **work,
+    )  # fmt: skip
+
+
+def test_device_tensors_a_part_reads_are_recorded_on_the_transfer_stream_never_held() -> None:
+    """The source's CUDA batch: recorded on the transfer stream by the posting thread
+    (before anything that could fail), then let go, so that the caller may drop it at
+    once, and the failure paths that stop watching a part (``Inflight.clear``) drop
+    nothing the device may still read. The device buffer is the allocator's: once taken
+    and dropped, nothing holds it, though the device has not finished."""
+    streams, inflight = FakeStreams(), Inflight()
+    streams.hold = True  # the device never finishes: only references can be let go
+    source = torch.arange(64, dtype=torch.uint8)
+    staging = torch.zeros(64, dtype=torch.uint8)  # host memory the work reads
+    part = _part(streams, inflight, reads=(source,), kept=staging,
+                 fill=lambda buffer, src=source: buffer.copy_(src))  # fmt: skip
+    part.post()
+    (handed, on_transfer), *_ = streams.handed
+    assert handed() is source and on_transfer, "recorded on the transfer stream"
+    assert [op for op, _ in streams.calls][:3] == ["transfer", "hand_over", "empty"]
+    assert streams.threads("hand_over") == {threading.current_thread().name}
+    tree = part.take()
+    source_ref, staging_ref = weakref.ref(source), weakref.ref(staging)
+    del source, staging, part, tree
+    gc.collect()
+    assert source_ref() is None, "the caller's batch is held after its post"
+    assert all(buffer() is None for buffer in streams.buffers), "the device buffer is held"
+    assert staging_ref() is not None and len(inflight) == 1  # host staging: until seen done
+    inflight.clear()  # a broken lane: deadlines no longer watched
+    assert len(inflight) == 0 and staging_ref() is not None, "staging dropped under a copy"
+    streams.release()
+    inflight.reap()
+    assert staging_ref() is None
+
+
+def test_a_transfer_seen_done_at_its_take_lets_the_lane_worker_go() -> None:
+    """A one-off transfer, done by the time it is taken: nothing stays in flight, and the
+    lanes' workers leave at their idle exit, not at the 10 s deadline."""
+    sender, receiver, sgroup, rgroup = device_pair()
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(receiver.recv(None, TIMEOUT).take()))
+    t.start()
+    own = sender.send_batch({"x": torch.arange(10_000.0)}, None, TIMEOUT).take()
+    t.join(10)
+    assert torch.equal(own["x"], got[0]["x"])
+    assert len(sgroup.lane.inflight) == len(rgroup.lane.inflight) == 0
+    names = {f"tensorcast-lane-{g.lane.name}" for g in (sgroup, rgroup)}
+    deadline = time.monotonic() + 3  # idle_exit_s is 0.2
+    while names & {t.name for t in threading.enumerate()} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not names & {t.name for t in threading.enumerate()}, "a worker waits for a deadline"
+
+
+def test_while_the_device_works_only_host_staging_is_held() -> None:
+    """Through the real sender: a batch taken and dropped while its upload has not
+    finished leaves its pinned staging held (it is reused only once seen done) and no
+    device buffer."""
+    sender, receiver, sgroup, _ = device_pair()
+    streams = sgroup.wire.streams
+    streams.hold = True
+    t = threading.Thread(target=lambda: receiver.recv(None, TIMEOUT))
+    t.start()
+    own = sender.send_batch({"x": torch.arange(50_000, dtype=torch.int32)}, None, TIMEOUT).take()
+    t.join(10)
+    del own
+    gc.collect()
+    assert len(sgroup.lane.inflight) == 1
+    assert all(buffer() is None for buffer in streams.buffers), "the device buffer is held"
+    streams.release()
+
+
+class _MetaStreams(FakeStreams):
+    """A device whose memory the host cannot read (``meta``): a leaf copied back from it
+    raises instead of syncing."""
+
+    device = torch.device("meta")
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        self.log("empty")
+        return torch.empty(nbytes, dtype=torch.uint8, device="meta")
+
+
+def test_a_host_wire_to_a_device_reads_the_other_leaves_from_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A gloo group with ``device="cuda"``: the payload is on the host, so the numpy, str
+    and bytes leaves are read from there on both sides, never copied back from the
+    device one leaf at a time (each copy a host sync). The device is faked by the streams
+    ``streams_for`` gives for it."""
+    streams = _MetaStreams()
+    monkeypatch.setattr(staging, "streams_for", lambda device: streams)
+    wires = FakeWire.pair()
+    groups = [Group((0, 1), w, Lane(f"meta{w.rank}", w.abort, idle_exit_s=0.2)) for w in wires]
+    sender = Sender(groups[0], 0, timeout=TIMEOUT)
+    receiver = Receiver(groups[1], 0, rank=1, timeout=TIMEOUT)
+    meta = torch.device("meta")
+    tree = {
+        "x": torch.arange(100.0),
+        "feats": np.arange(30, dtype=np.float64).reshape(5, 6),
+        "text": "é" * 2000,
+        "raw": bytes(range(256)) * 8,
+    }
+    for _ in range(2):  # an inline payload, then one in a buffer of its own
+        own = sender.send_batch(tree, meta, TIMEOUT).take()
+        got = receiver.recv(meta, TIMEOUT).take()
+        for out in (own, got):
+            assert out["x"].device == meta
+            assert same({k: tree[k] for k in ("feats", "text", "raw")},
+                        {k: out[k] for k in ("feats", "text", "raw")})  # fmt: skip
+        tree["x"] = torch.arange(100_000.0)
+    assert streams.threads("transfer") == {threading.current_thread().name}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import pytest
 import torch
 
 from tensorcast.transport import wire as _wire
@@ -79,3 +80,62 @@ def test_heads_wait_for_every_send_with_the_timeout() -> None:
     sends = [("send", p) for p in (1, 2, 3)]
     # Posted together, then waited for: a slow receiver does not hold up the sends after it.
     assert gloo.log == sends + [("wait", op, timeout) for op in sends]
+
+
+class _FakeNccl:
+    """The part of an NCCL backend an ``NcclWire`` uses: its works record how they are
+    waited for."""
+
+    class Work:
+        def __init__(self, log: list[str]) -> None:
+            self.log = log
+
+        def wait(self, timeout: Any = None) -> bool:
+            self.log.append("wait")  # a host poll under TORCH_NCCL_BLOCKING_WAIT=1
+            return True
+
+        def synchronize(self) -> None:
+            self.log.append("synchronize")
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        self.log.append("broadcast")
+        return self.Work(self.log)
+
+
+def _nccl_wire(nccl: _FakeNccl | None = None) -> _wire.NcclWire:
+    return _wire.NcclWire(_FakeGloo(2), nccl or _FakeNccl(), 0, torch.device("cuda", 0))
+
+
+def test_each_nccl_group_has_a_transfer_stream_of_its_own() -> None:
+    """Two groups on one GPU do not share the stream their payloads are posted on, so a
+    slow peer on one does not hold up the other's payloads (NOTE [ Device work at
+    next() ]). No CUDA call is made: the stream itself is made at the first post."""
+    a, b = _nccl_wire(), _nccl_wire()
+    assert a.streams is not b.streams
+    assert a.streams.device == b.streams.device == torch.device("cuda", 0)
+
+
+def test_a_payload_is_waited_for_on_the_stream_whatever_blocking_wait_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Work.wait()`` polls on the host under TORCH_NCCL_BLOCKING_WAIT=1; a payload's end
+    is waited for with ``synchronize()``, a stream wait on torch 2.6 and later (NOTE [ A
+    stream wait ]). An older torch is warned of, naming the variable, once per group."""
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    nccl = _FakeNccl()
+    timeout = datetime.timedelta(seconds=3)
+    _nccl_wire(nccl).payload(torch.zeros(8, dtype=torch.uint8), 0, timeout).wait(timeout)
+    assert nccl.log == ["broadcast", "synchronize"]
+    assert _wire.blocking_wait("2.11.0+cu130") is None
+    assert _wire.blocking_wait("2.5.1+cu124") == "TORCH_NCCL_BLOCKING_WAIT"
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")  # the first name set decides
+    monkeypatch.setenv("NCCL_BLOCKING_WAIT", "1")
+    assert _wire.blocking_wait("2.5.1") is None
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT")
+    assert _wire.blocking_wait("2.5.1") == "NCCL_BLOCKING_WAIT"
+    monkeypatch.setattr(_wire, "blocking_wait", lambda: "NCCL_BLOCKING_WAIT")
+    with pytest.warns(RuntimeWarning, match="NCCL_BLOCKING_WAIT is set.*host"):
+        _nccl_wire()

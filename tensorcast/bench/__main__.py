@@ -12,7 +12,15 @@ is given) broadcasts from its first rank, all slots at once, as training does. E
 method runs once per iteration, interleaved; a method's time in an iteration is the
 slowest rank's, and the table gives the median and p90 over iterations, GB/s of tensor
 bytes, and the multiple of the floor (one broadcast of a preallocated buffer of the
-batch's bytes). The run checks every method's last output against the source's batch.
+batch's bytes): ``x floor`` is the method's median over the floor's median, ``paired``
+the median of its per-iteration ratios to the floor (the same iteration's, so a drift
+of the machine's load over the run does not move it). Every rank checks every batch
+each method handed it, every iteration, against its source's batch, bit for bit.
+
+tensorcast's methods run twice where this tensorcast trims padding (issue 34): as they
+are (``trim=True``, the default) and as ``...(trim=False)``, which sends every leaf
+whole, in the same run. The floor stays one broadcast of the whole, padded, batch, so
+trimming shows as a ratio below 1x; ``wire`` gives the bytes each method sent.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shlex
 import sys
 import time
@@ -30,10 +39,41 @@ from typing import Any
 import torch.distributed as dist
 
 from tensorcast.bench import report, run, workloads
-from tensorcast.bench.timing import METHODS
+from tensorcast.bench.timing import METHODS, UNTRIMMED, trim_supported
 
 QUICK_ITERS, QUICK_WARMUP = 3, 1
-DEFAULT_ITERS = {"audio_large": 30, "audio_medium": 60, "gpt": 40}  # else 100, user 40
+# else 100, user 40; the padded ones are the large batches they are drawn as
+DEFAULT_ITERS = {
+    **{"audio_large": 30, "audio_medium": 60, "gpt": 40},
+    **{"audio_padded": 30, "audio_bucketed": 30, "fbank_padded": 30, "gpt_padded": 60},
+}
+
+
+def _at_least(low: int) -> Any:
+    """An argparse type: an int of at least ``low`` (a mesh size of 0 is refused here,
+    before any process group is up)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be at least {low}")
+        return value
+
+    parse.__name__ = "int"  # what argparse says it expected
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value:g} is not allowed: it must be > 0")
+    return value
 
 
 def _csv(text: str | None, allowed: tuple[str, ...], what: str) -> list[str] | None:
@@ -51,15 +91,17 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m tensorcast.bench",
         description="tensorcast against the peers' ways to share a batch, on your own cluster.",
         epilog="examples:\n" + __doc__.split("::\n\n")[1].split("\n\n")[0] + "\n\n"
+        f"{report.COLUMNS}\n\n"
         "Batch files: tensorcast.bench.save_batch(path, batch). "
         "The chart: pip install 'tensorcast[bench]'.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: the rest)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
+    size = _at_least(1)
+    p.add_argument("--dp", type=size, default=None, help="data-parallel size (default: the rest)")
+    p.add_argument("--cp", type=size, default=1, help="context-parallel size (default 1)")
     p.add_argument(
         "--tp",
-        type=int,
+        type=size,
         default=None,
         help="tensor-parallel size (default: one group of all ranks)",
     )
@@ -77,8 +119,10 @@ def _parser() -> argparse.ArgumentParser:
         "torch.save of tensors, or a function that returns one (repeatable)",
     )
     p.add_argument("--methods", default=None, help=f"comma-separated, from {', '.join(METHODS)}")
-    p.add_argument("--iters", type=int, default=None, help="timed iterations per workload")
-    p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 3)")
+    p.add_argument("--iters", type=size, default=None, help="timed iterations per workload")
+    p.add_argument(
+        "--warmup", type=_at_least(0), default=None, help="untimed iterations first (default 3)"
+    )
     p.add_argument(
         "--backend",
         choices=("auto", "gloo", "nccl"),
@@ -87,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=300.0,
         help="the process group's timeout in seconds (default 300)",
     )
@@ -110,11 +154,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if chosen is None:
         chosen = [] if args.batch and args.workloads is None else list(workloads.WORKLOADS)
     args.specs = [*chosen, *args.batch]
+    asked = [m for m in args.methods or () if m in UNTRIMMED]
+    if asked and not trim_supported():
+        p.error(
+            f"{', '.join(asked)} need a tensorcast that takes trim= (tc.pack, tc.broadcast, "
+            f"tc.BroadcastingDataLoader); this one does not: leave them out"
+        )
     if args.methods is not None and "floor" not in args.methods:
         args.methods.append("floor")  # every ratio needs it
-    for opt in ("iters", "warmup", "dp", "tp"):
-        if getattr(args, opt) is not None and getattr(args, opt) < (0 if opt == "warmup" else 1):
-            p.error(f"--{opt} must be at least {0 if opt == 'warmup' else 1}")
     if args.png:
         try:
             import matplotlib  # noqa: F401
@@ -156,6 +203,7 @@ def _run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         ),
         **info,
         "quick": args.quick,
+        "trim_supported": trim_supported(),  # whether the (trim=False) methods could run
         "wall_s": time.monotonic() - started,
         "workloads": results,
     }
@@ -165,6 +213,7 @@ def _print(result: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"$ {result['command']}   ({result['date']})")
     print(f"on {result['where']}; times are the slowest rank's")
     print(report.text_table(result))
+    print(f"\n{report.COLUMNS}")
     print("\n" + report.markdown_table(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -173,11 +222,37 @@ def _print(result: dict[str, Any], args: argparse.Namespace) -> None:
     if args.png:
         report.write_png(result, args.png)
         print(f"wrote {args.png}")
-    for f in (f for wl in result["workloads"] for f in wl["check_failures"]):
+    failures = [f for wl in result["workloads"] for f in wl["check_failures"]]
+    for f in failures:
         print(f"CHECK FAILED: {f}", file=sys.stderr)
+    if not failures:
+        print("\n" + report.checked_line(result))
+
+
+def shadowed() -> str | None:
+    """Why ``import tensorcast`` is not the tensorcast package, if it is not: a folder named
+    ``tensorcast`` in the working directory (or elsewhere on ``sys.path``) shadows an
+    editable install as a namespace package, and everything fails later, deep inside, with
+    ``module 'tensorcast' has no attribute 'pack'``."""
+    import tensorcast
+
+    if hasattr(tensorcast, "pack"):
+        return None
+    found = getattr(tensorcast, "__file__", None) or [str(p) for p in tensorcast.__path__]
+    here = os.path.join(os.getcwd(), "tensorcast")
+    culprit = f"the folder {here}" if os.path.isdir(here) else "a folder named tensorcast"
+    return (
+        f"`import tensorcast` found {found}, not the tensorcast package (it has no "
+        f"tensorcast.pack): {culprit} shadows the installed package. Run from another "
+        f"directory, or rename that folder"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
+    why = shadowed()
+    if why is not None:  # before anything uses the package, or a group is up
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     args = parse_args(argv)
     # per_tensor sends a torch pytree spec through broadcast_object_list; unpickling it warns.
     warnings.filterwarnings(

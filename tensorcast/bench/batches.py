@@ -69,7 +69,11 @@ def load_batch(path: str | Path) -> Any:
             )
         header = data[_PREFIX.size : end]
         tc.read_header(header)  # validated before the buffer is touched
-        buffer = torch.frombuffer(bytearray(data[end:]), dtype=torch.uint8)
+        # torch.frombuffer refuses an empty buffer (a batch without tensor bytes)
+        body = bytearray(data[end:])
+        buffer = (
+            torch.frombuffer(body, dtype=torch.uint8) if body else torch.empty(0, dtype=torch.uint8)
+        )
         return tc.unpack(header, buffer)
     if data[:2] == b"PK":  # torch.save's zip archive
         return torch.load(path, map_location="cpu", weights_only=True)

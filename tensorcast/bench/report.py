@@ -11,22 +11,51 @@ from typing import Any, TextIO
 
 import numpy as np
 
-__all__ = ["Progress", "markdown_table", "rows", "text_table", "write_png"]
+__all__ = [
+    "COLUMNS",
+    "Progress",
+    "checked_line",
+    "markdown_table",
+    "rows",
+    "text_table",
+    "trim_ratios",
+    "write_png",
+]
+
+#: What the table's columns mean, printed under it and in ``--help``.
+COLUMNS = """\
+columns: median and p90 ms of the slowest rank's time per iteration, GB/s of tensor bytes;
+  x floor  the method's median over the floor's median, in the same run (the floor: one
+           broadcast of a preallocated buffer of the batch's bytes);
+  paired   the median of the method's per-iteration ratios to the floor's time in the same
+           iteration, which a drift of the machine's load during the run cannot move;
+  wire     the bytes of the buffer a tensorcast method sent per batch (padding trimmed,
+           or every leaf whole with trim=False), and the floor's: the batch's tensor bytes;
+  trim on / off  a method's median trimmed over its median with trim=False (below 1x:
+           trimming pays), and paired, per iteration"""
 
 # How the chart names and colours each method: tensorcast in blues, the peers apart.
 LABELS = {
     "tc.broadcast": ("tc.broadcast", "#08519c"),
     "tc.loader": ("tc.loader", "#3182bd"),
     "tc.loader+packed": ("tc.loader + packed_collate", "#9ecae1"),
+    "tc.broadcast(trim=False)": ("tc.broadcast, trim=False", "#31a354"),
+    "tc.loader(trim=False)": ("tc.loader, trim=False", "#74c476"),
+    "tc.loader+packed(trim=False)": ("tc.loader + packed_collate, trim=False", "#c7e9c0"),
     "pickled_packet": ("pickled packet (NeMo)", "#e6550d"),
     "object_list": ("broadcast_object_list", "#a50f15"),
     "per_tensor": ("one broadcast per tensor", "#969696"),
 }
 
 
-def rows(times: dict[str, list[float]], nbytes: int) -> list[dict[str, Any]]:
-    """One row per method: medians and p90 in ms, GB/s, and x floor (medians of the same
-    run, and paired: the median of per-iteration ratios to the floor)."""
+def rows(
+    times: dict[str, list[float]], nbytes: int, wire: dict[str, int] | None = None
+) -> list[dict[str, Any]]:
+    """One row per method: medians and p90 in ms, GB/s (of the batch's tensor bytes,
+    whatever was sent), x floor (medians of the same run, and paired: the median of
+    per-iteration ratios to the floor), and the bytes on the wire per batch where known
+    (``wire``: by method; None for the peers' ways)."""
+    wire = wire or {}
     floor = times.get("floor")
     floor_ms = float(np.median(floor)) * 1e3 if floor else None
     out = []
@@ -43,10 +72,40 @@ def rows(times: dict[str, list[float]], nbytes: int) -> list[dict[str, Any]]:
                 "gbps": nbytes / max(float(p50), 1e-9) / 1e6,
                 "x_floor": float(p50) / floor_ms if floor_ms else None,
                 "x_floor_paired": paired,
+                "wire_bytes": wire.get(name),
+                "wire_share": wire[name] / nbytes if name in wire and nbytes else None,
                 "times_ms": [s * 1e3 for s in seconds],
             }
         )
     return out
+
+
+def trim_ratios(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Per tensorcast method run both ways: its time with trimmed leaves over its time
+    with ``trim=False``, as the ratio of medians and paired (the median of per-iteration
+    ratios, the same iteration's); below 1 where trimming pays."""
+    out = {}
+    for whole, seconds in times.items():
+        if not whole.endswith("(trim=False)") or not seconds:
+            continue
+        trimmed = times.get(whole.removesuffix("(trim=False)"))
+        if not trimmed:
+            continue
+        out[whole.removesuffix("(trim=False)")] = {
+            "median": float(np.median(trimmed)) / max(float(np.median(seconds)), 1e-12),
+            "paired": statistics.median(t / max(w, 1e-12) for t, w in zip(trimmed, seconds)),
+        }
+    return out
+
+
+def checked_line(report: dict[str, Any]) -> str:
+    """What a run checked, said when every check passed."""
+    per_rank = [sum(n) for n in zip(*(wl["checked"] for wl in report["workloads"]))]
+    return (
+        f"checked: on every one of the {len(per_rank)} ranks, every batch each method handed "
+        f"it, every iteration ({sum(per_rank)} batches in all, at least {min(per_rank)} per "
+        f"rank), equals its source's batch of that iteration, bit for bit"
+    )
 
 
 def size(nbytes: int) -> str:
@@ -68,21 +127,35 @@ def text_table(report: dict[str, Any]) -> str:
     for wl in report["workloads"]:
         lines.append(f"\n{wl['workload']} ({size(wl['nbytes'])}, {wl['iters']} iterations)")
         lines.append(
-            f"  {'method':<18} {'median ms':>10} {'p90 ms':>9} {'GB/s':>8} "
-            f"{'x floor':>8} {'paired':>7}"
+            f"  {'method':<28} {'median ms':>10} {'p90 ms':>9} {'GB/s':>8} "
+            f"{'x floor':>8} {'paired':>7} {'wire':>9}"
         )
         for r in wl["rows"]:
             lines.append(
-                f"  {r['method']:<18} {r['median_ms']:>10.3f} {r['p90_ms']:>9.3f} "
-                f"{r['gbps']:>8.3f} {_x(r['x_floor']):>8} {_x(r['x_floor_paired']):>7}"
+                f"  {r['method']:<28} {r['median_ms']:>10.3f} {r['p90_ms']:>9.3f} "
+                f"{r['gbps']:>8.3f} {_x(r['x_floor']):>8} {_x(r['x_floor_paired']):>7} "
+                f"{_wire(r.get('wire_bytes')):>9}"
             )
+        ratios = wl.get("trim_over_untrimmed") or {}
+        if ratios:
+            said = ", ".join(
+                f"{m} {_x(r['median'])} (paired {_x(r['paired'])})" for m, r in ratios.items()
+            )
+            lines.append(f"  trim on / off: {said}")
     return "\n".join(lines)
 
 
+def _wire(nbytes: int | None) -> str:
+    return "-" if nbytes is None else size(nbytes)
+
+
 def markdown_table(report: dict[str, Any]) -> str:
-    """x floor per workload (rows) and method (columns), with the floor's own ms."""
+    """x floor per workload (rows) and method (columns), with the floor's own ms and the
+    bytes tc.loader sent per batch (trimmed, and whole where the run has both)."""
     methods = [m for m in LABELS if any(r["method"] == m for r in report["workloads"][0]["rows"])]
+    sent = [m for m in ("tc.loader", "tc.loader(trim=False)") if m in methods]
     head = ["workload", "floor ms", *(LABELS[m][0] for m in methods)]
+    head += [f"bytes sent, {LABELS[m][0]}" for m in sent]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for wl in report["workloads"]:
         by = {r["method"]: r for r in wl["rows"]}
@@ -92,6 +165,7 @@ def markdown_table(report: dict[str, Any]) -> str:
             f"{floor['median_ms']:.3f}" if floor else "-",
         ]
         cells += [_x(by[m]["x_floor"]) if m in by else "-" for m in methods]
+        cells += [_wire(by[m].get("wire_bytes")) if m in by else "-" for m in sent]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

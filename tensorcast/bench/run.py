@@ -14,8 +14,18 @@ from torch.utils._pytree import tree_map
 
 import tensorcast as tc
 from tensorcast.bench import baselines, batches, workloads
-from tensorcast.bench.report import Progress, rows
-from tensorcast.bench.timing import METHODS, Slot, build_methods, close_methods, time_methods
+from tensorcast.bench.report import Progress, rows, trim_ratios
+from tensorcast.bench.timing import (
+    METHODS,
+    UNTRIMMED,
+    LoaderMethod,
+    Slot,
+    build_methods,
+    close_methods,
+    time_methods,
+    trim_supported,
+    wire_bytes,
+)
 
 __all__ = ["init_default_group", "make_slot", "method_names", "run_workload", "where"]
 
@@ -134,12 +144,12 @@ def _load(spec: str, quick: bool, slot: Slot) -> tuple[Any, int]:
     return batch, int(sizes[0])
 
 
-def _digests(batch: Any, slot: Slot) -> dict[int, str]:
-    """Every slot's source's digest of its batch, by source rank."""
-    mine = batches.digest(batch) if slot.is_source else None
+def _sources(mine: Any, slot: Slot) -> Any:
+    """What this rank's slot's source told every rank (its digests of its batch, one per
+    iteration, and its wire bytes): ``mine`` on a source, None elsewhere."""
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (slot.src, mine), group=slot.control)
-    return {src: d for src, d in everyone if d is not None}
+    return {src: d for src, d in everyone if d is not None}[slot.src]
 
 
 def run_workload(
@@ -151,46 +161,63 @@ def run_workload(
     slot: Slot,
     progress: Progress,
 ) -> dict[str, Any]:
-    """Time every method on one workload, then check each one's last output on every rank."""
+    """Time every method on one workload; every rank checks every batch a method handed
+    it (warmup included) against its source's batch of that iteration, outside the timed
+    region: a digest of each, compared after timing."""
     batch, nbytes = _load(spec, quick, slot)
     methods = build_methods(batch, nbytes, slot)
     builtin = spec in workloads.WORKLOADS
-    last = warmup + iters - 1
-    outputs: dict[str, str] = {}
+    sent: list[str] = []  # on a source: its batch's digest, per iteration
+    got: dict[str, list[str]] = {n: [] for n in names if n != "floor"}
 
     def before(it: int) -> None:
         if builtin and slot.is_source:
             workloads.next_step(spec, batch, it)
-            packed = methods["tc.loader+packed"]
-            packed.source.item = tc.pack(batch)  # type: ignore[attr-defined]
+            for method in methods.values():
+                if isinstance(method, LoaderMethod):
+                    method.feed(batch)
+        if slot.is_source:
+            sent.append(batches.digest(batch))
 
     def after(it: int, name: str, out: Any) -> None:
         progress.advance(f"{spec}: {name}")
-        if it == last and name != "floor":
-            outputs[name] = batches.digest(out)
+        if name != "floor":  # the floor's output is a raw buffer, not the batch
+            got[name].append(batches.digest(out))
 
     try:
         times = time_methods(methods, names, warmup + iters, slot, before, after)
+        wire = wire_bytes(methods, batch, nbytes, slot) if slot.is_source else None
     finally:
         close_methods(methods)
-    want = _digests(batch, slot)[slot.src]
+    want, wire = _sources((sent, wire) if slot.is_source else None, slot)
     failures = [
-        f"rank {dist.get_rank()} {n}: the batch differs from the source's"
-        for n, d in outputs.items()
-        if d != want
-    ]
+        f"rank {dist.get_rank()} {n}: the batch of iteration {it} differs from the source's"
+        for n, digests in got.items()
+        for it, (d, w) in enumerate(zip(digests, want))
+        if d != w
+    ][:10]
+    checked = sum(len(d) for d in got.values())
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, failures, group=slot.control)
+    dist.all_gather_object(gathered, (failures, checked), group=slot.control)
     timed = {n: t[warmup:] for n, t in times.items()}
     name = spec if builtin else os.path.basename(spec)
     return {
         "workload": name,
         "nbytes": nbytes,
         "iters": iters,
-        "rows": rows(timed, nbytes),
-        "check_failures": [f for fs in gathered for f in fs],
+        "rows": rows(timed, nbytes, wire),
+        # each tensorcast method's time trimmed over its time with trim=False
+        "trim_over_untrimmed": trim_ratios(timed),
+        "check_failures": [f for fs, _ in gathered for f in fs],
+        # batches checked, by rank: each method's output, every iteration
+        "checked": [n for _, n in gathered],
     }
 
 
 def method_names(selected: list[str] | None) -> list[str]:
-    return [m for m in METHODS if selected is None or m in selected]
+    """The methods to run, in table order: ``selected``, or every one this tensorcast
+    has (the ``(trim=False)`` ones only where it takes ``trim=``)."""
+    if selected is None:
+        untrimmed = () if trim_supported() else UNTRIMMED
+        return [m for m in METHODS if m not in untrimmed]
+    return [m for m in METHODS if m in selected]

@@ -9,6 +9,7 @@ events on the current stream, from an idle device to the moment its output is th
 
 from __future__ import annotations
 
+import inspect
 import random
 import time
 from collections.abc import Callable
@@ -21,12 +22,30 @@ import torch.distributed as dist
 import tensorcast as tc
 from tensorcast.bench import baselines
 
-__all__ = ["METHODS", "Feed", "LoaderMethod", "Slot", "build_methods", "close_methods"]
+__all__ = [
+    "METHODS",
+    "UNTRIMMED",
+    "Feed",
+    "LoaderMethod",
+    "Slot",
+    "build_methods",
+    "close_methods",
+    "trim_supported",
+    "wire_bytes",
+]
+
+#: tensorcast's methods with every leaf sent whole (``trim=False``), beside the default's
+UNTRIMMED = (
+    "tc.broadcast(trim=False)",
+    "tc.loader(trim=False)",
+    "tc.loader+packed(trim=False)",
+)
 
 METHODS = (
     "tc.broadcast",
     "tc.loader",
     "tc.loader+packed",
+    *UNTRIMMED,
     "pickled_packet",
     "object_list",
     "per_tensor",
@@ -55,6 +74,19 @@ class Slot:
         return dist.get_rank() == self.src
 
 
+def trim_supported() -> bool:
+    """Whether this tensorcast takes ``trim=`` (trimmed leaves, issue 34) on every call the
+    benchmark makes: the ``(trim=False)`` methods need it."""
+    calls = (tc.pack, tc.broadcast, tc.BroadcastingDataLoader)
+    return all("trim" in inspect.signature(fn).parameters for fn in calls)
+
+
+def _trim(on: bool) -> dict[str, Any]:
+    """The keyword that asks for ``trim=on``; none where it is the default (an older
+    tensorcast, which has no such keyword, runs the default methods as before)."""
+    return {} if on else {"trim": False}
+
+
 class Feed:
     """An endless source that yields whatever batch the harness last put in ``item``."""
 
@@ -72,11 +104,27 @@ class LoaderMethod:
     """One ``next()`` of a BroadcastingDataLoader that runs for the whole benchmark."""
 
     def __init__(
-        self, source: Feed | None, group: dist.ProcessGroup, src: int, prefetch: int = 0
+        self,
+        source: Feed | None,
+        group: dist.ProcessGroup,
+        src: int,
+        prefetch: int = 0,
+        *,
+        trim: bool = True,
+        packed: bool = False,
     ) -> None:
         self.source = source
-        self.loader = tc.BroadcastingDataLoader(source, group=group, src=src, prefetch=prefetch)
+        self.trim, self.packed = trim, packed
+        self.loader = tc.BroadcastingDataLoader(
+            source, group=group, src=src, prefetch=prefetch, **_trim(trim)
+        )
         self.it = iter(self.loader)
+
+    def feed(self, batch: Any) -> None:
+        """Hand the source the next batch, packed as a DataLoader worker with
+        ``packed_collate(trim=...)`` would hand it over."""
+        if self.source is not None:
+            self.source.item = tc.pack(batch, **_trim(self.trim)) if self.packed else batch
 
     def __call__(self) -> Any:
         return next(self.it)
@@ -91,12 +139,27 @@ def build_methods(batch: Any, nbytes: int, slot: Slot) -> dict[str, Callable[[],
     group, src, device = slot.group, slot.src, slot.device
     mine = batch if slot.is_source else None
     floor = baselines.Floor(nbytes, device)
-    # A worker packs each batch; the harness packs it again whenever the batch changes.
-    packed = Feed(tc.pack(batch)) if slot.is_source else None
-    return {
+
+    def loader(trim: bool, packed: bool) -> LoaderMethod:
+        # A worker packs each batch; the harness packs it again whenever the batch changes.
+        method = LoaderMethod(
+            Feed(None) if slot.is_source else None, group, src, trim=trim, packed=packed
+        )
+        method.feed(batch)
+        return method
+
+    methods: dict[str, Callable[[], Any]] = {
         "tc.broadcast": lambda: tc.broadcast(mine, src, group),
-        "tc.loader": LoaderMethod(Feed(batch) if slot.is_source else None, group, src),
-        "tc.loader+packed": LoaderMethod(packed, group, src),
+        "tc.loader": loader(True, False),
+        "tc.loader+packed": loader(True, True),
+    }
+    if trim_supported():
+        untrimmed = _trim(False)
+        methods["tc.broadcast(trim=False)"] = lambda: tc.broadcast(mine, src, group, **untrimmed)
+        methods["tc.loader(trim=False)"] = loader(False, False)
+        methods["tc.loader+packed(trim=False)"] = loader(False, True)
+    return {
+        **methods,
         "pickled_packet": lambda: baselines.pickled_packet(mine, src, group, device),
         "object_list": lambda: baselines.object_list(mine, src, group, device),
         "per_tensor": lambda: baselines.per_tensor(mine, src, group, device),
@@ -108,6 +171,24 @@ def close_methods(methods: dict[str, Callable[[], Any]]) -> None:
     for fn in methods.values():
         if isinstance(fn, LoaderMethod):
             fn.close()
+
+
+def wire_bytes(
+    methods: dict[str, Callable[[], Any]], batch: Any, nbytes: int, slot: Slot
+) -> dict[str, int]:
+    """On a source: the bytes of the buffer each tensorcast method sent per batch (a
+    loader's own count, ``loader.stats().bytes`` over its steps; for ``tc.broadcast``,
+    ``tc.pack(...).nbytes`` packed for the receivers' device, as it decides its trims),
+    and the floor's. Call it before :func:`close_methods`."""
+    out = {"floor": nbytes}
+    for name, fn in methods.items():
+        if isinstance(fn, LoaderMethod):
+            stats = fn.loader.stats()
+            out[name] = stats.bytes // max(stats.steps, 1)
+        elif name.startswith("tc.broadcast"):
+            trim = _trim(not name.endswith("(trim=False)"))
+            out[name] = tc.pack(batch, device=slot.device, **trim).nbytes
+    return out
 
 
 def timed(fn: Callable[[], Any], cuda: bool) -> tuple[Any, float]:

@@ -24,10 +24,11 @@ from tensorcast._errors import HeaderError
 from tensorcast.codec import registry as _registry
 from tensorcast.codec.dtypes import NUMPY_CODES
 from tensorcast.codec.paths import Path, render_path
-from tensorcast.codec.views import KeepsViews, ViewSpec, host_block, leaf_views
+from tensorcast.codec.views import KeepsViews, ReusesOutputs, ViewSpec, host_block, leaf_views
 
 if TYPE_CHECKING:
     from tensorcast.codec.schema import Structure
+    from tensorcast.codec.trim import Trim
 
 __all__ = ["Decoded", "Program", "compile_tokens", "decode_values", "run"]
 
@@ -51,14 +52,19 @@ class Decoded:
         structure: everything the header says but its small values.
         values: the small values' tokens, as the header carries them.
         consts: the small values decoded, once :meth:`compiled` has run.
+        trims: the trimmed leaves' side tables by leaf index, validated; None when no
+            leaf is trimmed.
     """
 
-    __slots__ = ("consts", "structure", "values")
+    __slots__ = ("consts", "structure", "trims", "values")
 
-    def __init__(self, structure: Structure, values: list[Any]) -> None:
+    def __init__(
+        self, structure: Structure, values: list[Any], trims: dict[int, Trim] | None = None
+    ) -> None:
         self.structure = structure
         self.values = values
         self.consts: list[Any] | None = None
+        self.trims = trims
 
     @property
     def nbytes(self) -> int:
@@ -123,8 +129,10 @@ class Decoded:
         buffer: torch.Tensor,
         kept: KeepsViews | None = None,
         host: torch.Tensor | None = None,
+        outputs: ReusesOutputs | None = None,
     ) -> Any:
-        """The tree, its leaves viewing ``buffer`` (numpy leaves: CPU views of it).
+        """The tree, its leaves viewing ``buffer`` (numpy leaves: CPU views of it), but
+        for trimmed leaves: rebuilt on ``buffer``'s device (arrays on the CPU).
 
         Args:
             buffer: the buffer of ``nbytes`` bytes, on any device.
@@ -132,6 +140,8 @@ class Decoded:
                 tensor leaves are then fresh tensors on views it kept.
             host: the host block of the leaves that are not tensors (:meth:`host_block`),
                 when ``buffer`` is on a GPU: they are then read from it, not copied back.
+            outputs: where trimmed leaves are rebuilt into, reused once the caller let
+                go of the last ones (:class:`ReusesOutputs`); default fresh memory.
 
         Raises:
             HeaderError: the tokens or the small values are not a valid tree.
@@ -141,7 +151,8 @@ class Decoded:
         if program is None or consts is None:
             program, consts = self.compiled()
         spec = structure.view_spec or self._view_spec()
-        return run(program, leaf_views(spec, len(structure.leaves), buffer, kept, host), consts)
+        leaves = leaf_views(spec, len(structure.leaves), buffer, kept, host, self.trims, outputs)
+        return run(program, leaves, consts)
 
     def host_block(self, buffer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The bytes of the leaves that are not tensors, copied from the host ``buffer``
@@ -152,7 +163,7 @@ class Decoded:
         """The structure's view spec, made once per structure."""
         structure = self.structure
         if structure.view_spec is None:
-            structure.view_spec = ViewSpec(structure.leaves)
+            structure.view_spec = ViewSpec(structure.leaves, trimmed=structure.trimmed)
         return structure.view_spec
 
 

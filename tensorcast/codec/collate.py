@@ -27,23 +27,31 @@ class PackedCollate:
     """
 
     def __init__(
-        self, collate_fn: Callable[[list[Any]], Any] | None = None, *, align: int = DEFAULT_ALIGN
+        self,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        *,
+        align: int = DEFAULT_ALIGN,
+        trim: bool = True,
     ) -> None:
         self._default = collate_fn is None
         self.collate_fn = collate_fn if collate_fn is not None else default_collate
         self.align = align
+        self.trim = trim
 
     def __call__(self, samples: list[Any]) -> Packed:
         if self._default and not isinstance(samples, list):
-            return pack(default_convert(samples), align=self.align)
-        return pack(self.collate_fn(samples), align=self.align)
+            return pack(default_convert(samples), align=self.align, trim=self.trim)
+        return pack(self.collate_fn(samples), align=self.align, trim=self.trim)
 
     def __repr__(self) -> str:
         return f"packed_collate({self.collate_fn!r})"
 
 
 def packed_collate(
-    collate_fn: Callable[[list[Any]], Any] | None = None, *, align: int = DEFAULT_ALIGN
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    *,
+    align: int = DEFAULT_ALIGN,
+    trim: bool = True,
 ) -> PackedCollate:
     """Wrap a collate function so DataLoader workers hand out pre-packed batches.
 
@@ -62,5 +70,8 @@ def packed_collate(
         collate_fn: the collate function to wrap; default ``torch``'s ``default_collate``
             (``default_convert`` for a batch that is not a list).
         align: leaf alignment in the packed buffer.
+        trim: store padded leaves without their padding, as ``tc.pack(trim=True)``; the
+            workers cannot know where the batch is rebuilt, so they decide as for a host
+            (the stricter rule). False stores every leaf whole.
     """
-    return PackedCollate(collate_fn, align=align)
+    return PackedCollate(collate_fn, align=align, trim=trim)

@@ -7,6 +7,10 @@ and encodes its small values, nothing more. An :class:`Encoded` touches no buffe
 it is written, so the caller picks the buffer (pooled, pinned, on a GPU) once it knows the
 size. Writing hands back the tree the receivers will rebuild from the header, made from
 what the encoder already knows: the source never decodes the header it has just encoded.
+
+With ``trim=True`` the encoder asks ``codec.trim.find`` of each leaf that could pay
+(``Layout.candidates``) how to trim it, and the batch gets a layout of its own where one
+is trimmed; writing then copies a trimmed leaf's prefixes alone (``trim.compact_into``).
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import numpy as np
 import torch
 
 from tensorcast.codec import schema as _schema
+from tensorcast.codec import trim as _trim
 from tensorcast.codec.build import run
 from tensorcast.codec.flatten import BufferLeaf, flatten
 from tensorcast.codec.layout import DEFAULT_ALIGN, KIND, Layout, lay_out
-from tensorcast.codec.views import KeepsViews, leaf_views
+from tensorcast.codec.views import KeepsViews, ReusesOutputs, leaf_views, untrimmed
 
 __all__ = ["Encoded", "Encoder", "encode"]
 
@@ -33,12 +38,19 @@ class Encoded:
     """A batch flattened, laid out and its header encoded, ready to be written into any
     large-enough buffer."""
 
-    __slots__ = ("header", "layout", "leaves", "nbytes", "value_tokens")
+    __slots__ = ("header", "layout", "leaves", "nbytes", "trims", "value_tokens")
 
     def __init__(
-        self, leaves: list[BufferLeaf], value_tokens: list[Any], layout: Layout, header: bytes
+        self,
+        leaves: list[BufferLeaf],
+        value_tokens: list[Any],
+        layout: Layout,
+        header: bytes,
+        trims: dict[int, _trim.Trim] | None = None,
     ) -> None:
         self.leaves = leaves
+        #: the trimmed leaves' side tables by leaf index; None when none is trimmed
+        self.trims = trims
         #: the small values' tokens, as the header carries them
         self.value_tokens = value_tokens
         #: the leaves' places and the structure, reused by the next batch when it matches
@@ -97,6 +109,8 @@ class Encoded:
             torch._foreach_copy_(views, srcs)
         if spec.others and others:
             _write_others(buffer, spec.others, leaves, host)
+        for i, (_kind, _code, _shape, off, n) in spec.trimmed:
+            _trim.compact_into(buffer[off : off + n], leaves[i][3], self.trims[i].kept)  # type: ignore[index]
         return views
 
     @property
@@ -107,18 +121,25 @@ class Encoded:
         spec = self.layout.write_spec
         return spec.host_nbytes if spec.others else None
 
-    def write_tree(self, buffer: torch.Tensor, kept: KeepsViews | None = None) -> Any:
+    def write_tree(
+        self,
+        buffer: torch.Tensor,
+        kept: KeepsViews | None = None,
+        outputs: ReusesOutputs | None = None,
+    ) -> Any:
         """Write the batch into ``buffer`` and return its tree as the receivers rebuild
         it: leaves that view ``buffer`` (fresh tensors on views ``kept`` keeps, when
-        ``buffer`` came from there), plain tensors even for leaves that require grad."""
+        ``buffer`` came from there), plain tensors even for leaves that require grad;
+        trimmed leaves rebuilt from ``buffer`` (into ``outputs``' memory, if given)."""
         spec = self.layout.write_spec
         with torch.no_grad():  # copies of leaves that require grad stay out of autograd
             tensor_views = self.write(buffer, views=spec.kept_views(buffer, kept))
-        return self._tree(self._leaf_values(buffer, tensor_views))
+        return self._tree(self._leaf_values(buffer, tensor_views, outputs))
 
     def view_tree(self, buffer: torch.Tensor) -> Any:
         """The tree of a buffer this batch was written into (a copy of one, elsewhere)."""
-        return self._tree(leaf_views(self.layout.read_spec(), len(self.leaves), buffer))
+        spec = self.layout.read_spec()
+        return self._tree(leaf_views(spec, len(self.leaves), buffer, trims=self.trims))
 
     def host_block(self, out: torch.Tensor) -> torch.Tensor:
         """The bytes of the leaves that are not tensors (numpy arrays, bytes, str), alone,
@@ -137,7 +158,8 @@ class Encoded:
         """The tree of a device buffer this batch is (being) written into, read nowhere
         but on the device: tensor leaves view ``buffer``, the others come from ``host``,
         its host block (:meth:`host_block`)."""
-        return self._tree(leaf_views(self.layout.read_spec(), len(self.leaves), buffer, host=host))
+        spec = self.layout.read_spec()
+        return self._tree(leaf_views(spec, len(self.leaves), buffer, host=host, trims=self.trims))
 
     def upload_others(self, buffer: torch.Tensor, host: torch.Tensor) -> None:
         """Copy the leaves that are not tensors from their host block (pinned) into their
@@ -150,15 +172,23 @@ class Encoded:
         program, consts = self.layout.compiled(self.value_tokens)
         return run(program, leaf_values, consts)
 
-    def _leaf_values(self, buffer: torch.Tensor, tensor_views: list[torch.Tensor]) -> list[Any]:
+    def _leaf_values(
+        self,
+        buffer: torch.Tensor,
+        tensor_views: list[torch.Tensor],
+        outputs: ReusesOutputs | None = None,
+    ) -> list[Any]:
         """The leaf values the receivers will see, built from what :meth:`write` returned."""
         spec = self.layout.write_spec
         out: list[Any] = list(tensor_views)
         for j in spec.bools:
             out[j] = out[j].view(torch.bool)  # written as bytes
-        if not spec.others:
+        if not spec.others and not spec.trimmed:
             return out
         values = spec.placed(out, len(self.leaves))
+        for i, (kind, code, shape, off, n) in spec.trimmed:
+            stored = buffer[off : off + n]
+            values[i] = untrimmed(kind, code, shape, stored, self.trims[i], outputs, i)  # type: ignore[index]
         host: np.ndarray | None = None
         for i, (kind, _code, shape, off, _n) in spec.others:
             data = self.leaves[i][3]
@@ -222,24 +252,36 @@ class Encoder:
 
     Args:
         align: every leaf's offset is a multiple of this (a power of two).
+        trim: what :meth:`encode` does when not told.
 
     Raises:
         ValueError: ``align`` is not a power of two the format allows.
     """
 
-    __slots__ = ("_align", "_layout")
+    __slots__ = ("_align", "_layout", "_trim")
 
-    def __init__(self, *, align: int = DEFAULT_ALIGN) -> None:
+    def __init__(self, *, align: int = DEFAULT_ALIGN, trim: bool = True) -> None:
         if type(align) is not int or not 1 <= align <= _schema.MAX_ALIGN or align & (align - 1):
             raise ValueError(
                 f"align must be a power of two in [1, {_schema.MAX_ALIGN}], got {align!r}"
             )
         self._align = align
+        self._trim = trim
         #: the last batch's layout; it holds no tensors, so it keeps no batch alive
         self._layout: Layout | None = None
 
-    def encode(self, tree: Any) -> Encoded:
+    def encode(
+        self, tree: Any, *, trim: bool | None = None, receiver: str | None = None
+    ) -> Encoded:
         """Flatten ``tree`` and lay its leaves out; no buffer is touched yet.
+
+        Args:
+            tree: the batch.
+            trim: trim the leaves where it pays (NOTE [ Trimmed leaves ], ``codec.trim``);
+                None: as the encoder was made.
+            receiver: where the receivers rebuild, ``"host"`` or ``"device"``
+                (``codec.trim.decide``); None: where the batch's tensors are (a batch on a
+                GPU is rebuilt on GPUs, one on the host on hosts).
 
         Raises:
             UnsupportedLeafError: a leaf, key or container cannot travel.
@@ -260,14 +302,40 @@ class Encoder:
             or layout.kinds != kinds
         ):
             layout = self._layout = lay_out(leaves, kinds, tokens, self._align, not loose)
+        if self._trim if trim is None else trim:
+            # unknown receivers: the looser floor's candidates, then decided by the batch
+            candidates = layout.candidates(receiver or "device")
+            if candidates:
+                trims = _find_trims(leaves, candidates, receiver)
+                if trims:
+                    layout = layout.trimmed_layout(leaves, trims)
+                    return Encoded(leaves, values, layout, layout.header(values, trims), trims)
         return Encoded(leaves, values, layout, layout.header(values))
 
 
-def encode(tree: Any, *, align: int = DEFAULT_ALIGN) -> Encoded:
-    """Flatten ``tree`` and lay its leaves out, with nothing reused from another batch.
+def _find_trims(
+    leaves: list[BufferLeaf], candidates: list[int], receiver: str | None
+) -> dict[int, _trim.Trim] | None:
+    """The side tables of the ``candidates`` that trimming pays for, by leaf index."""
+    if receiver is None:
+        first = next((leaf[3] for leaf in leaves if leaf[0] == "tensor"), None)
+        receiver = "device" if first is not None and first.device.type == "cuda" else "host"
+    trims = {}
+    for i in candidates:
+        found = _trim.find(leaves[i][3], receiver=receiver)
+        if found is not None:
+            trims[i] = found
+    return trims or None
+
+
+def encode(
+    tree: Any, *, align: int = DEFAULT_ALIGN, trim: bool = True, receiver: str | None = None
+) -> Encoded:
+    """Flatten ``tree`` and lay its leaves out, with nothing reused from another batch
+    (``trim`` and ``receiver`` as for :meth:`Encoder.encode`).
 
     Raises:
         UnsupportedLeafError: a leaf, key or container cannot travel.
         ValueError: bad ``align``, tensors on more than one device, a cyclic tree.
     """
-    return Encoder(align=align).encode(tree)
+    return Encoder(align=align).encode(tree, trim=trim, receiver=receiver)

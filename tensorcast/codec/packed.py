@@ -78,9 +78,20 @@ def copy_to_device(buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def pack(
-    tree: Any, *, device: torch.device | str | None = None, align: int = DEFAULT_ALIGN
+    tree: Any,
+    *,
+    device: torch.device | str | None = None,
+    align: int = DEFAULT_ALIGN,
+    trim: bool = True,
 ) -> Packed:
     """Flatten a batch tree into a header and ONE contiguous uint8 buffer.
+
+    With ``trim=True`` a leaf of 2 or more dims whose rows end in runs of one repeated
+    element travels without them, where that pays (NOTE [ Trimmed leaves ] in
+    ``codec/trim.py``); ``unpack`` rebuilds it bit-identical. Not knowing where it will
+    be unpacked, ``pack`` assumes the buffer's device: a CUDA buffer is rebuilt on a GPU
+    (trimmed wherever it clears the floor), a host one on a host (trimmed only where the
+    bytes saved pay for the re-pad, a write of the whole leaf).
 
     Args:
         tree: nested dict / list / tuple / OrderedDict / registered types of tensors,
@@ -88,6 +99,7 @@ def pack(
         device: where the buffer lives. Defaults to the device of the batch's tensors
             (CPU when it has none).
         align: every leaf's offset is a multiple of this (a power of two).
+        trim: store padded leaves without their padding; False stores every leaf whole.
 
     Returns:
         A :class:`Packed` whose ``buffer`` holds every tensor, ndarray and large
@@ -97,7 +109,9 @@ def pack(
         UnsupportedLeafError: a leaf cannot travel; the message names its path.
         ValueError: bad ``align``, tensors on more than one device, a cyclic tree.
     """
-    p = encode(tree, align=align)
+    asked = resolve_device(device)
+    receiver = None if asked is None else "device" if asked.type == "cuda" else "host"
+    p = encode(tree, align=align, trim=trim, receiver=receiver)
     batch_device = p.device
     dev = resolve_device(device) or batch_device
     if dev.type == "cuda" and batch_device.type == "cpu":
@@ -129,7 +143,8 @@ def unpack(
 
     Tensor leaves are views into ``buffer`` (no copy), unless ``device`` differs from the
     buffer's device: then the buffer is copied there once and the leaves view the copy.
-    numpy leaves are always CPU arrays; bytes and str leaves are copies.
+    A trimmed leaf is a new tensor, rebuilt on that device. numpy leaves are always CPU
+    arrays; bytes and str leaves are copies.
 
     Raises:
         HeaderError: the header is invalid or does not match the buffer's size.
@@ -164,8 +179,9 @@ def read_header(header: bytes) -> Schema:
     if structure.program is None:
         structure.program = program  # compiled once per structure, as rebuild does
     decoded.compiled()  # validates the small values against the tree
+    trimmed = structure.trimmed
     leaves = tuple(
-        LeafSpec(render_path(path), kind, code, tuple(shape), off, n)
-        for (kind, code, shape, off, n), path in zip(structure.leaves, paths)
+        LeafSpec(render_path(path), kind, code, tuple(shape), off, n, i in trimmed)
+        for i, ((kind, code, shape, off, n), path) in enumerate(zip(structure.leaves, paths))
     )
     return Schema(leaves, structure.nbytes, _schema.FORMAT_VERSION, structure.align)

@@ -4,22 +4,28 @@ A header is a 12-byte prefix (all integers little-endian) and a body::
 
     offset  size  field
     0       4     magic  b"TCST"
-    4       2     format version (u16), currently 2
-    6       2     flags (u16), must be 0 in version 2
+    4       2     format version (u16), currently 3
+    6       2     flags (u16), must be 0 in version 3
     8       4     body length in bytes (u32), at most MAX_HEADER_BYTES
-    12      n     body: ASCII JSON (``codec.compact_json``) [nbytes, align, leaves, tokens, values]
+    12      n     body: ASCII JSON (``codec.compact_json``)
+                  [nbytes, align, leaves, tokens, values, trims]
 
 ``leaves`` is the leaf table, in buffer order: ``[kind, dtype_code, shape, offset, nbytes]``
 with kind one of ``"tensor" "ndarray" "bytes" "str"``; ``tokens`` is the tree's structure
 and ``values`` its small values (NOTE [ The token and value grammar ] in
-``codec/__init__.py``). Everything is validated before the caller allocates anything from
+``codec/__init__.py``); ``trims`` the side tables of the trimmed leaves (``[index, runs,
+elements, which]`` each, in leaf order: ``docs/format.md``), whose rows in the leaf table
+state the bytes stored, not their shape's. Everything is validated before the caller allocates anything from
 the sizes it states: offsets aligned, in increasing order, not overlapping, inside the
 buffer; each leaf's nbytes equal to its shape times its itemsize; the buffer size equal to
 the end of the last leaf.
 
-Everything but the values comes first, so headers of one structure share their bytes up
-to the values: a header that starts with the bytes of a structure validated before is
-read by parsing its values alone (see :func:`decode`).
+Everything but the values and the trims comes first, so headers of one structure share
+their bytes up to the values: a header that starts with the bytes of a structure
+validated before, and trims no leaf, is read by parsing its values alone (see
+:func:`decode`). A trimmed leaf's stored bytes change from batch to batch, and so do the
+offsets after it: such headers are read whole, and share their tokens, whose compiled
+program is found by their text.
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ from typing import Any
 
 from tensorcast._errors import HeaderError
 from tensorcast.codec import compact_json as _json
-from tensorcast.codec.build import Decoded, Program
+from tensorcast.codec import untrim as _untrim
+from tensorcast.codec.build import Decoded, Program, compile_tokens
 from tensorcast.codec.dtypes import CODE_ITEMSIZE, NUMPY_CODES
+from tensorcast.codec.trim import Trim
 from tensorcast.codec.views import ViewSpec
 
 __all__ = [
@@ -54,8 +62,8 @@ __all__ = [
 ]
 
 MAGIC = b"TCST"
-FORMAT_VERSION = 2
-SUPPORTED_VERSIONS = (2,)
+FORMAT_VERSION = 3
+SUPPORTED_VERSIONS = (3,)
 PREFIX = struct.Struct("<4sHHI")
 PREFIX_BYTES = PREFIX.size
 MAX_HEADER_BYTES = 64 << 20  # 64 MiB of JSON; long strings and bytes go to the buffer
@@ -80,7 +88,10 @@ class LeafSpec:
         dtype: the dtype code, e.g. ``"F32"``; ``"U8"`` for bytes and str.
         shape: the shape; ``(len,)`` for bytes and str.
         offset: where the leaf's bytes start in the buffer.
-        nbytes: how many bytes it occupies.
+        nbytes: how many bytes it occupies (a trimmed leaf's prefixes: fewer than its
+            shape's).
+        trimmed: whether the leaf travels without its rows' trailing runs (NOTE
+            [ Trimmed leaves ], ``codec.trim``).
     """
 
     path: str
@@ -89,6 +100,7 @@ class LeafSpec:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    trimmed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,14 +132,24 @@ class Structure:
         "program",
         "structure_bytes",
         "tokens",
+        "trimmed",
         "view_spec",
     )
 
-    def __init__(self, nbytes: int, align: int, leaves: list[list[Any]], tokens: list[Any]):
+    def __init__(
+        self,
+        nbytes: int,
+        align: int,
+        leaves: list[list[Any]],
+        tokens: list[Any],
+        trimmed: frozenset[int] = frozenset(),
+    ):
         self.nbytes = nbytes
         self.align = align
         self.leaves = leaves
         self.tokens = tokens
+        #: the leaves the header trimmed: their side tables checked their sizes
+        self.trimmed = trimmed
         #: the body's bytes up to the values, when they are what encode() writes
         self.structure_bytes: bytes | None = None
         self.program: Program | None = None  # compiled on first use
@@ -182,11 +204,17 @@ def encode(
     values: list[Any],
     *,
     values_encoder: Callable[[list[Any]], str] | None = None,
+    trims: dict[int, Trim] | None = None,
 ) -> bytes:
-    """Frame a header body: the :func:`structure_bytes` of its structure and the small
-    values (encoded by ``values_encoder``, default the fastest this Python has). The caller
-    guarantees the leaf table is consistent."""
-    body = structure + (values_encoder or _encode_values)(values).encode("ascii") + b"]"
+    """Frame a header body: the :func:`structure_bytes` of its structure, the small
+    values (encoded by ``values_encoder``, default the fastest this Python has) and the
+    side tables of its trimmed leaves. The caller guarantees the leaf table is consistent."""
+    values_json = (values_encoder or _encode_values)(values).encode("ascii")
+    if trims:
+        records = [[i, *trims[i].record()] for i in sorted(trims)]
+        body = structure + values_json + b"," + _dumps(records).encode("ascii") + b"]"
+    else:
+        body = structure + values_json + _NO_TRIMS
     if len(body) > MAX_HEADER_BYTES:
         raise ValueError(
             f"the batch's header would be {len(body)} bytes, over the {MAX_HEADER_BYTES}-byte "
@@ -222,6 +250,7 @@ def decode(header: bytes | bytearray | memoryview) -> Decoded:
 
 
 _CACHE_MAX_BYTES = 64 << 10
+_NO_TRIMS = b",[]]"  # how a body without trimmed leaves ends
 
 
 # The structures read last, newest first: a header that starts with one's bytes needs
@@ -238,24 +267,30 @@ def _decode(header: bytes | bytearray | memoryview) -> Decoded:
             return known
     raw = _unframe(header)
     body = _parse(raw)
-    if type(body) is not list or len(body) != 5:
-        raise _fail("the body must be a list [nbytes, align, leaves, tokens, values]")
-    nbytes, align, leaves, tokens, values = body
+    if type(body) is not list or len(body) != 6:
+        raise _fail("the body must be a list [nbytes, align, leaves, tokens, values, trims]")
+    nbytes, align, leaves, tokens, values, trims = body
     if type(nbytes) is not int or not 0 <= nbytes <= MAX_BUFFER_BYTES:
         raise _fail(f"buffer size {nbytes!r:.40} is not an int in [0, {MAX_BUFFER_BYTES}]")
     if type(align) is not int or not 1 <= align <= MAX_ALIGN or align & (align - 1):
         raise _fail(f"alignment {align!r:.40} is not a power of two in [1, {MAX_ALIGN}]")
     if type(leaves) is not list:
         raise _fail("the leaf table is not a list")
+    trimmed = _trimmed_indices(trims, len(leaves))
     end = 0
     for i, leaf in enumerate(leaves):
-        end = _check_leaf(i, leaf, align, end, nbytes)
+        end = _check_leaf(i, leaf, align, end, nbytes, i in trimmed)
     if end != nbytes:
         raise _fail(f"the leaves end at byte {end} but the buffer size is {nbytes}")
     if type(values) is not list:
         raise _fail("the small values are not a list")
-    structure = Structure(nbytes, align, leaves, tokens)
-    if len(raw) <= _RECENT_MAX_BYTES:  # larger structures are not kept for the next header
+    structure = Structure(nbytes, align, leaves, tokens, trimmed)
+    side_tables = _side_tables(trims, leaves)
+    if trimmed:
+        structure.program = _program(tokens, len(leaves))
+    # Larger structures are not kept for the next header, nor those of trimmed leaves,
+    # whose stored sizes change from batch to batch (their program is kept: _program).
+    if len(raw) <= _RECENT_MAX_BYTES and not trimmed:
         try:
             start: bytes | None = structure_bytes(nbytes, align, leaves, tokens)
         except (ValueError, RecursionError):  # not something this library writes
@@ -264,7 +299,7 @@ def _decode(header: bytes | bytearray | memoryview) -> Decoded:
             # Written as this library writes it: later bodies can match its bytes.
             structure.structure_bytes = start
             _remember(structure)
-    return Decoded(structure, values)
+    return Decoded(structure, values, side_tables)
 
 
 _decode_cached = functools.lru_cache(maxsize=32)(_decode)
@@ -286,12 +321,73 @@ def _read_known(header: bytes) -> Decoded | None:
         start = known.structure_bytes
         assert start is not None  # only structures with their bytes are remembered
         at = PREFIX_BYTES + len(start)
-        if n > at and header.startswith(start, PREFIX_BYTES) and header.endswith(b"]"):
-            values = _parse(header[at:-1])
-            if type(values) is not list:
-                raise _fail("the small values are not a list")
-            return Decoded(known, values)
+        if n <= at or not header.startswith(start, PREFIX_BYTES):
+            continue
+        if not header.endswith(_NO_TRIMS):  # structures with trims are not remembered
+            return None
+        values = _parse(header[at : -len(_NO_TRIMS)])  # one JSON value, then no trims
+        if type(values) is not list:
+            raise _fail("the small values are not a list")
+        return Decoded(known, values)
     return None
+
+
+# Compiled programs by their tokens' text: headers with trimmed leaves differ from batch
+# to batch in the leaf table, not in the tokens. Replaced whole, never changed in place.
+_programs: dict[bytes, Program] = {}
+_PROGRAMS = 16
+
+
+def _program(tokens: Any, n_leaves: int) -> Program:
+    """The compiled program of ``tokens`` (validated once per distinct text)."""
+    global _programs
+    try:
+        key = _dumps([n_leaves, tokens]).encode("ascii")
+    except (ValueError, RecursionError):  # not something this library writes
+        return compile_tokens(tokens, n_leaves)[0]
+    program = _programs.get(key)
+    if program is None:
+        program = compile_tokens(tokens, n_leaves)[0]
+        kept = dict(list(_programs.items())[-(_PROGRAMS - 1) :])
+        kept[key] = program
+        _programs = kept
+    return program
+
+
+def _trimmed_indices(trims: Any, n_leaves: int) -> frozenset[int]:
+    """The leaves ``trims`` says are trimmed: a list of records ``[index, ...]`` whose
+    indices are ints, in range and strictly increasing (the rest: :func:`_side_tables`)."""
+    if type(trims) is not list:
+        raise _fail("the trims are not a list")
+    prev = -1
+    for record in trims:
+        if type(record) is not list or len(record) != 4 or type(record[0]) is not int:
+            raise _fail("a trim is not [leaf index, runs, elements, which]")
+        if not prev < record[0] < n_leaves:
+            raise _fail(
+                f"trimmed leaf {record[0]} is out of range or out of order ({n_leaves} leaves)"
+            )
+        prev = record[0]
+    return frozenset(record[0] for record in trims)
+
+
+def _side_tables(trims: list[Any], leaves: list[Any]) -> dict[int, Trim] | None:
+    """The trims' side tables by leaf index, each checked against its leaf's row (whose
+    kind, dtype code and shape are valid); their full leaves within the buffer cap."""
+    if not trims:
+        return None
+    tables = {}
+    full = 0
+    for i, *record in trims:
+        _kind, code, shape, _off, size = leaves[i]
+        table = _untrim.validate(
+            record, shape, CODE_ITEMSIZE[code], size, max_bytes=MAX_BUFFER_BYTES
+        )
+        full += table.full_nbytes
+        if full > MAX_BUFFER_BYTES:
+            raise _fail(f"the trimmed leaves rebuild to over {MAX_BUFFER_BYTES} bytes")
+        tables[i] = table
+    return tables
 
 
 def _remember(structure: Structure) -> None:
@@ -314,7 +410,9 @@ def _parse(raw: bytes) -> Any:
     return value
 
 
-def _check_leaf(i: int, leaf: Any, align: int, prev_end: int, nbytes: int) -> int:
+def _check_leaf(
+    i: int, leaf: Any, align: int, prev_end: int, nbytes: int, trimmed: bool = False
+) -> int:
     if type(leaf) is not list or len(leaf) != 5:
         raise _fail(f"leaf {i} is not [kind, dtype, shape, offset, nbytes]")
     kind, code, shape, offset, size = leaf
@@ -336,7 +434,10 @@ def _check_leaf(i: int, leaf: Any, align: int, prev_end: int, nbytes: int) -> in
     # A zero-element leaf may still not claim dims whose strides would overflow int64.
     if math.prod(d for d in shape if d) * itemsize > MAX_BUFFER_BYTES:
         raise _fail(f"leaf {i} has dims {shape} too large for any buffer")
-    if size != math.prod(shape) * itemsize:
+    if trimmed:  # its side table checks its size (_side_tables)
+        if kind not in ("tensor", "ndarray"):
+            raise _fail(f"leaf {i} ({kind}) is trimmed, but only tensors and arrays can be")
+    elif size != math.prod(shape) * itemsize:
         raise _fail(f"leaf {i} claims {size} bytes but shape {shape} x {itemsize} bytes disagrees")
     if offset < prev_end or offset % max(align, itemsize):
         raise _fail(

@@ -2,20 +2,26 @@
 
 A :class:`ViewSpec` is worked out once per distinct leaf table; a receiver's rebuild
 (``codec.build.Decoded``) and the sender's write (``codec.encode``) both go through one.
+A trimmed leaf is no view: :func:`leaf_views` rebuilds it from its stored bytes
+(``codec.untrim``), into memory a :class:`ReusesOutputs` hands out when there is one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Hashable, Mapping, Sequence, Set
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from tensorcast._errors import HeaderError
+from tensorcast.codec import untrim as _untrim
 from tensorcast.codec.dtypes import CODE_ITEMSIZE, numpy_dtype, torch_dtype
 
-__all__ = ["KeepsViews", "ViewSpec", "host_block", "leaf_views"]
+if TYPE_CHECKING:
+    from tensorcast.codec.trim import Trim
+
+__all__ = ["KeepsViews", "ReusesOutputs", "ViewSpec", "host_block", "leaf_views", "untrimmed"]
 
 
 class KeepsViews(Protocol):
@@ -28,6 +34,16 @@ class KeepsViews(Protocol):
         key: Hashable,
         make: Callable[[torch.Tensor], list[torch.Tensor]],
     ) -> list[torch.Tensor]: ...
+
+
+class ReusesOutputs(Protocol):
+    """What hands out the memory trimmed leaves are rebuilt into: a contiguous host tensor
+    of ``shape`` and ``dtype`` for leaf ``index``, reused once the caller has let go of the
+    one it had before (the transport's kept outputs do), else None (fresh memory)."""
+
+    def output(
+        self, index: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor | None: ...
 
 
 _MAX_ITEMSIZE = max(CODE_ITEMSIZE.values())
@@ -58,16 +74,34 @@ class ViewSpec:
     small leaves, that is most of a receiver's work.
     """
 
-    __slots__ = ("bools", "codes", "host_nbytes", "host_spans", "others", "specs", "tensor_index")
+    __slots__ = (
+        "bools",
+        "codes",
+        "host_nbytes",
+        "host_spans",
+        "others",
+        "specs",
+        "tensor_index",
+        "trimmed",
+    )
 
-    def __init__(self, table: Sequence[Sequence[Any]], bool_as_bytes: bool = False):
+    def __init__(
+        self,
+        table: Sequence[Sequence[Any]],
+        bool_as_bytes: bool = False,
+        trimmed: Set[int] = frozenset(),
+    ):
         self.specs: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
         self.codes: dict[str, int] = {}  # code -> itemsize, for the typed bases
         self.tensor_index: list[int] = []  # the leaf index of each spec
         self.bools: list[int] = []  # positions in specs of bool leaves
         self.others: list[tuple[int, Any]] = []  # (leaf index, row) of the other leaves
+        self.trimmed: list[tuple[int, Any]] = []  # (leaf index, row) of trimmed leaves
         for i, row in enumerate(table):
             kind, code, shape, off = row[0], row[1], row[2], row[3]
+            if trimmed and i in trimmed:
+                self.trimmed.append((i, row))
+                continue
             if kind != "tensor":
                 self.others.append((i, row))
                 continue
@@ -134,6 +168,8 @@ def leaf_views(
     buffer: torch.Tensor,
     kept: KeepsViews | None = None,
     host: torch.Tensor | None = None,
+    trims: Mapping[int, Trim] | None = None,
+    outputs: ReusesOutputs | None = None,
 ) -> list[Any]:
     """The ``count`` buffer leaves ``spec`` describes, as views into ``buffer`` (fresh
     tensors on views ``kept`` keeps, when it came from there).
@@ -141,13 +177,23 @@ def leaf_views(
     The leaves that are not tensors (numpy arrays, bytes, str) come from ``host`` when
     given: a host block of their bytes alone (``spec.host_spans``), which a buffer on a
     GPU travels with, so that they need no copy back from the device.
+
+    Trimmed leaves (``trims``, by leaf index) are rebuilt from their stored bytes on
+    ``buffer``'s device (arrays on the CPU), into ``outputs``' memory when given.
     """
     if buffer.storage_offset() % _MAX_ITEMSIZE:
         buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
     tensors = spec.kept_views(buffer, kept)
-    if not spec.others:
+    if not spec.others and not spec.trimmed:
         return tensors
     values = spec.placed(tensors, count)
+    if spec.trimmed:
+        if trims is None:
+            raise ValueError("a layout with trimmed leaves needs their side tables")
+        for i, (kind, code, shape, off, n) in spec.trimmed:
+            values[i] = untrimmed(kind, code, shape, buffer[off : off + n], trims[i], outputs, i)
+    if not spec.others:
+        return values
     if host is not None:
         block = host.numpy()
         for (i, (kind, code, shape, _off, n)), (_, _, pos) in zip(spec.others, spec.host_spans):
@@ -166,6 +212,26 @@ def leaf_views(
             piece = buffer[off : off + n].cpu().numpy()  # a copy back from the device
         values[i] = _other(kind, code, shape, piece)
     return values
+
+
+def untrimmed(
+    kind: str,
+    code: str,
+    shape: Any,
+    stored: torch.Tensor,
+    trim: Trim,
+    outputs: ReusesOutputs | None,
+    index: int,
+) -> Any:
+    """A trimmed leaf rebuilt from its ``stored`` prefixes: a tensor on their device (into
+    ``outputs``' memory on a host), an array on the CPU."""
+    shape = tuple(shape)
+    if kind == "ndarray":
+        out = torch.from_numpy(np.empty(shape, numpy_dtype(code)))
+        return _untrim.rebuild(stored, shape, out.dtype, trim, out=out).numpy()
+    dtype = torch_dtype(code)
+    into = outputs.output(index, shape, dtype) if outputs is not None and stored.is_cpu else None
+    return _untrim.rebuild(stored, shape, dtype, trim, out=into)
 
 
 def _other(kind: str, code: str, shape: Any, piece: np.ndarray) -> Any:

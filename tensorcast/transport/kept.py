@@ -35,17 +35,38 @@ itself, ``held`` included. ``held`` is lowered before a reference is dropped or 
 the caller and raised after one is made, so it never counts more than is there: a pool
 that reads it from another thread may see a buffer busy a moment too long, never idle
 too early. No lock is needed.
+
+# NOTE [ Kept outputs ]
+A trimmed leaf is no view of a buffer: it is rebuilt (``codec.untrim``), a write of the
+whole leaf, which into fresh host memory costs its page faults, more than trimming saved.
+:class:`KeptOutputs` keeps the host tensors a role rebuilt trimmed leaves into, by leaf
+slot (the leaf's index, shape and dtype), and hands one out again once its storage's use
+count says the caller let go of the batch it was in, as the pool does for buffers:
+
+    ==========  ====================  ==============================================
+    state       storage use count     what happens next
+    ==========  ====================  ==============================================
+    handed out  base + the caller's   ``output()`` of the slot: another one is made
+                                      (up to ``MAX_PER_SLOT``), this one stays
+    idle        base                  ``output()`` of the slot: handed out again
+    ==========  ====================  ==============================================
+
+The caller gets a ``detach()``-ed alias of the kept tensor, whose own reference to the
+storage is what the use count sees; the kept tensor and its storage object are ``base``.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
-__all__ = ["Keeper", "KeptViews"]
+__all__ = ["KeptOutputs", "Keeper", "KeptViews"]
 
 _detach = torch.Tensor.detach
+_use_count = torch._C._storage_Use_Count
 
 
 class KeptViews:
@@ -133,3 +154,42 @@ class Keeper:
         if kept is None:
             return make(buffer)
         return kept.views(buffer, key, make)
+
+
+class KeptOutputs:
+    """The host tensors a role rebuilt trimmed leaves into, handed out again once idle
+    (NOTE [ Kept outputs ]); the codec's ``ReusesOutputs``.
+
+    Args:
+        max_per_slot: the tensors kept per leaf slot (batches held by the caller or in
+            flight at once); past that, fresh memory that is not kept.
+    """
+
+    __slots__ = ("_lock", "_slots", "max_per_slot")
+
+    MAX_SLOTS = 64
+
+    def __init__(self, *, max_per_slot: int = 4) -> None:
+        self.max_per_slot = max_per_slot
+        self._lock = threading.Lock()  # a lane's worker and the caller may both rebuild
+        # slot -> [(tensor, its storage, the use count when idle)]
+        self._slots: dict[Hashable, list[tuple[torch.Tensor, Any, int]]] = {}
+
+    def output(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous host tensor of ``shape`` and ``dtype`` for leaf ``index``: one the
+        caller let go of, else a new one (kept when the slot has room)."""
+        key = (index, shape, dtype)
+        with self._lock:
+            kept = self._slots.get(key)
+            if kept is None:
+                if len(self._slots) >= self.MAX_SLOTS:  # shapes that keep changing
+                    self._slots.clear()
+                kept = self._slots[key] = []
+            for tensor, storage, base in kept:
+                if _use_count(storage._cdata) == base:
+                    return tensor.detach()
+            tensor = torch.empty(shape, dtype=dtype)
+            if len(kept) < self.max_per_slot:
+                storage = tensor.untyped_storage()
+                kept.append((tensor, storage, int(_use_count(storage._cdata))))
+        return tensor.detach()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from tensorcast.transport.kept import Keeper, KeptViews
+from tensorcast.transport.kept import Keeper, KeptOutputs, KeptViews
 
 __all__ = ["BufferPool", "FirstMessage", "FramePool"]
 
@@ -85,6 +85,8 @@ class BufferPool:
         self._buffers: dict[torch.device, list[_Entry]] = {}
         #: the kept views of this pool's buffers: the codec's ``KeepsViews`` for them
         self.kept = Keeper()
+        #: host tensors that trimmed leaves are rebuilt into (NOTE [ Kept outputs ])
+        self.outputs = KeptOutputs()
 
     def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A 1-D uint8 tensor of exactly ``nbytes`` bytes, a view into a pooled buffer."""

@@ -16,10 +16,12 @@ import torch
 from subprocs import LAUNCHER_ENV, run_killable
 
 import tensorcast as tc
+from tensorcast.bench import __main__ as bench_main
 from tensorcast.bench import load_batch, save_batch
 from tensorcast.bench.batches import digest, user_batch
 from tensorcast.bench.report import Progress
-from tensorcast.bench.timing import METHODS
+from tensorcast.bench.run import method_names
+from tensorcast.bench.timing import METHODS, UNTRIMMED, trim_supported
 from tensorcast.bench.workloads import WORKLOADS, make_workload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,15 +62,37 @@ def test_quick_run_under_torchrun(tmp_path: Path) -> None:
     assert report["mesh"] == {"dp": 1, "cp": 1, "tp": 4} and report["device"] == "cpu"
     names = [wl["workload"] for wl in report["workloads"]]
     assert names == [*WORKLOADS, "mine.tcb", function]
+    # with trimmed leaves, tensorcast's methods run trimmed and whole in the same run
+    assert report["trim_supported"] == trim_supported()
+    methods = method_names(None)
     for wl in report["workloads"]:
         assert wl["check_failures"] == [], wl["check_failures"]
         assert wl["nbytes"] > 0
-        assert [r["method"] for r in wl["rows"]] == list(METHODS)
+        assert [r["method"] for r in wl["rows"]] == methods
         for row in wl["rows"]:
             assert row["median_ms"] > 0 and row["p90_ms"] >= row["median_ms"]
             assert row["gbps"] > 0 and row["x_floor"] > 0 and row["x_floor_paired"] > 0
+        wire = {r["method"]: r["wire_bytes"] for r in wl["rows"]}
+        assert wire["floor"] == wl["nbytes"] and wire["per_tensor"] is None
+        assert all(wire[m] > 0 for m in methods if m.startswith("tc."))
+        for m in UNTRIMMED if report["trim_supported"] else ():
+            assert wire[m] >= wire[m.removesuffix("(trim=False)")]  # never more trimmed
+        both = {m.removesuffix("(trim=False)") for m in UNTRIMMED if m in methods}
+        assert set(wl["trim_over_untrimmed"]) == both
+        assert all(r["median"] > 0 and r["paired"] > 0 for r in wl["trim_over_untrimmed"].values())
+    if report["trim_supported"]:  # padding never travels: the bytes say so
+        by = {wl["workload"]: {r["method"]: r for r in wl["rows"]} for wl in report["workloads"]}
+        for name in ("audio_padded", "fbank_padded"):  # big enough for a host's rule
+            assert by[name]["tc.loader"]["wire_share"] < 0.75, (name, by[name]["tc.loader"])
+            assert by[name]["tc.loader(trim=False)"]["wire_share"] >= 1.0
     assert "| workload | floor ms | tc.broadcast |" in out  # the table for a README
     assert "[####" not in out  # no progress bar when the output is not a terminal
+    # every rank checked every batch of every method, every iteration, and says so
+    batches = len(methods) - 1  # the floor hands out no batch
+    for wl in report["workloads"]:
+        assert wl["checked"] == [batches * (wl["iters"] + 1)] * 4, wl["checked"]  # + warmup
+    assert "checked: on every one of the 4 ranks, every batch each method handed it" in out
+    assert "paired   the median of the method's per-iteration ratios" in out
 
 
 @pytest.mark.dist
@@ -82,6 +106,89 @@ def test_a_batch_the_source_cannot_load_fails_every_rank(tmp_path: Path) -> None
     assert rc != 0
     assert "error on rank 0: --batch no_such_module_here:fn: ModuleNotFoundError" in out
     assert "error on rank 1: --batch no_such_module_here:fn: a source rank could not" in out
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [{"n": 3, "text": "no tensor"}, {"x": torch.empty(0, 3)}, [], {"ids": ["a"], "e": None}],
+    ids=["scalars", "zero-element", "empty-list", "strings"],
+)
+def test_a_batch_without_tensor_bytes_round_trips(tmp_path: Path, batch: object) -> None:
+    """An empty buffer (torch.frombuffer refuses one) still makes a file that loads."""
+    assert save_batch(tmp_path / "b.tcb", batch) == 0
+    assert digest(load_batch(tmp_path / "b.tcb")) == digest(batch)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--cp", "0"], ["--tp", "0"], ["--dp", "-2"], ["--iters", "0"], ["--warmup", "-1"],
+     ["--timeout", "0"], ["--cp", "two"]],
+)  # fmt: skip
+def test_sizes_that_cannot_be_are_refused_before_any_group(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse refuses them: no launcher is needed, no group is made (today --cp 0 divides
+    by zero once every rank's group is up)."""
+    with pytest.raises(SystemExit) as raised:
+        bench_main.parse_args(args)
+    assert raised.value.code == 2
+    assert f"argument {args[0]}" in capsys.readouterr().err
+
+
+def test_untrimmed_methods_need_a_tensorcast_that_trims(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Asked by name on a tensorcast without ``trim=``, the (trim=False) methods are a
+    clear error before any group; left out, the run is the default methods as before."""
+    monkeypatch.setattr(bench_main, "trim_supported", lambda: False)
+    with pytest.raises(SystemExit) as raised:
+        bench_main.parse_args(["--methods", "tc.loader,tc.loader(trim=False)"])
+    assert raised.value.code == 2
+    assert "tc.loader(trim=False) need a tensorcast that takes trim=" in capsys.readouterr().err
+    monkeypatch.setattr(bench_main, "trim_supported", lambda: True)
+    args = bench_main.parse_args(["--methods", "tc.loader,tc.loader(trim=False)"])
+    assert args.methods == ["tc.loader", "tc.loader(trim=False)", "floor"]
+    assert method_names(args.methods) == ["tc.loader", "tc.loader(trim=False)", "floor"]
+    assert set(UNTRIMMED) < set(METHODS)
+
+
+_INT = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+        torch.float64: torch.int64}  # fmt: skip
+
+
+@pytest.mark.parametrize("run", [float("nan"), 0.0], ids=["nan", "zero"])
+@pytest.mark.parametrize("dtype", list(_INT))
+def test_the_check_compares_bits_not_values(run: float, dtype: torch.dtype) -> None:
+    """A trimmed batch's run elements are rebuilt bit for bit: the run's check tells NaN
+    payloads and signs, and -0.0 from 0.0, apart where ``==`` cannot."""
+    x = torch.randn(3, 40).to(dtype)
+    x[:, 30:] = run
+    for flip in (1, -(1 << (8 * x.itemsize - 1))):  # the lowest bit (a payload), the sign
+        y = x.clone()
+        if run != run or flip < 0:  # a NaN's payload, or any float's sign
+            y.view(_INT[dtype])[1, 35:] ^= flip
+            assert digest({"x": x}) != digest({"x": y})
+
+
+def test_the_help_and_the_output_say_what_paired_is() -> None:
+    assert "paired   the median of the method's per-iteration ratios" in (
+        bench_main._parser().format_help()
+    )
+
+
+def test_a_folder_that_shadows_the_package_is_named_at_start(tmp_path: Path) -> None:
+    """A folder named tensorcast in the working directory shadows an editable install;
+    the bench says so at once, instead of failing deep inside with `no attribute 'pack'`."""
+    (tmp_path / "tensorcast").mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    rc, out = run_killable(
+        [sys.executable, "-m", "tensorcast.bench", "--quick"], tmp_path, env, 60.0
+    )
+    if "No module named tensorcast.bench" in out:
+        pytest.skip("tensorcast is installed so that the folder hides it wholly: nothing runs")
+    assert rc == 2, out
+    assert f"the folder {tmp_path / 'tensorcast'} shadows the installed package" in out, out
+    assert "no attribute" not in out, out
 
 
 def test_a_batch_file_round_trips(tmp_path: Path) -> None:

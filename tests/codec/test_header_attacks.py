@@ -54,7 +54,7 @@ make_attacks = _load_generator()
 ATTACK_FILES = sorted(ATTACKS.glob("*.bin"))
 
 
-def frame(body: bytes, version: int = 2, flags: int = 0) -> bytes:
+def frame(body: bytes, version: int = 3, flags: int = 0) -> bytes:
     return PREFIX.pack(b"TCST", version, flags, len(body)) + body
 
 
@@ -145,7 +145,7 @@ def test_future_version_lists_the_available_versions() -> None:
     with pytest.raises(tc.HeaderError) as info:
         tc.read_header(data)
     msg = str(info.value)
-    assert "version 3" in msg and "Available versions" in msg and "[2]" in msg, msg
+    assert "version 4" in msg and "Available versions" in msg and "[3]" in msg, msg
 
 
 def test_bad_magic_says_it_is_not_a_tensorcast_header() -> None:
@@ -163,7 +163,7 @@ def test_deep_but_valid_flat_tree_is_accepted() -> None:
     """100,000 nested one-element lists as flat tokens are a valid tree: both decoders
     accept it without recursing."""
     depth = 100_000
-    data = frame(json.dumps([0, 64, [], [["l", 1]] * depth + [None], [None]]).encode())
+    data = frame(json.dumps([0, 64, [], [["l", 1]] * depth + [None], [None], []]).encode())
     assert tc.read_header(data).leaves == ()
     out = tc.unpack(data, torch.empty(0, dtype=torch.uint8))
     for _ in range(depth):
@@ -173,7 +173,7 @@ def test_deep_but_valid_flat_tree_is_accepted() -> None:
 
 
 def test_deep_flat_tree_referencing_a_missing_leaf_is_rejected() -> None:
-    data = frame(json.dumps([0, 64, [], [["l", 1]] * 100_000 + [0], []]).encode())
+    data = frame(json.dumps([0, 64, [], [["l", 1]] * 100_000 + [0], [], []]).encode())
     assert judge(data) == "rejected"
 
 
@@ -196,7 +196,7 @@ def test_read_header_output_is_bounded_by_its_input() -> None:
     depth, n = 4000, 1000
     tokens = [["l", 1]] * depth + [["l", n], *range(n)]
     leaves = [["tensor", "U8", [0], 0, 0]] * n
-    data = frame(json.dumps([0, 64, leaves, tokens, []], separators=(",", ":")).encode())
+    data = frame(json.dumps([0, 64, leaves, tokens, [], []], separators=(",", ":")).encode())
     schema = tc.read_header(data)
     assert len(schema.leaves) == n
     total = sum(len(leaf.path) for leaf in schema.leaves)
@@ -295,13 +295,13 @@ json_values = st.recursive(
 
 
 @SETTINGS
-@given(json_values, json_values, json_values, json_values, json_values)
+@given(json_values, json_values, json_values, json_values, json_values, json_values)
 def test_arbitrary_json_bodies(
-    nbytes: Any, align: Any, leaves: Any, tokens: Any, values: Any
+    nbytes: Any, align: Any, leaves: Any, tokens: Any, values: Any, trims: Any
 ) -> None:
-    """Any JSON ``[nbytes, align, leaves, tokens, values]`` gives HeaderError or a valid
-    header."""
-    judge(frame(json.dumps([nbytes, align, leaves, tokens, values]).encode()))
+    """Any JSON ``[nbytes, align, leaves, tokens, values, trims]`` gives HeaderError or a
+    valid header."""
+    judge(frame(json.dumps([nbytes, align, leaves, tokens, values, trims]).encode()))
 
 
 leaf_rows = st.lists(
@@ -341,6 +341,15 @@ value_atoms = st.one_of(
 )
 
 
+# A trimmed leaf's record ``[index, runs, elements, which]`` from near-valid pieces.
+trim_records = st.tuples(
+    st.integers(-1, 2),
+    st.lists(st.integers(-1, 20), max_size=4),
+    st.sampled_from(["", "00", "0000", "00000000", "0000803f", "000000000000803f", "zz"]),
+    st.none() | st.lists(st.integers(-1, 2), max_size=4),
+).map(list)
+
+
 @SETTINGS
 @given(
     st.integers(0, 1024),
@@ -348,13 +357,19 @@ value_atoms = st.one_of(
     leaf_rows,
     st.lists(token_atoms, min_size=0, max_size=12),
     st.lists(value_atoms, min_size=0, max_size=4),
+    st.just([]) | st.lists(trim_records, max_size=2),
 )
 def test_near_valid_bodies(
-    nbytes: int, align: int, leaves: list[Any], tokens: list[Any], values: list[Any]
+    nbytes: int,
+    align: int,
+    leaves: list[Any],
+    tokens: list[Any],
+    values: list[Any],
+    trims: list[Any],
 ) -> None:
     """Bodies built from the grammar's own pieces (so they get past the first checks)
     give HeaderError or a valid header; when valid, unpack rebuilds a tree."""
-    judge(frame(json.dumps([nbytes, align, leaves, tokens, values]).encode()))
+    judge(frame(json.dumps([nbytes, align, leaves, tokens, values, trims]).encode()))
 
 
 # --------------------------------------------------------------------------- golden bytes
@@ -371,12 +386,12 @@ def golden_tree() -> dict[Any, Any]:
 
 
 GOLDEN_HEADER = (
-    b"TCST\x02\x00\x00\x00L\x01\x00\x00"
+    b"TCST\x03\x00\x00\x00O\x01\x00\x00"
     b'[136,64,[["tensor","I16",[4],0,8],["tensor","BOOL",[3],64,3],["ndarray","F32",[2],128,8]],'
     b'[["d",5,["ids","mask","np","meta","od"]],0,1,2,["l",6],null,null,null,null,null,["t",1],'
     b'null,["o",1,[7]],null],'
     b'[["f",4609434218613702656],"hi",null,["y","0001"],["I","0x400000000000000000"],true,'
-    b'["c",4607182418800017408,4611686018427387904]]]'
+    b'["c",4607182418800017408,4611686018427387904]],[]]'
 )
 # The leaves' bytes, little-endian; every byte between leaves is zero.
 GOLDEN_BUFFER = (
@@ -448,18 +463,22 @@ def test_a_known_structure_with_bad_values_is_rejected() -> None:
     values_at = GOLDEN_HEADER.rindex(b',[["f",') + 1
     body = GOLDEN_HEADER[12:values_at]
     for values in (
-        b"[]]",  # too few
-        b'[["f",0],"hi",null,["y","00"],["i",1],true,["c",0,0],null]]',  # too many
-        b'[["f",0],"hi",null,["y","0"],["i",1],true,["c",0,0]]]',  # odd hex
-        b'[["f",0],"hi",null,["y","00"],5,true,["c",0,0]]]',  # a bare int
-        b'{"a":1}]',  # not a list
-        b"[],[]]",  # two values lists
-        b"[]",  # no closing bracket
-        b"[]]]",
-        b"[\xff]]",
+        b"[],[]]",  # too few
+        b'[["f",0],"hi",null,["y","00"],["i",1],true,["c",0,0],null],[]]',  # too many
+        b'[["f",0],"hi",null,["y","0"],["i",1],true,["c",0,0]],[]]',  # odd hex
+        b'[["f",0],"hi",null,["y","00"],5,true,["c",0,0]],[]]',  # a bare int
+        b'{"a":1},[]]',  # not a list
+        b"[],[],[]]",  # two values lists
+        b"[],[]",  # no closing bracket
+        b"[],[]]]",
+        b"[\xff],[]]",
+        b'[["f",0],"",null,["y",""],["i",1],false,["c",0,0]]]',  # no trims
+        b'[["f",0],"",null,["y",""],["i",1],false,["c",0,0]],{}]',  # trims not a list
+        # a trim of leaf 0, a 1-D leaf: only the general path checks leaf sizes
+        b'[["f",0],"",null,["y",""],["i",1],false,["c",0,0]],[[0,[1],"0000",null]]]',
     ):
         assert judge(frame(body + values)) == "rejected", values
-    good = b'[["f",0],"",null,["y",""],["i",1],false,["c",0,0]]]'
+    good = b'[["f",0],"",null,["y",""],["i",1],false,["c",0,0]],[]]'
     assert judge(frame(body + good)) == "ok"
 
 

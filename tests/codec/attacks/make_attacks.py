@@ -19,7 +19,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 MAGIC = b"TCST"
-VERSION = 2
+VERSION = 3
 PREFIX = struct.Struct("<4sHHI")  # magic, version, flags, body length
 MAX_HEADER_BYTES = 64 << 20
 DEEP = 100_000
@@ -49,16 +49,23 @@ CONTAINER_TAGS = ("l", "t", "d", "o", "r", "x")
 
 
 def header(
-    nbytes: object, align: object, leaves: object, tree: list[object], values: object = None
+    nbytes: object,
+    align: object,
+    leaves: object,
+    tree: list[object],
+    values: object = None,
+    trims: object = (),
 ) -> bytes:
-    """A framed header whose JSON body is ``[nbytes, align, leaves, tokens, values]``.
+    """A framed header whose JSON body is ``[nbytes, align, leaves, tokens, values, trims]``
+    (``trims``: the side tables of trimmed leaves, none by default).
 
     Without ``values``, ``tree`` is written as one would read the tree, small values in
     their places: each token that is neither a buffer-leaf reference (a bare int) nor a
     container becomes a value slot (``null``) and goes to the values, in order.
     """
+    trims = list(trims) if isinstance(trims, tuple) else trims
     if values is not None:
-        return frame(js([nbytes, align, leaves, tree, values]))
+        return frame(js([nbytes, align, leaves, tree, values, trims]))
     tokens: list[object] = []
     small: list[object] = []
     for tok in tree:
@@ -68,12 +75,24 @@ def header(
         else:
             tokens.append(None)
             small.append(tok)
-    return frame(js([nbytes, align, leaves, tokens, small]))
+    return frame(js([nbytes, align, leaves, tokens, small, trims]))
 
 
-def raw(body: str) -> bytes:
-    """A framed header with a hand-written body (for what ``json.dumps`` cannot write)."""
+def raw(body: str, *, trims: bool = True) -> bytes:
+    """A framed header with a hand-written body (for what ``json.dumps`` cannot write):
+    a list of the first five fields, to which an empty ``trims`` is added (unless
+    ``trims=False``: the body is framed as it is)."""
+    if trims:
+        body = body[:-1] + ",[]]"
     return frame(body.encode("ascii"))
+
+
+def trimmed(
+    shape: list[int], stored: int, record: list[object], *, kind: str = "tensor", code: str = "F32"
+) -> bytes:
+    """A header with one trimmed leaf of ``shape`` storing ``stored`` bytes, whose side
+    table is ``record`` (``[runs, elements, which]``)."""
+    return header(stored, 64, [[kind, code, shape, 0, stored]], [0], trims=[[0, *record]])
 
 
 def f32(n: int, offset: int = 0) -> list[object]:
@@ -94,11 +113,15 @@ ATTACKS: dict[str, tuple[str, bytes]] = {
         b"\x80\x05\x95" + b"\x00" * 9 + b"cos\nsystem\n.",
     ),
     "leading_whitespace": ("a space before the magic", b" " + VALID),
-    "future_version": ("format version 3, from the future", frame(VALID[12:], version=3)),
+    "future_version": ("format version 4, from the future", frame(VALID[12:], version=4)),
     "past_version": ("format version 1, whose body has no values", frame(VALID[12:], version=1)),
+    "version_2": (
+        "format version 2, whose body has no trims",
+        frame(VALID[12:-4] + b"]", version=2),
+    ),
     "version_zero": ("format version 0", frame(VALID[12:], version=0)),
     "version_max": ("format version 65535", frame(VALID[12:], version=0xFFFF)),
-    "nonzero_flags": ("flags 0x0001, undefined in version 2", frame(VALID[12:], flags=1)),
+    "nonzero_flags": ("flags 0x0001, undefined in version 3", frame(VALID[12:], flags=1)),
     "length_too_long": (
         f"the body length says 1000, {len(VALID) - 12} bytes follow",
         frame(VALID[12:], length=1000),
@@ -116,22 +139,26 @@ ATTACKS: dict[str, tuple[str, bytes]] = {
     # ---- body: JSON and top-level shape
     "non_ascii_body": (
         "raw UTF-8 (`é`) in the body",
-        frame('[16,64,[["tensor","F32",[4],0,16]],[["d",1,["é"]],0],[]]'.encode()),
+        frame('[16,64,[["tensor","F32",[4],0,16]],[["d",1,["é"]],0],[],[]]'.encode()),
     ),
     "latin1_body": ("a 0xff byte in the body", frame(VALID[12:-2] + b"\xff]")),
     "nul_in_body": ("a NUL byte in the body", frame(VALID[12:-1] + b"\x00")),
-    "not_json": ("a body that is not JSON", raw("[16,64,[[tensor]]")),
+    "not_json": ("a body that is not JSON", raw("[16,64,[[tensor]]", trims=False)),
     "json_object": (
-        "a JSON object instead of the 5-list",
-        raw('{"nbytes":16,"align":64,"leaves":[],"tokens":[null],"values":[null]}'),
+        "a JSON object instead of the 6-list",
+        raw('{"nbytes":16,"align":64,"leaves":[],"tokens":[null],"values":[null]}', trims=False),
     ),
-    "json_string": ("a JSON string body", raw('"hello"')),
-    "three_fields": ("a 3-list body", raw("[0,64,[]]")),
+    "json_string": ("a JSON string body", raw('"hello"', trims=False)),
+    "three_fields": ("a 3-list body", raw("[0,64,[]]", trims=False)),
     "four_fields": (
         "a version-1 body, without values",
-        raw('[16,64,[["tensor","F32",[4],0,16]],[["d",1,["x"]],0]]'),
+        raw('[16,64,[["tensor","F32",[4],0,16]],[["d",1,["x"]],0]]', trims=False),
     ),
-    "six_fields": ("a 6-list body", raw("[0,64,[],[null],[null],0]")),
+    "five_fields": (
+        "a version-2 body, without trims",
+        raw('[16,64,[["tensor","F32",[4],0,16]],[["d",1,["x"]],0],[]]', trims=False),
+    ),
+    "six_fields": ("a 7-list body", raw("[0,64,[],[null],[null],[],0]", trims=False)),
     "nan_nbytes": ("NaN as the buffer size", raw("[NaN,64,[],[null],[null]]")),
     "infinity_nbytes": ("Infinity as the buffer size", raw("[Infinity,64,[],[null],[null]]")),
     "float_nbytes": (
@@ -454,6 +481,110 @@ ATTACKS: dict[str, tuple[str, bytes]] = {
         "a numpy str scalar holding a number",
         header(0, 64, [], [["S", "U", 5]]),
     ),
+    # ---- trimmed leaves (docs/format.md): a (2, 8) F32 leaf, rows of 8 elements
+    "trims_not_list": (
+        "the trims are a dict",
+        raw('[16,64,[["tensor","F32",[4],0,16]],[0],[]]')[:-3] + b'{"0":1}]',
+    ),
+    "trim_not_list": (
+        "a trim that is a number",
+        header(32, 64, [["tensor", "F32", [2, 8], 0, 32]], [0], trims=[7]),
+    ),
+    "trim_three_fields": (
+        "a trim without its leaf index",
+        header(32, 64, [["tensor", "F32", [2, 8], 0, 32]], [0], trims=[[[4, 4], "00000000", None]]),
+    ),
+    "trim_index_out_of_range": (
+        "a trim of leaf 1 when there is 1 leaf",
+        header(
+            32, 64, [["tensor", "F32", [2, 8], 0, 32]], [0], trims=[[1, [4, 4], "00000000", None]]
+        ),
+    ),
+    "trim_index_bool": (
+        "a trim whose leaf index is true",
+        header(
+            32,
+            64,
+            [["tensor", "F32", [2, 8], 0, 32]],
+            [0],
+            trims=[[True, [4, 4], "00000000", None]],
+        ),
+    ),
+    "trim_index_repeated": (
+        "leaf 0 trimmed twice",
+        header(
+            32,
+            64,
+            [["tensor", "F32", [2, 8], 0, 32]],
+            [0],
+            trims=[[0, [4, 4], "00000000", None], [0, [4, 4], "00000000", None]],
+        ),
+    ),
+    "trim_1d_leaf": ("a trimmed 1-D leaf", trimmed([8], 16, [[4], "00000000", None])),
+    "trim_bytes_leaf": (
+        "a trimmed bytes leaf",
+        trimmed([8], 4, [[4], "00", None], kind="bytes", code="U8"),
+    ),
+    "trim_run_past_row": (
+        "a run of 9 in a row of 8",
+        trimmed([2, 8], 28, [[9, -2], "00000000", None]),
+    ),
+    "trim_run_negative": ("a run of -1", trimmed([2, 8], 36, [[-1, 0], "00000000", None])),
+    "trim_run_bool": ("a run length of true", trimmed([2, 8], 60, [[True, 0], "00000000", None])),
+    "trim_run_float": ("a run length of 4.0", trimmed([2, 8], 32, [[4.0, 4], "00000000", None])),
+    "trim_runs_short": ("one run length for 2 rows", trimmed([2, 8], 48, [[4], "00000000", None])),
+    "trim_runs_huge_count": (
+        "10**6 run lengths for 2 rows",
+        trimmed([2, 8], 64, [[0] * 10**6, "00000000", None]),
+    ),
+    "trim_stored_disagrees": (
+        "runs [4, 4] keep 32 bytes but the leaf table says 36",
+        trimmed([2, 8], 36, [[4, 4], "00000000", None]),
+    ),
+    "trim_stored_overflow": (
+        "runs that keep 2**70 bytes, as the leaf table says",
+        trimmed([2**33, 2**33], 2**70, [[0, 0], "00000000", None]),
+    ),
+    "trim_full_over_cap": (
+        "a 1-row leaf of 2**43 F32 elements, all run: 32 TiB rebuilt from 0 bytes",
+        trimmed([1, 2**43], 0, [[2**43], "00000000", None]),
+    ),
+    "trim_element_wrong_width": (
+        "a 2-byte run element for an F32 leaf",
+        trimmed([2, 8], 32, [[4, 4], "0000", None]),
+    ),
+    "trim_element_not_hex": (
+        "a run element `zzzzzzzz`",
+        trimmed([2, 8], 32, [[4, 4], "zzzzzzzz", None]),
+    ),
+    "trim_element_upper_hex": (
+        "a run element in uppercase hex",
+        trimmed([2, 8], 32, [[4, 4], "0000803F", None]),
+    ),
+    "trim_element_number": (
+        "a run element given as the number 0",
+        trimmed([2, 8], 32, [[4, 4], 0, None]),
+    ),
+    "trim_elements_unordered": (
+        "two run elements out of order",
+        trimmed([2, 8], 32, [[4, 4], "0000803f00000000", [0, 1]]),
+    ),
+    "trim_elements_more_than_rows": (
+        "three run elements for 2 rows",
+        trimmed([2, 8], 32, [[4, 4], "000000000000803f00000040", [0, 1]]),
+    ),
+    "trim_which_with_one_element": (
+        "a `which` list with one run element",
+        trimmed([2, 8], 32, [[4, 4], "00000000", [0, 0]]),
+    ),
+    "trim_which_missing": (
+        "two run elements and no `which`",
+        trimmed([2, 8], 32, [[4, 4], "000000000000803f", None]),
+    ),
+    "trim_which_out_of_range": (
+        "a `which` index 2 with two run elements",
+        trimmed([2, 8], 32, [[4, 4], "000000000000803f", [0, 2]]),
+    ),
 }
 
 
@@ -474,7 +605,8 @@ def write(folder: Path = HERE) -> list[Path]:
         "",
         "Regenerate with `python tests/codec/attacks/make_attacks.py` (deterministic; the test",
         "checks the files match the script). Framing: `<4sHHI` prefix (magic `TCST`, version,",
-        "flags, body length) then an ASCII JSON body `[nbytes, align, leaves, tokens, values]`.",
+        "flags, body length) then an ASCII JSON body `[nbytes, align, leaves, tokens, values,",
+        "trims]` (`docs/format.md`).",
         "",
         "| file | attacks | bytes |",
         "| --- | --- | ---: |",

@@ -1,21 +1,32 @@
 """The agreement before anything collective: ranks compare their setups in the store.
 
 # NOTE [ Agreement before anything collective ]
-Before a loader or a broadcast channel makes its group, the ranks of that group compare
-their setups through the c10d store, within the timeout: a disagreement (axes, mesh shape
-or rank layout, source, ``prefetch``, versions) is a ``DesyncError`` on every rank that
-meets it, never a hang inside group creation. Setups are numbered per *scope* (the ranks
-that build together) and written under each rank's own key, but read only by the group a
-rank believes it is in, so a rank with other axes writes where its real group looks.
-Round two settles one outcome per group with ``compare_set``, so a late or paused rank
-reads why the others gave up. Cost per rank: a constant plus the group's size. Why, and
-the cost in all: ``docs/design.md``, section 3. Keys (``<g>`` names the group)::
+Before a loader or a broadcast channel makes its group, the ranks that build it together
+(its *scope*: a mesh's ranks, or a group's) compare their setups through the c10d store,
+within the timeout: a disagreement (axes, mesh shape or rank layout, source, ``prefetch``,
+versions) is a ``DesyncError`` on every rank of the scope, whichever of a mesh's groups
+holds it, never a hang inside group creation. Setups are numbered per scope and written
+under each rank's own key, but read only by the group a rank believes it is in (and
+compared with the scope's first rank's), so a rank with other axes writes where its real
+group looks. The outcome is one key per scope, set once with ``compare_set``: "ok" by the
+rank whose confirmation completes the scope's count, or why not by the first rank that
+finds a disagreement or gives up waiting. Every rank waits for it, so a disagreement in
+one DP slot fails every slot, and a late or paused rank reads why the others gave up.
+Waits poll with ``check``, never a blocking ``wait`` that can time out (c10d logs every
+one that does). Cost per rank: a constant plus its group's size, plus polls that grow
+with the wait, never with the world. Why, and the cost in all: ``docs/design.md``,
+section 3. Keys::
 
-    agree/<scope>/<seq>/<rank>       round one: the rank's setup and what it tells
-    agree/<scope>/<seq>/<g>/ready    round two: the ranks that confirmed, appended
-    agree/<scope>/<seq>/<g>/count    round two: how many confirmed (``add``)
-    agree/<scope>/<seq>/<g>/go       the outcome, set once (``compare_set``): "ok" or why not
-    agree/<scope>/<seq>/<g>/done     how many are through; the last deletes every key
+    agree/<scope>/<seq>/<rank>   round one: the rank's setup and what it tells
+    agree/<scope>/<seq>/first    round one: the scope's first rank's setup (a mesh's)
+    agree/<scope>/<seq>/ready    round two: the ranks that confirmed, appended
+    agree/<scope>/<seq>/count    round two: how many confirmed (``add``)
+    agree/<scope>/<seq>/go       the outcome, set once (``compare_set``): "ok" or why not
+    agree/<scope>/<seq>/done     how many read "ok"; the last deletes the scope's keys
+
+A rank deletes its own round-one key once it reads "ok": every rank has read it by then.
+A store that fails during the setup (its host exited) is a ``PeerError`` naming the
+store and its host (:func:`store_failed`), never torch's raw ``DistNetworkError``.
 """
 
 from __future__ import annotations
@@ -26,19 +37,24 @@ import datetime
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tensorcast._errors import DesyncError
+from tensorcast._errors import DesyncError, PeerError, TensorcastError
 
-__all__ = ["EXITED", "Agreement", "mark_exit", "ranks_name"]
+__all__ = ["EXITED", "Agreement", "mark_exit", "ranks_name", "store_failed"]
 
 log = logging.getLogger("tensorcast")
 
 #: set in the default store (no prefix) by a process that exits with the group up
 EXITED = "tensorcast/exited/"
+
+_POLL_FIRST_S = 0.005  # a wait's first pause between two checks; each next one doubles
+_POLL_MAX_S = 1.0  # ... up to this: a wait of w seconds costs about 8 + w checks
+_NAMED_MAX = 16  # ranks named in a message about a whole scope, at most
 
 
 def ranks_name(ranks: Sequence[int]) -> str:
@@ -52,7 +68,33 @@ def report_every(timeout_s: float) -> float:
 
 
 def _ranks(ranks: Sequence[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if len(ranks) > _NAMED_MAX:
+        return f"ranks {list(ranks[:_NAMED_MAX])} and {len(ranks) - _NAMED_MAX} more"
+    return f"ranks {list(ranks)}"
+
+
+def store_failed(store: Any, rank: int, doing: str, error: BaseException) -> PeerError:
+    """The error for a store request that failed (not a wait's timeout: tensorcast polls):
+    names the store and the process that hosts it, whose exit is the usual cause."""
+    base = getattr(store, "_underlying_non_prefix_store", store)
+    if hasattr(base, "host") and hasattr(base, "port"):
+        where = f"the c10d store (a TCPStore at {base.host}:{base.port})"
+    else:
+        where = f"the c10d store (a {type(base).__name__})"
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        host = "torchrun's agent on the master node hosts it: find why that agent stopped"
+    else:
+        host = (
+            "rank 0's process hosts it (init_process_group made it there, unless a store was "
+            "passed in): it most likely exited on an error of its own, which its output shows"
+        )
+    said = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return PeerError(
+        f"rank {rank}: {where} failed while {doing}: {type(error).__name__}: {said}. "
+        f"Its host exited or stopped answering; {host}. Restart the job once it is fixed"
+    )
 
 
 class Agreement:
@@ -61,7 +103,8 @@ class Agreement:
 
     Args:
         store: tensorcast's prefix of the default store (or any store-like with ``set``,
-            ``wait``, ``multi_get``, ``check``, ``add``, ``append``, ``compare_set``).
+            ``get``, ``multi_get``, ``check``, ``add``, ``append``, ``compare_set``,
+            ``delete_key``).
         rank: this rank's global rank.
         timeout: the default wait.
         exits: where processes mark that they exited (:data:`EXITED`), None for none.
@@ -102,16 +145,17 @@ class Agreement:
         """Compare ``setup`` with the other ranks of ``group`` (and the scope's first).
 
         Args:
-            scope: names the ranks that number their setups together (:func:`ranks_name`
-                of a mesh's ranks, or of a group's).
+            scope: names the ranks that build together and number their setups together
+                (:func:`ranks_name` of a mesh's ranks, or of a group's).
             group: this rank's group, global ranks in mesh order (this one included).
             what: names the thing being built, in errors.
             setup: what must be equal on every rank (JSON-able values); the group is added.
             extra: what each rank tells the others without comparing (e.g. a length).
             first: where the scope is more than the group (a mesh): the scope's first
-                rank and its number of ranks. Every rank also compares its setup (but for
-                the group) with that rank's, so that a mesh whose rank layout differs is
-                caught on every rank whose setup is not the first rank's.
+                rank (global) and its number of ranks. Every rank also compares its setup
+                (but for the group) with that rank's, so that a mesh whose rank layout
+                differs is caught on every rank whose setup is not the first rank's; and
+                every rank of the scope waits for the scope's one outcome.
             timeout: bounds each round's wait; None means the default.
 
         Returns:
@@ -119,8 +163,10 @@ class Agreement:
             ``extra`` by global rank.
 
         Raises:
-            DesyncError: a rank disagrees, or did not come or confirm within the timeout;
-                or an earlier agreement of ``scope`` was interrupted on this rank.
+            DesyncError: a rank of the scope disagrees, or did not come or confirm within
+                the timeout; or an earlier agreement of ``scope`` was interrupted on this
+                rank.
+            PeerError: the store failed (its host exited): see :func:`store_failed`.
         """
         broken = self._interrupted.get(scope)
         if broken is not None:
@@ -134,6 +180,11 @@ class Agreement:
             return self._agree(scope, group, what, setup, extra, first, timeout)
         except DesyncError:  # raised on every rank of the agreement alike
             raise
+        except RuntimeError as e:
+            self._interrupted[scope] = f"{type(e).__name__} in the setup of {what}"
+            if isinstance(e, TensorcastError):
+                raise
+            raise store_failed(self.store, self.rank, f"setting up {what}", e) from e
         except BaseException as e:  # e.g. a signal handler's, on this rank only
             self._interrupted[scope] = f"{type(e).__name__} in the setup of {what}"
             raise
@@ -155,26 +206,59 @@ class Agreement:
         mine = {**setup, "group": list(group)}
         text = json.dumps({"setup": mine, "extra": extra or {}}, sort_keys=True)
         mine = json.loads(text)["setup"]  # compared as every rank reads it: tuples as lists
-        ours = base + ranks_name(sorted(group)) + "/"
-        self.store.set(base + str(self.rank), text)
+        own = base + str(self.rank)
+        self.store.set(own, text)
         if first is not None and first[0] == self.rank:
             self.store.set(base + "first", text)
         ranks = [*group, *([first[0]] if first is not None else [])]
         keys = [base + str(r) for r in group] + ([base + "first"] if first is not None else [])
-        self._round_one(keys, ranks, what, ours, timeout)
+        self._round_one(base, keys, ranks, what, timeout)
         values = [json.loads(v) for v in self.store.multi_get(keys)]
         theirs = dict(zip(group, values))
         anchor = (first[0], values[-1]["setup"]) if first is not None else None
         self._compare(base, what, mine, theirs, anchor)
         if self._pause is not None:
             self._pause()
-        self._round_two(ours, list(group), what, timeout)
-        done = [ours + "ready", ours + "count", ours + "go"]
-        self._forget(ours + "done", [*keys[: len(group)], *done], len(group))
-        if first is not None:
-            self._forget(base + "first/done", [base + "first"], first[1])
+        scope_ranks = first[1] if first is not None else len(group)
+        self._round_two(base, list(group), scope_ranks, what, timeout)
+        # "ok": every rank of the scope has read the keys it needed, so each deletes its own
+        # and the last one through deletes the scope's
+        with contextlib.suppress(RuntimeError):  # a store that cannot delete keeps them
+            self.store.delete_key(own)
+        if self.store.add(base + "done", 1) == scope_ranks:
+            for key in [*(["first"] if first is not None else []), "ready", "count", "go", "done"]:
+                with contextlib.suppress(RuntimeError):
+                    self.store.delete_key(base + key)
+        ours = base + ranks_name(sorted(group)) + "/"
         digest = hashlib.blake2b(ours.encode(), digest_size=4).digest()
         return int.from_bytes(digest, "little"), {r: v["extra"] for r, v in theirs.items()}
+
+    def _poll(self, keys: list[str], until: float) -> bool:
+        """Whether every key of ``keys`` is in the store by ``until`` (monotonic seconds).
+
+        A ``check`` now and then, never a blocking ``wait``: TCPStore's client logs two
+        warnings (``waitForInput ... timed out``) for every wait that times out, and a
+        rank that waits for a late one would print them every few seconds. The pauses
+        double from 5 ms up to 1 s: a wait of ``w`` seconds costs about ``8 + w`` checks,
+        whatever the world size, and sees the keys about as late as it had waited at most
+        (5 ms at least, 1 s at most).
+        """
+        pause = _POLL_FIRST_S
+        while True:
+            if self.store.check(keys):
+                return True
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _POLL_MAX_S)
+
+    def _outcome_so_far(self, base: str) -> None:
+        """Raise what the scope's outcome says, if a rank already set it (to why not: it
+        cannot be "ok" before this rank confirmed)."""
+        go = base + "go"
+        if self.store.check([go]):
+            raise DesyncError(f"rank {self.rank}: {self.store.get(go).decode()}")
 
     def _compare(
         self,
@@ -195,46 +279,44 @@ class Agreement:
                 self._disagree(base, what, mine, first[0], anchor, "the mesh's first rank")
 
     def _round_one(
-        self, keys: list[str], group: list[int], what: str, ours: str, timeout: datetime.timedelta
+        self, base: str, keys: list[str], ranks: list[int], what: str, timeout: datetime.timedelta
     ) -> None:
-        """Wait for every key of the group, saying every few seconds who is missing."""
+        """Wait for every key of the group (and the scope's first), saying every few
+        seconds who is missing; stop early when the scope's outcome is already set."""
         total = timeout.total_seconds()
         start = time.monotonic()
         every = report_every(total)
+        reports = 0
         while True:
-            step = min(every, total - (time.monotonic() - start))
-            began = time.monotonic()
-            try:
-                self.store.wait(keys, datetime.timedelta(seconds=max(step, 0.001)))
+            reports += 1
+            if self._poll(keys, start + min(total, reports * every)):
                 return
-            except RuntimeError:
-                if time.monotonic() - began < step / 2:
-                    raise  # the store itself failed, well before the wait's end
-            missing = sorted({r for r, k in zip(group, keys) if not self.store.check([k])})
+            missing = sorted({r for r, k in zip(ranks, keys) if not self.store.check([k])})
             waited = time.monotonic() - start
             if not missing:
                 return
             if total - waited < 0.05:  # the last slice ran out
-                self._give_up_waiting(missing, group, what, ours, total)
+                self._give_up_waiting(base, missing, ranks, what, total)
+            self._outcome_so_far(base)
             log.warning(
                 "rank %d: still waiting for %s to build %s: %.0f s (of %g s)%s",
                 self.rank, _ranks(missing), what, waited, total, self._gone(missing),
             )  # fmt: skip
 
     def _give_up_waiting(
-        self, missing: list[int], group: list[int], what: str, ours: str, total: float
+        self, base: str, missing: list[int], ranks: list[int], what: str, total: float
     ) -> None:
         gone = self._gone(missing)
         self.store.compare_set(
-            ours + "go",
+            base + "go",
             "",
             f"rank {self.rank} gave up waiting for {_ranks(missing)} to set up {what} (it came "
             f"before them, and they did not come within {total:g} s){gone}",
         )
         raise DesyncError(
             f"rank {self.rank}: rank(s) {missing} did not set up {what} within {total:g} s"
-            f"{gone}; every rank of {group} must build it together, in the same order as "
-            f"its other tensorcast loaders"
+            f"{gone}; every rank of {sorted(set(ranks))} must build it together, in the same "
+            f"order as its other tensorcast loaders"
         )
 
     def _gone(self, missing: list[int]) -> str:
@@ -263,49 +345,80 @@ class Agreement:
             f"{_differences(mine, other, self.rank, r)}. Every rank must build it with the "
             f"same arguments, on the same mesh"
         )
-        theirs = other.get("group")
-        if isinstance(theirs, list) and sorted(theirs) != sorted(mine["group"]):
-            # the ranks of the group that rank believes in stop too, not only this one's
-            key = base + ranks_name(sorted(int(x) for x in theirs)) + "/go"
-            self.store.compare_set(key, "", message)
+        self.store.compare_set(base + "go", "", message)  # every rank of the scope stops
         raise DesyncError(message)
 
     def _round_two(
-        self, ours: str, group: list[int], what: str, timeout: datetime.timedelta
+        self, base: str, group: list[int], scope_ranks: int, what: str, timeout: datetime.timedelta
     ) -> None:
-        """Every rank confirms; the outcome is set once, and every rank reads it."""
-        go = ours + "go"
-        self.store.append(ours + "ready", f"{self.rank},")
-        if self.store.add(ours + "count", 1) == len(group):
+        """Every rank confirms; the scope's outcome is set once, and every rank reads it."""
+        go = base + "go"
+        self.store.append(base + "ready", f"{self.rank},")
+        if self.store.add(base + "count", 1) == scope_ranks:
             self.store.compare_set(go, "", "ok")
-        try:
-            self.store.wait([go], timeout)
+        total = timeout.total_seconds()
+        if self._poll([go], time.monotonic() + total):
             outcome = self.store.get(go).decode()
-        except RuntimeError:
-            ready = self.store.get(ours + "ready").decode().split(",")
-            missing = [r for r in group if str(r) not in ready]
-            outcome = self.store.compare_set(
-                go,
-                "",
-                f"rank {self.rank} gave up waiting for {_ranks(missing)} to confirm {what} "
-                f"(they agreed, then did not confirm within {timeout.total_seconds():g} s)",
-            ).decode()
-            if outcome.startswith(f"rank {self.rank} gave up"):
-                raise DesyncError(
-                    f"rank {self.rank}: rank(s) {missing} agreed on {what} but did not "
-                    f"confirm within {timeout.total_seconds():g} s{self._gone(missing)}"
-                ) from None
+        else:
+            outcome = self._give_up_confirming(base, group, scope_ranks, what, total)
         if outcome != "ok":
             raise DesyncError(f"rank {self.rank}: {outcome}")
 
-    def _forget(self, done: str, keys: list[str], ranks: int) -> None:
-        """Delete ``keys`` once all their ``ranks`` are through (counted in ``done``):
-        the one that counts last does it."""
-        if self.store.add(done, 1) != ranks:
-            return
-        for key in [*keys, done]:
-            with contextlib.suppress(RuntimeError):  # a store that cannot delete keeps them
-                self.store.delete_key(key)
+    def _give_up_confirming(
+        self, base: str, group: list[int], scope_ranks: int, what: str, total: float
+    ) -> str:
+        """Set the outcome to why this rank stops waiting (unless another rank set it
+        first: then that is the outcome); raise if it is this rank's."""
+        go = base + "go"
+        if self.store.check([go]):
+            return self.store.get(go).decode()
+        if scope_ranks != len(group) and _appears(self.store, go, min(1.0, 0.25 * total)):
+            # A rank of a group short of a member gives up at the same deadline and knows
+            # better whom it waited for: its outcome, if it comes within a short grace, wins.
+            return self.store.get(go).decode()
+        # Read once, by the ranks that time out: the scope's confirmed ranks.
+        ready = sorted(int(r) for r in self.store.get(base + "ready").decode().split(",") if r)
+        missing, why, raised = _unconfirmed(ready, group, scope_ranks, what)
+        outcome = self.store.compare_set(
+            go, "", f"rank {self.rank} gave up waiting for {why} within {total:g} s)"
+        ).decode()
+        if outcome.startswith(f"rank {self.rank} gave up"):
+            raise DesyncError(
+                f"rank {self.rank}: {raised} within {total:g} s{self._gone(missing)}"
+            ) from None
+        return outcome
+
+
+def _unconfirmed(
+    ready: list[int], group: list[int], scope_ranks: int, what: str
+) -> tuple[list[int], str, str]:
+    """Who did not confirm ``what`` (when known), why a rank gave up, and what it raises."""
+    if scope_ranks == len(group):
+        missing = [r for r in group if r not in ready]
+        why = f"{_ranks(missing)} to confirm {what} (they agreed, then did not confirm"
+        return missing, why, f"rank(s) {missing} agreed on {what} but did not confirm"
+    # the mesh's ranks are not known here: the ranks of this rank's group are
+    why = (
+        f"{scope_ranks - len(ready)} of the mesh's {scope_ranks} ranks to confirm "
+        f"{what} (only {_ranks(ready)} confirmed; the others never came, with none "
+        f"of their group, or stopped between the rounds"
+    )
+    raised = (
+        f"{scope_ranks - len(ready)} of the mesh's {scope_ranks} ranks did not "
+        f"confirm {what} (only {_ranks(ready)} did; every rank of the mesh must "
+        f"build it together)"
+    )
+    return [], why, raised
+
+
+def _appears(store: Any, key: str, within_s: float) -> bool:
+    """Whether ``key`` is set within ``within_s`` seconds (polled: no c10d wait logs)."""
+    deadline = time.monotonic() + within_s
+    while not store.check([key]):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _differences(mine: dict[str, Any], theirs: dict[str, Any], me: int, other: int) -> str:

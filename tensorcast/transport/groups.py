@@ -34,7 +34,6 @@ import contextlib
 import datetime
 import functools
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -44,13 +43,14 @@ import torch.distributed as dist
 
 from tensorcast import codec
 from tensorcast._errors import PeerError
+from tensorcast.transport import exits as _exits
 from tensorcast.transport.agreement import Agreement, ranks_name, store_failed
 from tensorcast.transport.diagnosis import diagnose, timed_out
 from tensorcast.transport.frame import FRAMES_VERSION, INITIAL_CAPACITY, promises_enabled
 from tensorcast.transport.lane import Lane
 from tensorcast.transport.liveness import Heartbeat
 from tensorcast.transport.receiver import Receiver
-from tensorcast.transport.sender import Sender
+from tensorcast.transport.sender import Packing, Sender
 from tensorcast.transport.wire import GlooWire, NcclWire, Wire
 
 __all__ = [
@@ -193,6 +193,9 @@ class World:
         self.store = dist.PrefixStore(f"tensorcast/{generation}/", base)
         #: compares setups before a group is made (and before a channel on one opens)
         self.agreement = Agreement(self.store, self.rank, self.timeout, exits=base)
+        #: the store as receivers' diagnoses reach it; let go of when the world closes, so
+        #: that a role kept past destroy_process_group() keeps no socket to the old store
+        self.reach = _Reach(self.store)
         #: where NCCL payloads travel (None: a host job)
         self.device = rank_device(default) if "nccl" in self.backend else None
         self._groups: dict[tuple[int, ...], Group] = {}
@@ -203,8 +206,14 @@ class World:
         self.heartbeat = Heartbeat(
             self.store, self.rank, self.timeout.total_seconds(), self.current
         )
-        # A default group that is freed (no mesh keeps it) shuts its groups down too.
-        weakref.finalize(default, _shut_down, self._groups, _DESTROYED)
+        self._watch: threading.Thread | None = None
+        self._stop_watch = threading.Event()  # set at interpreter exit
+
+    def stop_at_exit(self) -> _exits.Waiter:
+        """Stop the watch (NOTE [ Interpreter exit ]); it leaves at once, or after the
+        close it is in."""
+        self._stop_watch.set()
+        return _exits.Waiter(self._watch, 5.0, "the watch on the default process group")
 
     def current(self) -> bool:
         """Whether this world's default group is still the process's default group: False
@@ -220,7 +229,7 @@ class World:
             if self.closed is not None:
                 return
             self.closed = why
-        _shut_down(self._groups, why)
+        _shut_down(self._groups, why, self.reach)
 
     # -- groups ----------------------------------------------------------------------
 
@@ -241,11 +250,13 @@ class World:
                 except (dist.DistNetworkError, dist.DistStoreError) as e:
                     what = f"connecting tensorcast's group over ranks {list(ranks)}"
                     raise store_failed(self.store, self.rank, what, e) from e
-                if not self._groups:  # the first: from now on, watch the default group
-                    threading.Thread(
-                        target=_watch, args=(weakref.ref(self),), name="tensorcast-watch",
-                        daemon=True,
-                    ).start()  # fmt: skip
+                if self._watch is None:  # the first: from now on, watch the default group
+                    self._watch = threading.Thread(
+                        target=_watch, args=(weakref.ref(self), self._groups, self.reach, self._stop_watch),
+                        name="tensorcast-watch", daemon=True,
+                    )  # fmt: skip
+                    _exits.register(self)
+                    self._watch.start()
                 group = self._groups[ranks] = made
             return group
 
@@ -265,12 +276,15 @@ class World:
         )
         for wrap in _wraps:
             wire = wrap(wire)
-        # The lane aborts the group's wire of the moment (a closed group's holds nothing).
+        # The lane aborts the group's wire of the moment (a closed group's holds nothing). The
+        # closure makes a cycle with the group, but no backend is ever freed through it:
+        # _shut_down takes each group's wire out before the group can go.
         lane = Lane(
             name,
             lambda: group.wire.abort(),
             _worker_device(self.device),
             device_group=wire.streams is not None,
+            exit_wait_s=self.timeout.total_seconds(),
         )
         group = Group(ranks, wire, lane)
         return group
@@ -297,27 +311,50 @@ def _worker_device(device: torch.device | None) -> int | None:
 # that thread closes the groups: device work is dropped, idle lane workers leave, each
 # group's wire is shut down and replaced by one that raises ``PeerError``, so that the
 # backend (its sockets and threads) goes with its last reference, in that thread or in a
-# lane worker finishing its job, never in the garbage collector's. The heartbeat asks the
-# same question (``World.current``) at every wake and stops. Closing never talks to
-# another rank, and an in-flight job ends at its own timeout, as on torch's own groups.
+# lane worker finishing its job, never in the garbage collector's. A default group that is
+# freed rather than destroyed is noticed the same way (its weak reference is dead): no
+# finaliser of ours closes anything, as one could run while a lane's lock is held. The
+# heartbeat asks the same question (``World.current``) at every wake and stops. Closing
+# never talks to another rank, and an in-flight job ends at its own timeout, as on torch's
+# own groups. The watch sleeps on an event, so that interpreter exit stops it at once
+# (NOTE [ Interpreter exit ] in ``transport.exits``).
 _DESTROYED = (
     "its default process group was destroyed (destroy_process_group), so tensorcast's groups "
     "of it are closed; after init_process_group, build the loader (or mesh) again"
 )
 
 
-def _watch(ref: weakref.ReferenceType[World]) -> None:
+def _watch(
+    ref: weakref.ReferenceType[World],
+    groups: dict[tuple[int, ...], Group],
+    reach: _Reach,
+    stop: threading.Event,
+) -> None:
     """Close the world once its default group is destroyed (NOTE [ A destroyed default
-    group ]); leave when the world goes first."""
+    group ]); leave then, or at interpreter exit. A world freed with its default group
+    (the roles that hold its groups do not keep it) has its groups closed here too."""
     while True:
-        time.sleep(_WATCH_S)
+        if stop.wait(_WATCH_S):
+            return
         state = ref()
-        if state is None or state.closed is not None:
+        if state is None:
+            _shut_down(groups, _DESTROYED, reach)
+            return
+        if state.closed is not None:
             return
         if not state.current():
             state.close(_DESTROYED)
             return
         del state  # not kept alive between two looks
+
+
+class _Reach:
+    """The store a world's receivers ask about a silent source; None once it closed."""
+
+    __slots__ = ("store",)
+
+    def __init__(self, store: Any) -> None:
+        self.store: Any = store
 
 
 class _ClosedWire:
@@ -342,10 +379,12 @@ class _ClosedWire:
         """Nothing left to release."""
 
 
-def _shut_down(groups: dict[tuple[int, ...], Group], why: str) -> None:
-    """Close ``groups`` for good (NOTE [ A destroyed default group ])."""
+def _shut_down(groups: dict[tuple[int, ...], Group], why: str, reach: _Reach) -> None:
+    """Close ``groups`` for good, and let go of the store (NOTE [ A destroyed default
+    group ])."""
+    reach.store = None
     for group in list(groups.values()):
-        group.lane.inflight.clear()  # what the device was reading goes, and so does the worker
+        group.lane.inflight.clear()  # deadlines no longer watched: the worker goes
         wire, group.wire = (
             group.wire,
             _ClosedWire(group.wire, f"tensorcast's group over ranks {list(group.ranks)}: {why}"),
@@ -381,25 +420,25 @@ def open_role(
     setup_timeout: datetime.timedelta | None = None,
     first: tuple[int, int] | None = None,
     verify: bool = False,
+    packing: Packing | None = None,
 ) -> tuple[Role, dict[int, dict[str, Any]]]:
     """Agree on ``setup`` among ``group``, then open a channel on tensorcast's group over
     it: this rank's role, the :class:`Sender` on ``src``, a :class:`Receiver` elsewhere.
     Every rank of ``group`` calls it together.
 
     Args:
-        scope: names the ranks that number their setups together (``ranks_name`` of a
-            mesh's ranks, or of the group's); see NOTE [ Agreement before anything
-            collective ].
+        scope: names the ranks that number their setups together (``ranks_name`` of the
+            mesh's or group's ranks; NOTE [ Agreement before anything collective ]).
         group: the source and its receivers (global ranks, in mesh order for a mesh).
         src: the source's global rank.
         what: names the thing in errors.
-        setup: what must agree on every rank of ``group``; the format and frame versions
-            are added, and whether payloads are promised.
+        setup: what must agree on every rank of ``group`` (with the format and frame
+            versions, and whether payloads are promised).
         extra: what this rank tells the others (see :meth:`Agreement.agree`).
         timeout: the role's wait for one message; None means the default group's.
         setup_timeout: bounds the agreement and the group's creation (None: ``timeout``).
         first: a mesh's first rank and number of ranks (see :meth:`Agreement.agree`).
-        verify: carry a CRC32 of every payload and check it on receivers.
+        verify, packing: the sender's (``Sender``); receivers need not agree on packing.
 
     Returns:
         The role, and every rank's ``extra``.
@@ -421,19 +460,22 @@ def open_role(
         pulling = state.heartbeat.busy("next(source)", channel_id)
         sender = Sender(
             made, src, channel_id, timeout=timeout, verify=verify, promises=promises,
-            pulling=pulling,
+            pulling=pulling, packing=packing,
         )  # fmt: skip
         return sender, extras
     receiver = Receiver(
         made, src, rank=state.rank, channel_id=channel_id, timeout=timeout, promises=promises,
-        diagnose=functools.partial(_why, state.store, src, state.rank),
+        diagnose=functools.partial(_why, state.reach, src, state.rank),
     )  # fmt: skip
     return receiver, extras
 
 
 def _why(
-    store: Any, src: int, rank: int, frame: tuple[int, int, int], error: BaseException, s: float
+    reach: _Reach, src: int, rank: int, frame: tuple[int, int, int], error: BaseException, s: float
 ) -> str:
     """Why the source ``src`` did not send ``frame`` (``transport.diagnosis``); bound to
-    the store, not the world: a role does not keep the world alive."""
+    the world's :class:`_Reach`, not the world: a role does not keep the world alive."""
+    store = reach.store
+    if store is None:
+        return f"rank {rank}: {_DESTROYED}"
     return diagnose(store, src, rank=rank, frame=frame, timeout_s=s, timed_out=timed_out(error))

@@ -24,7 +24,8 @@ long a receiver watches). A receiver times out only after ``timeout`` without a 
 by when the source, if that is the cause, has been in one state far longer than
 ``timeout / 8``: it beats fast, and a receiver tells alive from gone within seconds.
 The thread wakes on time only if it can take the GIL; a wake that comes late says for
-how long the process did not let it run, and the next beats say so.
+how long the process did not let it run, and the next beats say so. It sleeps on an
+event, so that interpreter exit stops it at once (NOTE [ Interpreter exit ]).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from tensorcast.transport import exits as _exits
+from tensorcast.transport.agreement import store_failed
 
 __all__ = ["SLOW_MAX_S", "Beat", "Heartbeat", "Schedule", "key"]
 
@@ -115,12 +119,14 @@ class Heartbeat:
 
     def __init__(self, store: Any, rank: int, timeout_s: float, alive: Callable[[], bool]) -> None:
         self._store = store
+        self._rank = rank
         self._key = key(rank)
         self._schedule = Schedule(timeout_s)
         self._alive = alive  # False once the process group is gone: the thread leaves
         self._lock = threading.Lock()
         self._marks: weakref.WeakSet[_Busy] = weakref.WeakSet()  # one per channel
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()  # set at interpreter exit
         self._beats = 0
         self._written = 0.0
         self._out_since = time.monotonic()  # outside every next(source) since (or earlier)
@@ -138,8 +144,19 @@ class Heartbeat:
                 target=self._run, name="tensorcast-heartbeat", daemon=True
             )
             text = self._next(time.monotonic(), write=True)
-        self._store.set(self._key, text)  # a receiver never finds no key once a channel is
+        _exits.register(self)
+        try:
+            self._store.set(self._key, text)  # a receiver never finds no key once a channel is
+        except RuntimeError as e:  # the store's host exited: no thread, and the caller is told
+            with self._lock:
+                self._thread = None
+            raise store_failed(self._store, self._rank, "starting its heartbeat", e) from e
         self._thread.start()
+
+    def stop_at_exit(self) -> _exits.Waiter:
+        """Stop the thread (NOTE [ Interpreter exit ]); it leaves at its next wake."""
+        self._stop.set()
+        return _exits.Waiter(self._thread, 2 * self._schedule.fast + 1.0, "the heartbeat")
 
     def busy(self, what: str, channel: int = 0) -> _Busy:
         """A context in which this rank is marked busy with ``what`` (``next(source)``) for
@@ -187,7 +204,8 @@ class Heartbeat:
         woke = time.monotonic()
         while True:
             fast = self._schedule.fast
-            time.sleep(fast)
+            if self._stop.wait(fast):
+                return
             now = time.monotonic()
             late = now - woke - fast
             woke = now

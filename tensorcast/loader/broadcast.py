@@ -47,6 +47,7 @@ def broadcast(
     *,
     device: torch.device | str | None = None,
     timeout: float | datetime.timedelta | None = None,
+    trim: bool = True,
 ) -> Any:
     """Send ``tree`` from rank ``src`` to every rank of ``group``; all return the same tree.
 
@@ -66,6 +67,9 @@ def broadcast(
             ``cuda:<current device>`` for NCCL, CPU for gloo. numpy leaves stay on CPU.
         timeout: seconds (or a timedelta) to wait for a peer; None means the default
             process group's timeout.
+        trim: padding never travels: padded leaves are sent without their rows' trailing
+            runs and rebuilt bit-identical (NOTE [ Trimmed leaves ]); False sends every
+            leaf whole. Read on the source only.
 
     Returns:
         The rebuilt tree, on every rank including the source.
@@ -84,17 +88,22 @@ def broadcast(
         )
     wait = None if timeout is None else to_timedelta(timeout)
     dev = None if device is None else output_device(device)
-    return _run(_broadcast_role(group, src, wait), tree, dev, wait)
+    return _run(_broadcast_role(group, src, wait), tree, dev, wait, trim)
 
 
 def _run(
-    role: Role, tree: Any, device: torch.device | None, wait: datetime.timedelta | None
+    role: Role,
+    tree: Any,
+    device: torch.device | None,
+    wait: datetime.timedelta | None,
+    trim: bool = True,
 ) -> Any:
     """One frame on the role's lane, then handed out on this thread."""
     lane = role.group.lane
-    frames_taken = functools.partial(getattr, role, "step")  # read by the lane: no call in here
+    frames_taken = functools.partial(getattr, role, "frames")  # read by the lane: no call in here
     if isinstance(role, Sender):
-        value = lane.run(functools.partial(role.send_batch, tree, device, wait), frames_taken)
+        send = functools.partial(role.send_batch, tree, device, wait, trim=trim)
+        value = lane.run(send, frames_taken)
     else:
         value = lane.run(functools.partial(role.recv, device, wait), frames_taken)
         if value is END or value is CLOSE:
@@ -149,6 +158,7 @@ def broadcast_batch(
     *,
     device: torch.device | str | None = None,
     timeout: float | datetime.timedelta | None = None,
+    trim: bool = True,
 ) -> Any:
     """Broadcast ``batch`` across this rank's ``(cp, tp)`` sub-mesh, from its first rank.
 
@@ -161,7 +171,8 @@ def broadcast_batch(
 
     Every rank of the mesh must make the first call together (it sets up the groups).
     ``timeout`` (seconds or a timedelta) bounds every wait of the call, the first call's
-    setup included; None means the default process group's timeout.
+    setup included; None means the default process group's timeout. ``trim`` as for
+    ``tc.broadcast``.
     """
     wait = to_timedelta(timeout)
     if not distributed():
@@ -182,4 +193,4 @@ def broadcast_batch(
             cache[names] = (weakref.ref(world), role)
     else:
         role = hit[1]
-    return _run(role, batch, dev, wait)
+    return _run(role, batch, dev, wait, trim)

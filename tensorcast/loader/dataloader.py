@@ -9,9 +9,11 @@ receive it, and every rank yields the same batch (the path of one batch: ``docs/
 submits k (``iter()`` itself does nothing yet), and each ``next()`` takes the oldest and
 submits one more. Submissions happen only there, on the caller's thread, so every rank
 runs the same steps in the same order; a loop broken on every rank after the same batch
-leaves exactly k steps, which every rank finishes right then (their batches are dropped).
-``state_dict()`` then describes the position after the last batch *yielded*, from a
-snapshot taken right after that batch was pulled from the source.
+leaves exactly k steps, which run on every rank, their batches dropped (NOTE [ Where a
+pass ends ] in ``loader.passes``: each ``iter()`` is a pass of its own, and nothing ends
+one from a finaliser or at exit). ``state_dict()`` then describes the position after the
+last batch *yielded*, from a snapshot taken right after that batch was pulled from the
+source.
 
 It holds this rank's role (``transport.groups.open_role``) and knows nothing of byte
 layouts or frames.
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import copy
 import datetime
+import gc
+import inspect
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -36,6 +40,7 @@ from tensorcast.loader.stats import WINDOW, LoaderStats, Recorder, timed
 from tensorcast.loader.steps import stateful
 from tensorcast.transport.agreement import ranks_name
 from tensorcast.transport.groups import Role, open_role
+from tensorcast.transport.sender import Packing
 
 __all__ = ["BroadcastingDataLoader"]
 
@@ -63,10 +68,15 @@ class BroadcastingDataLoader:
         verify: carry a CRC32 of every buffer and check it on receivers.
         log_every: on the source rank, log ``stats()``'s last ``log_every`` steps every
             ``log_every`` steps (``logging``, logger ``"tensorcast"``, level INFO).
+        align: every leaf's offset in a batch's buffer is a multiple of this (a power of
+            two), as in ``tc.pack``; 1 packs many tiny leaves tightest. Used on the
+            source rank (receivers read the offsets from each header), so the ranks need
+            not agree on it.
+        trim: padding never travels, as in ``tc.pack`` (source rank); False: leaves whole.
 
     Raises:
         ValueError: on a source rank whose ``source`` is None (and on its receivers); on
-            bad arguments.
+            bad arguments (``align``: as ``tc.pack`` raises).
         DesyncError: the ranks' setups disagree (axes, mesh, source, prefetch, version).
         TypeError: ``device_mesh`` has no dimension names.
         RuntimeError: at ``iter()``, when built before ``init_process_group`` and iterated
@@ -90,6 +100,8 @@ class BroadcastingDataLoader:
         timeout: float | datetime.timedelta | None = None,
         verify: bool = False,
         log_every: int | None = None,
+        align: int = 64,
+        trim: bool = True,
     ) -> None:
         if type(prefetch) is not int or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
@@ -101,14 +113,16 @@ class BroadcastingDataLoader:
             raise ValueError(
                 "group= and src= go together: src is the group's source, a global rank"
             )
+        self._packing = Packing(align=align, trim=trim)  # checked on every rank, before the setup
         self.source = source
         self.prefetch = prefetch
         self.device = output_device(device)
         self.axes = _mesh.normalize_axes(axes)
         self._role: Role | None = None
         self._passes = 0
-        self._active: weakref.ReferenceType[Pass] | None = None
-        self._ledger = Ledger()  # what its passes leave: the state, a deferred failure
+        #: each pass made by iter() (its number, the iterator), held weakly
+        self._iters: list[tuple[int, weakref.ReferenceType[Any]]] = []
+        self._ledger = Ledger()  # what its passes leave: the state, their last step
         self._length: int | None = None
         self._warned = self._warned_workers = False
         self._log_every = log_every
@@ -141,12 +155,13 @@ class BroadcastingDataLoader:
             setup["src"] = src
             self._role, extras = open_role(
                 ranks_name(ranks), ranks, src, what, setup, extra=extra, timeout=timeout,
-                verify=verify,
+                verify=verify, packing=self._packing,
             )  # fmt: skip
         elif _mesh.spanning_axes(device_mesh, self.axes):
             self._role, extras = _mesh.mesh_role(
-                device_mesh, self.axes, what, setup, extra=extra, timeout=timeout, verify=verify
-            )
+                device_mesh, self.axes, what, setup, extra=extra, timeout=timeout,
+                verify=verify, packing=self._packing,
+            )  # fmt: skip
         else:
             return
         told = extras[self._role.src]
@@ -161,22 +176,26 @@ class BroadcastingDataLoader:
     # -- iteration -----------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
+        """A new pass over the source, of its own (NOTE [ Where a pass ends ]): a second
+        ``iter()`` never ends the first, and ``zip(loader, loader)`` yields pairs."""
         role = self._role
+        self._passes += 1
+        self._iters = [(n, ref) for n, ref in self._iters if ref() is not None]
+        run: Iterator[Any]
         if role is None:
             self._check_still_no_op()
             self._stats = Recorder(self._log_every)
             source = self.source if self.source is not None else ()
-            return timed(source, self._stats, unpack_if_packed)
-        self._close_active()
-        self._stats = Recorder(self._log_every if role.is_source else None)
-        self._passes += 1
-        self._ledger.state = None
-        run = Pass(
-            role, self._passes, source=self.source, prefetch=self.prefetch, device=self.device,
-            ledger=self._ledger, stats=self._stats,
-        )  # fmt: skip
-        # Held weakly: a `for ... break` drops the last reference and closes the pass.
-        self._active = weakref.ref(run)
+            run = timed(source, self._stats, unpack_if_packed)
+        else:
+            self._stats = Recorder(self._log_every if role.is_source else None)
+            self._ledger.state = None
+            run = Pass(
+                role, self._passes, source=self.source, prefetch=self.prefetch,
+                device=self.device, ledger=self._ledger, stats=self._stats,
+            )  # fmt: skip
+        # Held weakly: a pass the program drops is gone (it needs nothing more).
+        self._iters.append((self._passes, weakref.ref(run)))
         return run
 
     def _check_still_no_op(self) -> None:
@@ -193,24 +212,6 @@ class BroadcastingDataLoader:
                 f"its own source and peers would train on different batches. Build the "
                 f"loader after init_process_group(), on every rank together"
             )
-
-    def _close_active(self) -> None:
-        """Finish what the last pass still owes its peers; raise what it left behind."""
-        active = self._active() if self._active is not None else None
-        if active is not None:
-            active.close()
-        ledger = self._ledger
-        orphans, ledger.orphans = ledger.orphans, []
-        for job in orphans:  # see Pass.__del__
-            try:
-                job.result()
-            except Exception as e:
-                broken = self._role is not None and self._role.group.lane.broken
-                if broken and ledger.deferred is None:
-                    ledger.deferred = e
-        error, ledger.deferred = ledger.deferred, None
-        if error is not None:
-            raise error
 
     def stats(self, last: int = 100) -> LoaderStats:
         """Where this rank's pass so far spent its time, and its last ``last`` steps.
@@ -308,8 +309,19 @@ class BroadcastingDataLoader:
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the source's position (source rank only; a no-op elsewhere)."""
-        self._close_active()
+        """Restore the source's position (source rank only; a no-op elsewhere). Call it
+        before ``iter()``, on every rank: a pass that the program dropped (a ``break``) is
+        no obstacle, and the steps it queued are waited for first, so that the next pass
+        starts where ``state_dict`` says.
+
+        Raises:
+            RuntimeError: a pass of this loader is open (started by ``next()``, not ended,
+                its iterator alive), on every rank alike.
+        """
+        _refuse_while_open(self._iters)
+        error = self._ledger.finish_queued()  # waits only: nothing is queued
+        if error is not None and self._role is not None and self._role.group.lane.broken:
+            raise error
         self._ledger.state = None
         target = stateful(self.source) if self.is_source else None
         if target is not None and hasattr(target, "load_state_dict"):
@@ -323,6 +335,32 @@ class BroadcastingDataLoader:
             f"BroadcastingDataLoader({what}, group ranks={list(self._role.ranks)}, "
             f"src={self._role.src}, prefetch={self.prefetch})"
         )
+
+
+def _refuse_while_open(iters: list[tuple[int, weakref.ReferenceType[Any]]]) -> None:
+    """Raise while one of a loader's passes ``iters`` is open. Whether one is depends on
+    when the collector last ran on this rank: a pass dropped in a reference cycle looks
+    alive until then. So a collection decides first, and every rank decides alike."""
+    if not any(_is_open(ref()) for _, ref in iters):
+        return
+    gc.collect()
+    for index, ref in iters:
+        if _is_open(ref()):
+            raise RuntimeError(
+                f"load_state_dict() was called while pass {index} of this "
+                f"BroadcastingDataLoader is open (started by next(), not ended, its iterator "
+                f"alive): it would move the source under that pass. Call load_state_dict() "
+                f"before iter(), or once the pass has ended or its iterator is closed or dropped"
+            )
+
+
+def _is_open(run: Any) -> bool:
+    """Whether ``run``, a pass or a no-op loader's generator (or None), is open."""
+    if isinstance(run, Pass):
+        return run.open
+    if run is None:
+        return False
+    return inspect.getgeneratorstate(run) in (inspect.GEN_SUSPENDED, inspect.GEN_RUNNING)
 
 
 def _length(source: Any) -> int | None:

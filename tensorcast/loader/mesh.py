@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from tensorcast.transport.agreement import ranks_name
 from tensorcast.transport.groups import Role, open_role
+from tensorcast.transport.sender import Packing
 
 try:
     from torch.distributed.device_mesh import DeviceMesh as _DeviceMesh
@@ -339,9 +340,10 @@ def mesh_role(
     timeout: datetime.timedelta | None = None,
     setup_timeout: datetime.timedelta | None = None,
     verify: bool = False,
+    packing: Packing | None = None,
 ) -> tuple[Role, dict[int, dict[str, Any]]]:
     """This rank's role over its flattened sub-mesh of ``axes``, from its first rank (see
-    ``transport.groups.open_role``).
+    ``transport.groups.open_role``, which takes ``verify`` and ``packing``).
 
     Every rank of the mesh calls this together: the ranks of each sub-mesh agree on
     ``setup`` (with the mesh's shape, rank layout and the axes), numbered among the
@@ -372,4 +374,5 @@ def mesh_role(
         setup_timeout=setup_timeout,
         first=(everyone[0], len(everyone)) if len(rows) > 1 else None,
         verify=verify,
+        packing=packing,
     )

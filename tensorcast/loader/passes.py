@@ -1,8 +1,37 @@
 """One pass of a BroadcastingDataLoader: its steps, queued on the lane, handed out in order.
 
-The steps themselves, and what they hand back, are in ``loader.steps``; a pass left early
-runs one more (NOTE [ An early close ]). What a pass leaves its loader (the source's
-state, a failure to raise later) goes through a :class:`Ledger`.
+The steps themselves, and what they hand back, are in ``loader.steps``; a pass that the
+program closes runs one more (NOTE [ An early close ]). What a pass leaves its loader (the
+source's state, its last queued step) goes through a :class:`Ledger`.
+
+# NOTE [ Where a pass ends ]
+Every job of a pass is queued from the caller's thread, at a point that is the same on
+every rank: one of its ``next()`` calls, or its ``close()``. Nothing else ever queues one,
+not ``__del__``, a weakref callback, the garbage collector nor ``atexit``: their moments
+differ between processes, and at interpreter exit no thread can start. Hence:
+
+- Each ``iter(loader)`` is a pass of its own, as with torch's ``DataLoader``
+  (``zip(loader, loader)`` yields pairs): the loader numbers it, on every rank alike, and
+  its frames carry that number and their step in it (its ``Stamp``), so passes of one
+  loader may interleave on the lane, and a second ``iter()`` never ends the first.
+- A pass that ends (its END or ERROR frame) or that the program closes (``close()`` on
+  every rank after the same batch, NOTE [ An early close ]) finishes its steps there.
+- A pass that is only *dropped* (a ``for ... break``, an iterator let go, whenever its
+  last reference goes, by refcount or by the collector) does nothing: the steps it
+  queued, at the same ``next()`` on every rank, run on the lane like any other, and
+  their batches are dropped. No CLOSE frame is ever queued for it. Ranks that dropped it
+  after different batches queued different steps: the channel's next frame then carries
+  another pass or step than a receiver expects (``DesyncError``), or none comes (the
+  receiver's timeout, with its diagnosis).
+- ``load_state_dict()`` refuses while a pass of its loader is open (started, not ended,
+  its iterator alive after a ``gc.collect()``, so that every rank decides alike), and
+  waits, queuing nothing, for the steps its dropped passes queued: they pull from the
+  source, and a resume must start where the state says.
+- ``next()`` on a pass admits one caller at a time; a second thread, or a signal handler
+  inside it, gets a ``RuntimeError``, never ``None`` nor a batch skipped.
+- At interpreter exit nothing is queued: the steps still queued are withdrawn, unsent,
+  and only the one a lane runs then is let finish (NOTE [ Interpreter exit ] in
+  ``transport.exits``).
 """
 
 from __future__ import annotations
@@ -11,7 +40,7 @@ import collections
 import copy
 import functools
 import time
-import warnings
+import weakref
 from typing import Any
 
 from tensorcast.loader.stats import Recorder
@@ -25,27 +54,43 @@ __all__ = ["Ledger", "Pass"]
 
 
 class Ledger:
-    """What the passes of one loader leave it, read at its next use (``iter()``,
-    ``state_dict()``): written only by the pass, on the caller's thread."""
+    """What the passes of one loader leave it, read at its next use (``state_dict()``,
+    ``load_state_dict()``): written only by the passes, on the caller's thread."""
 
-    __slots__ = ("deferred", "orphans", "state")
+    __slots__ = ("state", "tail")
 
     def __init__(self) -> None:
-        #: the source's state after the last batch yielded (``prefetch > 0``; else None)
+        #: the source's state after the last batch yielded, by whichever pass handed it
+        #: out (``prefetch > 0``; else None)
         self.state: Any = None
-        #: a failure of a pass that was let go, raised at the loader's next use
-        self.deferred: BaseException | None = None
-        #: the steps of a pass freed on a lane thread, finished at the loader's next use
-        self.orphans: list[Job[Any]] = []
+        #: the last step the passes queued, while it lives (the lane's queue holds it):
+        #: the lane runs in order, so once it is done, every step queued before it is
+        self.tail: weakref.ReferenceType[Job[Any]] | None = None
+
+    def finish_queued(self) -> BaseException | None:
+        """Wait for the steps queued so far (a local wait: nothing is queued); the error
+        of the last one, if it failed."""
+        job = self.tail() if self.tail is not None else None
+        self.tail = None
+        if job is None:
+            return None
+        try:
+            job.result()
+        except Exception as e:
+            return e
+        return None
 
 
 class Pass:
-    """An iterator over one pass; made by ``iter(loader)`` on every rank together.
+    """An iterator over one pass; made by ``iter(loader)`` on every rank together (NOTE
+    [ Where a pass ends ]).
 
     Every step is recorded in ``_pending`` before it is queued on the lane, and leaves it
     only as its batch is handed out, so an interrupt anywhere in ``next()`` leaves a state
     the retry picks up from (NOTE [ Interrupts ]): ``_unsettled`` says that a step may be
     recorded and not queued, and :meth:`Lane.settle` queues what is owed.
+
+    It has no finaliser: dropped, it only stops queuing steps.
     """
 
     def __init__(
@@ -72,16 +117,22 @@ class Pass:
         )
         self._ahead = self._depth >= 2 and on_device
         self._pending: collections.deque[Job[Any]] = collections.deque()
-        self._opening: Job[Any] | None = None  # the job that numbers the pass's frames
         self._closing: Job[Any] | None = None  # NOTE [ An early close ]
         self._ending: End | Failure | None = None  # how the pass ended, until raised
         self._started = self._finished = self._unsettled = False
-        steps = self._steps = steps_for(role, device, source, self._depth)
+        self._opened = False  # a step was recorded: a close owes the peers its CLOSE frame
+        self._inside = False  # a thread is inside next() or close() (see __next__)
+        steps = self._steps = steps_for(role, device, index, source, self._depth)
         self._stats = stats  # NOTE [ Where a step's time goes ]
         self._called = 0.0  # when the current next() began
         # The role's count of frames taken, for the lane's interrupt rules; a C call.
-        self._frames_taken = functools.partial(getattr, role, "step")
+        self._frames_taken = functools.partial(getattr, role, "frames")
         self._step = steps.step
+
+    @property
+    def open(self) -> bool:
+        """Whether the pass started and has neither ended nor been closed."""
+        return self._started and not self._finished and self._ending is None
 
     def _start(self) -> None:
         """The pass's first ``next()``: ``iter(source)`` and the first ``prefetch`` steps.
@@ -91,7 +142,7 @@ class Pass:
         state (lhotse's samplers do) or pull batches ahead. Each part runs once, whatever
         interrupts it: ``_started`` is set last.
         """
-        steps, role, index = self._steps, self._role, self._index
+        steps = self._steps
         if (
             isinstance(steps, SourceSteps)
             and steps.source_iter is None
@@ -107,11 +158,6 @@ class Pass:
                 steps.start_error = e
         if _interrupts.hook is not None:
             _interrupts.hook("next.start")
-        if self._opening is None:
-            self._unsettled = True
-            self._opening = Job(lambda: role.start_pass(index))
-            self._lane.enqueue(self._opening)
-            self._unsettled = False
         self._refill()
         self._started = True
 
@@ -119,6 +165,27 @@ class Pass:
         return self
 
     def __next__(self) -> Any:
+        # One caller at a time. A flag, not a lock: between its test and its set, and in
+        # the `finally`, there is no call, so no point where another thread or a signal
+        # handler runs (NOTE [ Interrupts ]); releasing a lock is a call, and a handler
+        # that raised at its return would lose the batch just handed out.
+        if self._inside:
+            raise self._busy("next()")
+        self._inside = True
+        try:
+            return self._next()
+        finally:
+            self._inside = False
+
+    def _busy(self, what: str) -> RuntimeError:
+        return RuntimeError(
+            f"{what} on an iterator of pass {self._index} of a BroadcastingDataLoader was "
+            f"called while next() or close() is already running on it, in another thread "
+            f"(or in a signal handler that interrupted it). One iterator serves one caller "
+            f"at a time: guard it with a lock, or call it from one thread"
+        )
+
+    def _next(self) -> Any:
         self._called = time.perf_counter()  # NOTE [ Where a step's time goes ]
         if self._ending is not None:
             return self._end()
@@ -149,15 +216,15 @@ class Pass:
         return self._hand_out(item)
 
     def _settle(self) -> None:
-        jobs = [self._opening, *self._pending] if self._opening is not None else self._pending
-        self._lane.settle(jobs)
+        self._lane.settle(self._pending)
         self._unsettled = False
 
     def _submit(self) -> None:
         """One more step: recorded, then queued (an interrupt between the two is settled)."""
-        self._unsettled = True
+        self._unsettled = self._opened = True
         job: Job[Any] = Job(self._step)
         self._pending.append(job)
+        self._ledger.tail = weakref.ref(job)
         if _interrupts.hook is not None:
             _interrupts.hook("next.recorded")
         self._lane.enqueue(job)
@@ -167,9 +234,10 @@ class Pass:
 
     def _run_inline(self) -> None:
         """``prefetch=0`` on an idle lane: the step runs right here (see :meth:`Lane.start`)."""
-        self._unsettled = True
+        self._unsettled = self._opened = True
         job: Job[Any] = Job(self._step)
         self._pending.append(job)
+        self._ledger.tail = weakref.ref(job)  # queued after all, if the lane got busy
         self._lane.start(job, self._frames_taken)
         self._unsettled = False
 
@@ -185,14 +253,16 @@ class Pass:
                 _interrupts.hook("next.hand_out")
             tree = item.tree
             if isinstance(tree, DevicePart):
-                tree = self._take(item)
+                tree = self._take(item)  # the next batch's part is posted before this build
+            elif self._ahead:
+                self._post_ahead()
             if self._depth:
                 self._refill(1)
-                if self._ahead:
-                    self._post_ahead()
             if item.state is not None:
                 self._ledger.state = item.state
-            self._stats.handed_out(self._called, item.source_s, item.wire_s, item.nbytes)
+            self._stats.handed_out(
+                self._called, item.source_s, item.wait_s, item.transfer_s, item.nbytes
+            )
             # From here to the return there is no call, so no point where a signal handler
             # runs (NOTE [ Interrupts ]); the pass keeps no reference to the batch after.
             item.tree = None
@@ -206,7 +276,7 @@ class Pass:
         frame refused here on this rank only (a bad CRC, bad values) is its step's
         failure, as a job's is: the step leaves, and the next ``next()`` goes on."""
         try:
-            return hand_out(item.tree, self._lane)
+            return hand_out(item.tree, self._lane, self._post_ahead if self._ahead else None)
         except Exception:
             if self._lane.broken is None:
                 del self._pending[0]
@@ -216,8 +286,9 @@ class Pass:
     def _post_ahead(self) -> None:
         """With ``prefetch >= 2`` on a device, post the next batch's device work now, so that its
         transfer overlaps the step the caller is about to run; on every rank at the same
-        ``next()``, in lane order. Waits for that batch's host work, which has had a step
-        to run."""
+        ``next()``, in lane order, before this batch is built (a batch refused on this rank
+        alone skips no post). Waits for that batch's host work, which has had a step to
+        run."""
         if len(self._pending) < 2:
             return
         job = self._pending[1]
@@ -233,7 +304,7 @@ class Pass:
     def _end(self) -> Any:
         """The pass ended (END or ERROR): finish the steps owed, then raise the ending."""
         item = self._ending
-        self.close()
+        self._close()
         self._lane.inflight.reap()  # let go of what the device is done with, here and now
         self._ending = None
         if isinstance(item, Failure):
@@ -241,10 +312,26 @@ class Pass:
         raise StopIteration
 
     def close(self) -> None:
-        """Finish the steps owed to the peers (their batches are dropped); a pass left
-        before its end then agrees with them on where (NOTE [ An early close ]). Safe to
-        call again, also after an interrupt; raises what a step that was let go raised,
-        if it broke the channel."""
+        """Close the pass here: finish the steps owed to the peers (their batches are
+        dropped), and, left before its end, agree with them on where (NOTE [ An early
+        close ]). Call it on every rank after the same batch, or not at all: a pass that is
+        only dropped needs nothing (NOTE [ Where a pass ends ]). Safe to call again, also
+        after an interrupt; raises what a step that was let go raised, if it broke the
+        channel.
+
+        Raises:
+            RuntimeError: ``next()`` or ``close()`` is running on this iterator already.
+            DesyncError: the ranks closed the pass after different batches.
+        """
+        if self._inside:
+            raise self._busy("close()")
+        self._inside = True
+        try:
+            self._close()
+        finally:
+            self._inside = False
+
+    def _close(self) -> None:
         if self._finished and not self._pending:
             return
         if self._owes_close():
@@ -266,54 +353,22 @@ class Pass:
             raise error
 
     def _owes_close(self) -> bool:
-        """Whether the pass was left early, not ended, and the channel still works: a
-        broken one fails every rank anyway, and a pass freed by the garbage collector
-        after a failure then has nothing to wait for."""
+        """Whether the pass queued steps, has not ended, and the channel still works (a
+        broken one fails every rank anyway)."""
         return (
             not self._finished
             and self._ending is None
-            and self._opening is not None
+            and self._opened
             and self._lane.broken is None
         )
 
     def _record_close(self) -> None:
         """The close job, recorded behind the steps owed, then queued; idempotent, so an
-        interrupt anywhere here is repaired by the next close (``settle`` queues it).
-        Queued from a lane thread too (``settle`` may be: see ``__del__``)."""
+        interrupt anywhere here is repaired by the next close (``settle`` queues it)."""
         self._unsettled = True
         if self._closing is None:
             self._closing = Job(self._steps.close)
+            self._ledger.tail = weakref.ref(self._closing)
         if self._closing not in self._pending:
             self._pending.append(self._closing)
         self._settle()
-
-    def __del__(self) -> None:
-        # A `for ... break` drops the pass: finish its steps now, so that no collective is
-        # left pending, and keep a failure for the loader's next use (it cannot be raised
-        # from here: it is warned of now). Freed on a lane thread (the garbage collector
-        # runs anywhere), waiting would wait on itself: the loader then finishes the steps
-        # at its next use.
-        if self._lane.on_lane_thread():
-            if self._owes_close():
-                self._record_close()
-            elif self._unsettled:
-                self._settle()
-            self._ledger.orphans.extend(self._pending)
-            self._pending.clear()
-            self._finished = True
-            return
-        try:
-            self.close()
-        except Exception as e:
-            self._ledger.deferred = e
-            role = self._role
-            what = "the source" if role.is_source else f"a receiver of rank {role.src}"
-            warnings.warn(
-                f"tensorcast: rank {role.rank} ({what}) left pass {self._index} of a "
-                f"BroadcastingDataLoader early, and closing it failed: "
-                f"{type(e).__name__}: {e} (raised again at this loader's next use). Ranks "
-                f"that break out of the loop must do so after the same batch, on every rank: "
-                f"decide the break together, e.g. with an all_reduce of a stop flag",
-                RuntimeWarning,
-                stacklevel=2,
-            )

@@ -1,4 +1,4 @@
-"""Where a loader's steps spend their time: the caller's stall, the source, the wire.
+"""Where a loader's steps spend their time: the caller's stall, the source, the transfer.
 
 NOTE [ Where a step's time goes ]
 A step, seen from the caller, runs from one ``next()``'s return to the next one's: the
@@ -6,8 +6,13 @@ caller's own work, then the *stall*, the time it waits inside ``next()`` for the
 Meanwhile the lane (see NOTE [ One ordered lane ]) runs the loader's jobs::
 
     caller:  |-- training step --|-- stall --|-- training step --|-- stall --|
-    source:    next(source) -> pack -> wire      next(source) -> ...
-    receiver:  ------------- wire (waits for the source too) -------- ...
+    source:    next(source) -> pack -> transfer     next(source) -> ...
+    receiver:  ---- wait_for_source ----> transfer  ---- wait_for_source ...
+
+A receiver's job starts waiting for the frame's first message as soon as it runs: until
+that message arrives it waits for the source (its ``next(source)``, its packing, its
+steps before), which says nothing of the network; only the rest is the frame's transfer.
+The split costs one ``perf_counter()`` as the first message arrives.
 
 With ``prefetch=0`` the stall is the job itself; with ``prefetch > 0`` the job runs under
 the caller's step and the stall is what it did not hide. Recording a step costs a few
@@ -58,8 +63,12 @@ class LoaderStats:
         bytes: bytes of the batches' buffers this rank sent (source) or received.
         stall: the time the caller waited inside ``next()``: the data stall.
         source: the time spent in ``next(source)`` (the source rank; zeros elsewhere).
-        wire: the time sending a batch (source) or receiving one (receivers: this
-            includes waiting for the source's ``next(source)``).
+        wait_for_source: receivers: the time a step waited for the source's frame to
+            start arriving (its ``next(source)``, its packing, its steps before); zeros
+            on the source rank. Not the network: a slow source shows here.
+        transfer: the time moving a batch's frame: sending it whole (source; gloo sends
+            once the receivers are ready), or receiving the rest of it once its first
+            message arrived (receivers; about 0 for a batch inside the first message).
         step: the time from one ``next()``'s return to the next one's.
         stall_share: ``stall.total / step.total``: 0 when loading is hidden, 1 when the
             caller does nothing but wait.
@@ -71,7 +80,8 @@ class LoaderStats:
     bytes: int = 0
     stall: Timings = Timings()
     source: Timings = Timings()
-    wire: Timings = Timings()
+    wait_for_source: Timings = Timings()
+    transfer: Timings = Timings()
     step: Timings = Timings()
     stall_share: float = 0.0
     recent: LoaderStats | None = None
@@ -149,7 +159,7 @@ class Recorder:
     """
 
     def __init__(self, log_every: int | None = None) -> None:
-        self._rows = _Samples(5)  # stall, step, source, wire, bytes
+        self._rows = _Samples(6)  # stall, step, source, wait_for_source, transfer, bytes
         self._lock = threading.Lock()
         self._last_return: float | None = None
         self._log_every = log_every
@@ -159,19 +169,21 @@ class Recorder:
         self,
         called: float,
         source_s: float = 0.0,
-        wire_s: float = 0.0,
+        wait_s: float = 0.0,
+        transfer_s: float = 0.0,
         nbytes: int = 0,
         now: float | None = None,
     ) -> None:
         """A ``next()`` that began at ``called`` returns a batch ``now`` (default: now, by
         ``time.perf_counter()``, as ``called``); its job spent ``source_s`` in
-        ``next(source)`` and ``wire_s`` on the wire, for ``nbytes`` of payload."""
+        ``next(source)``, ``wait_s`` waiting for the source's frame and ``transfer_s``
+        moving it, for ``nbytes`` of payload."""
         now = time.perf_counter() if now is None else now
         stall = now - called
         step = stall if self._last_return is None else now - self._last_return
         self._last_return = now
         with self._lock:
-            self._rows.add((stall, step, source_s, wire_s, float(nbytes)))
+            self._rows.add((stall, step, source_s, wait_s, transfer_s, float(nbytes)))
         self._steps += 1
         if self._log_every and self._steps % self._log_every == 0:
             self._log()
@@ -182,20 +194,21 @@ class Recorder:
         with self._lock:
             rows = self._rows
             rows.fold()
-            stall, step, source, wire = (rows.timings(col) for col in range(4))
-            nbytes = int(rows.total[4])
+            stall, step, source, wait, transfer = (rows.timings(col) for col in range(5))
+            nbytes = int(rows.total[5])
             recent = self._window(rows.last(last), last)
+        share = _share(stall, step)
         return LoaderStats(
-            self._steps, nbytes, stall, source, wire, step, _share(stall, step), recent, last
+            self._steps, nbytes, stall, source, wait, transfer, step, share, recent, last
         )
 
     @staticmethod
     def _window(rows: np.ndarray, last: int) -> LoaderStats:
-        stall, step = _exact(rows[:, 0]), _exact(rows[:, 1])
-        source, wire = _exact(rows[:, 2]), _exact(rows[:, 3])
-        nbytes = int(rows[:, 4].sum())
+        stall, step, source, wait, transfer = (_exact(rows[:, col]) for col in range(5))
+        nbytes = int(rows[:, 5].sum())
+        share = _share(stall, step)
         return LoaderStats(
-            len(rows), nbytes, stall, source, wire, step, _share(stall, step), None, last
+            len(rows), nbytes, stall, source, wait, transfer, step, share, None, last
         )
 
     def _log(self) -> None:
@@ -204,9 +217,9 @@ class Recorder:
             s = self._window(self._rows.last(n), n)
         logger.info(
             "tensorcast loader: step %d: data stall %.2f ms median, %.2f ms p90, %.2f ms max "
-            "(%.1f%% of the step); next(source) %.2f ms, wire %.2f ms median; last %d steps",
+            "(%.1f%% of the step); next(source) %.2f ms, transfer %.2f ms median; last %d steps",
             self._steps, s.stall.median * 1e3, s.stall.p90 * 1e3, s.stall.max * 1e3,
-            100 * s.stall_share, s.source.median * 1e3, s.wire.median * 1e3, s.steps,
+            100 * s.stall_share, s.source.median * 1e3, s.transfer.median * 1e3, s.steps,
         )  # fmt: skip
 
 

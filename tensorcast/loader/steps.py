@@ -21,15 +21,23 @@ the consumer as it is. The steps know the roles (``transport.sender`` /
 ``transport.receiver``) and nothing of frames: a receiver's role hands back a batch,
 ``END`` or ``CLOSE``, and raises ``SourceError`` for the source's failure.
 
+Each pass's frames carry its own :class:`Stamp` (its index and its next step), moved by
+its steps alone: passes of one loader may interleave on the lane (NOTE [ Where a pass
+ends ] in ``loader.passes``).
+
 # NOTE [ An early close ]
-A pass left before its end (a ``for ... break``) runs one more job on every rank, after
-the steps it owes: the source sends a CLOSE frame stamped with its step, and each
-receiver expects exactly that frame at its own next step. Ranks that broke out of the
-loop after the same batch agree on it. A receiver that asked for more steps than the
-source sent is handed the CLOSE frame by a step and raises ``DesyncError`` at once (it
-waits for nothing); one that stopped earlier than the source is handed a batch (or the
-END) where the CLOSE was due. Either breaks the lane, whose group is aborted, so a
-source still sending fails at once and one that left fails at its next use.
+A pass that the program closes before its end (``close()`` on its iterator, on every rank
+after the same batch) runs one more job on every rank, after the steps it owes: the
+source sends a CLOSE frame stamped with the pass's next step, and each receiver expects
+exactly that frame at its own next step. Ranks that closed after the same batch agree
+on it. A receiver that asked for more steps than the source sent is handed the CLOSE
+frame by a step and raises ``DesyncError`` at once (it waits for nothing); one that
+stopped earlier than the source is handed a batch (or the END) where the CLOSE was due.
+Either breaks the lane, whose group is aborted, so a source still sending fails at once
+and one that left fails at its next use. A pass that is only dropped (a ``for ...
+break``, an iterator let go) sends and expects no CLOSE: its queued steps run, and a
+break after different batches is caught by the next frame's stamp (NOTE [ Where a pass
+ends ]).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from typing import Any
 
 from tensorcast._errors import DesyncError, SourceError
 from tensorcast.transport import interrupts as _interrupts
+from tensorcast.transport.frame import Stamp
 from tensorcast.transport.groups import Role
 from tensorcast.transport.receiver import CLOSE, END, End, Receiver
 from tensorcast.transport.sender import Sender
@@ -58,8 +67,8 @@ __all__ = [
 ]
 
 _FIX = (
-    "break on every rank after the same batch (decide the break together, e.g. with an "
-    "all_reduce of a stop flag)"
+    "close (or break) on every rank after the same batch (decide it together, e.g. with "
+    "an all_reduce of a stop flag)"
 )
 
 
@@ -90,15 +99,25 @@ class Failure:
 
 class Item:
     """A step's batch (this rank's tree), the source's state after it, and what the step
-    spent, recorded as the batch is handed out (NOTE [ Where a step's time goes ])."""
+    spent (in ``next(source)``, waiting for the source's frame, moving it), recorded as
+    the batch is handed out (NOTE [ Where a step's time goes ])."""
 
-    __slots__ = ("nbytes", "source_s", "state", "tree", "wire_s")
+    __slots__ = ("nbytes", "source_s", "state", "transfer_s", "tree", "wait_s")
 
-    def __init__(self, tree: Any, state: Any, source_s: float, wire_s: float, nbytes: int) -> None:
+    def __init__(
+        self,
+        tree: Any,
+        state: Any,
+        source_s: float,
+        wait_s: float,
+        transfer_s: float,
+        nbytes: int,
+    ) -> None:
         self.tree = tree
         self.state = state
         self.source_s = source_s
-        self.wire_s = wire_s
+        self.wait_s = wait_s
+        self.transfer_s = transfer_s
         self.nbytes = nbytes
 
 
@@ -110,9 +129,10 @@ class Steps:
     thread.
     """
 
-    def __init__(self, role: Role, device: Any) -> None:
+    def __init__(self, role: Role, device: Any, index: int) -> None:
         self.role = role
         self.device = device
+        self.stamp = Stamp(index)  # the pass's frames: only these steps move it
         self.ended = False  # the pass's END or ERROR frame went by
 
     def step(self) -> Any:
@@ -127,9 +147,8 @@ class Steps:
         """The ranks left a pass after different batches: the lane breaks on every rank."""
         role = self.role
         error = DesyncError(
-            f"ranks {list(role.ranks)}, pass {role.pass_index}: {what}. The ranks left "
-            f"the pass (broke out of the loop, or called iter(loader) again) after different "
-            f"batches; {_FIX}"
+            f"ranks {list(role.ranks)}, pass {self.stamp.pass_index}: {what}. The ranks "
+            f"closed the pass after different batches; {_FIX}"
         )
         role.group.lane.break_(error)
         return error
@@ -138,8 +157,8 @@ class Steps:
 class SourceSteps(Steps):
     """The steps of a pass on the source: pull a batch, send its frame."""
 
-    def __init__(self, role: Sender, device: Any, source: Any, depth: int) -> None:
-        super().__init__(role, device)
+    def __init__(self, role: Sender, device: Any, index: int, source: Any, depth: int) -> None:
+        super().__init__(role, device, index)
         self.sender = role
         self.source_iter: Iterator[Any] | None = None
         self.start_error: BaseException | None = None
@@ -165,7 +184,7 @@ class SourceSteps(Steps):
                     pulled = time.perf_counter() - started
             except StopIteration:
                 self.ended = True
-                sender.send_end()
+                sender.send_end(stamp=self.stamp)
                 return END
             except BaseException as e:
                 return self._fail(e, f"source iterator failed: {type(e).__name__}: {e}")
@@ -185,30 +204,31 @@ class SourceSteps(Steps):
         except Exception as e:
             return self._fail(e, f"batch serialization failed: {type(e).__name__}: {e}")
         started = time.perf_counter()
-        sender.send(out)  # a failure in it breaks the lane
+        sender.send(out, stamp=self.stamp)  # a failure in it breaks the lane
         self.pulled = _NOTHING
         if _interrupts.hook is not None:
             _interrupts.hook("step.took")
-        return Item(own, state, pulled, time.perf_counter() - started, out.cut.payload_len)
+        sent = time.perf_counter() - started
+        return Item(own, state, pulled, 0.0, sent, out.cut.payload_len)
 
     def _fail(self, error: BaseException, message: str) -> Failure:
         self.ended = True
         self.pulled = _NOTHING
-        self.sender.send_error(message)
+        self.sender.send_error(message, stamp=self.stamp)
         return Failure(error)
 
     def close(self) -> None:
         if self.ended or self.role.group.lane.broken is not None:
             return  # every rank saw the same END or ERROR frame; or every rank fails anyway
         self.ended = True
-        self.sender.send_close()
+        self.sender.send_close(stamp=self.stamp)
 
 
 class ReceiverSteps(Steps):
     """The steps of a pass on a receiver: receive a frame."""
 
-    def __init__(self, role: Receiver, device: Any) -> None:
-        super().__init__(role, device)
+    def __init__(self, role: Receiver, device: Any, index: int) -> None:
+        super().__init__(role, device, index)
         self.receiver = role
 
     def step(self) -> Any:
@@ -217,7 +237,7 @@ class ReceiverSteps(Steps):
         receiver = self.receiver
         started = time.perf_counter()
         try:
-            value = receiver.recv(self.device)
+            value = receiver.recv(self.device, stamp=self.stamp)
         except SourceError as e:  # the source's ERROR frame
             value = Failure(e)
         if _interrupts.hook is not None:
@@ -226,12 +246,15 @@ class ReceiverSteps(Steps):
             self.ended = True
             if value is CLOSE:
                 raise self._desync(
-                    f"the source rank {receiver.src} broke out of its loop and closed the "
-                    f"pass at step {receiver.step - 1}, and rank {receiver.rank} asked for "
-                    f"that step: it went on past the batch the source stopped at"
+                    f"the source rank {receiver.src} closed the pass at step "
+                    f"{self.stamp.step - 1}, and rank {receiver.rank} asked for that step: "
+                    f"it went on past the batch the source stopped at"
                 )
             return value
-        return Item(value, None, 0.0, time.perf_counter() - started, receiver.last_nbytes)
+        # Until the frame's first message came, this rank waited for the source (its
+        # next(source), its packing); the rest is the frame's own transfer.
+        first, done = receiver.first_at, time.perf_counter()
+        return Item(value, None, 0.0, first - started, done - first, receiver.last_nbytes)
 
     def close(self) -> None:
         receiver = self.receiver
@@ -239,7 +262,7 @@ class ReceiverSteps(Steps):
             return  # every rank saw the same END or ERROR frame; or every rank fails anyway
         self.ended = True
         try:
-            value = receiver.recv(self.device)
+            value = receiver.recv(self.device, stamp=self.stamp)
         except SourceError:
             what = "its ERROR frame"
         else:
@@ -247,14 +270,13 @@ class ReceiverSteps(Steps):
                 return
             what = "its END frame" if value is END else "a batch"
         raise self._desync(
-            f"rank {receiver.rank} broke out of its loop and closed the pass at step "
-            f"{receiver.step - 1}, but the source rank {receiver.src} went on: it sent "
-            f"{what} there"
+            f"rank {receiver.rank} closed the pass at step {self.stamp.step - 1}, but the "
+            f"source rank {receiver.src} went on: it sent {what} there"
         )
 
 
-def steps_for(role: Role, device: Any, source: Any, depth: int) -> Steps:
-    """The steps of a pass for this rank's ``role``."""
+def steps_for(role: Role, device: Any, index: int, source: Any, depth: int) -> Steps:
+    """The steps of pass ``index`` for this rank's ``role``."""
     if isinstance(role, Sender):
-        return SourceSteps(role, device, source, depth)
-    return ReceiverSteps(role, device)
+        return SourceSteps(role, device, index, source, depth)
+    return ReceiverSteps(role, device, index)

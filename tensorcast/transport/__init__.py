@@ -6,14 +6,16 @@ or the mesh's group); ``groups.open_role`` opens one and returns this rank's *ro
 a ``sender.Sender`` or a ``receiver.Receiver``, which the entry points hold. Everything
 that communicates on a group is a job on its *lane* (``lane``): one FIFO, submitted only
 from the caller's thread at points that are the same on every rank, so the model's
-collectives and tensorcast's can never pair up.
+collectives and tensorcast's can never pair up; at interpreter exit nothing is submitted,
+and ``exits`` stops the lanes' threads and the others (NOTE [ Interpreter exit ]).
 
 Each batch travels as one *frame* (``frame``: its prefix, how both sides cut it into
 messages, and the promise rule), through the codec's face (``tensorcast.codec``) on each
 end. ``wire`` is the small per-backend interface the collectives sit behind (gloo,
 NCCL), ``pool`` the reused buffers and ``kept`` the views they keep, ``liveness`` and
 ``diagnosis`` the source's heartbeat and what a receiver says of a silent source, and
-``device`` a frame's GPU side (NOTE [ Device work at next() ]). ``docs/design.md``, "One
+``device`` a frame's GPU side, posted and taken by the caller (NOTE [ Device work at
+next() ]), made by ``staging`` on the lane's thread. ``docs/design.md``, "One
 batch, top to bottom", follows one batch through them. This package imports the codec,
 never the loader (``make lint`` checks it).
 """

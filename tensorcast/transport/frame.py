@@ -52,6 +52,7 @@ __all__ = [
     "Kind",
     "Prefix",
     "Promises",
+    "Stamp",
     "crc32",
     "cut_frame",
     "promises_enabled",
@@ -187,6 +188,20 @@ class Prefix:
         if kind == Kind.ERROR and hlen > MAX_ERROR_BYTES:
             raise HeaderError(f"an error message of {hlen} bytes is over the limit")
         return cls(_KINDS[kind], _FLAGS[flags], channel, pass_index, step, hlen, plen, nxt, crc)
+
+
+class Stamp:
+    """The pass and the next step that a channel's frames carry besides its id: one per
+    loader pass (a channel's passes interleave, each numbered alone: NOTE [ Where a pass
+    ends ] in ``loader.passes``), and a role's own for frames outside a pass
+    (``tensorcast.broadcast``). Only the lane's jobs move it, so it is the same on every
+    rank frame after frame."""
+
+    __slots__ = ("pass_index", "step")
+
+    def __init__(self, pass_index: int = 0) -> None:
+        self.pass_index = pass_index
+        self.step = 0  # the next frame's
 
 
 def _align_up(n: int, a: int = PAYLOAD_ALIGN) -> int:

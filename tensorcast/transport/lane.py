@@ -14,13 +14,18 @@ simply "k jobs submitted ahead of the consumer".
 A job that fails after its first message went out leaves the group in an unknown state:
 the lane is then *broken* on this rank (its group aborted, so that peers blocked on it
 fail now rather than at their timeout), and every later job fails with ``PeerError``
-naming the first failure. A job's exception is handed to whoever waits for it; a caller
-interrupted while waiting (Ctrl-C, a signal handler that raises) leaves the job running
-to the end of its frame, and waiting again picks up its result.
+naming the first failure. The abort runs on a thread of its own, waited for a bounded
+time: an NCCL abort can itself block (NVIDIA/nccl #829, #549), and the thread that broke
+the lane (the caller's, or the worker with the jobs queued behind) must go on to raise.
+A job's exception is handed to whoever waits for it; a caller interrupted while waiting
+(Ctrl-C, a signal handler that raises) leaves the job running to the end of its frame,
+and waiting again picks up its result.
 
 The worker leaves after a few idle seconds and comes back with the next job, so idle
 lanes hold no thread. While device work of a frame is in flight (NOTE [ Device work at
-next() ]) it stays, to break the lane if that work is not done by its deadline.
+next() ]) it stays, to break the lane if that work is not done by its deadline. At
+interpreter exit a lane takes no new job, drops those queued and lets its worker finish
+the one it runs (NOTE [ Interpreter exit ] in ``transport.exits``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from tensorcast._errors import PeerError, TensorcastError, UnsupportedLeafError
+from tensorcast.transport import exits as _exits
 from tensorcast.transport import interrupts as _interrupts
 from tensorcast.transport.device import Inflight
 
@@ -42,6 +48,7 @@ __all__ = ["Job", "Lane"]
 
 T = TypeVar("T")
 _IDLE_EXIT_S = 5.0
+_ABORT_WAIT_S = 5.0
 
 
 class Job(Generic[T]):
@@ -52,7 +59,16 @@ class Job(Generic[T]):
     :meth:`Lane.settle`).
     """
 
-    __slots__ = ("_error", "_fn", "_taken", "_value", "_waited", "done", "frames_at_start")
+    __slots__ = (
+        "__weakref__",
+        "_error",
+        "_fn",
+        "_taken",
+        "_value",
+        "_waited",
+        "done",
+        "frames_at_start",
+    )
 
     def __init__(self, fn: Callable[[], T]) -> None:
         self._fn = fn
@@ -94,6 +110,13 @@ class Job(Generic[T]):
             self.done = True
             self._waited.release()
 
+    def _withdrawn(self, error: BaseException) -> None:
+        """Taken out of the queue unrun (at exit): whoever waits for it gets ``error``."""
+        self._error = error
+        self._fn = None  # type: ignore[assignment]
+        self.done = True
+        self._waited.release()
+
 
 class Lane:
     """A FIFO of jobs on one of tensorcast's groups, run in order, one at a time (NOTE
@@ -106,6 +129,8 @@ class Lane:
             whose payloads travel on it, ``device_group``) the worker also packs with
             one intra-op thread, as torch's pin-memory thread does.
         idle_exit_s: how long the worker waits for a job before it leaves.
+        abort_wait_s: how long breaking the lane waits for ``abort`` to return.
+        exit_wait_s: how long interpreter exit waits for the job running then.
     """
 
     def __init__(
@@ -116,9 +141,13 @@ class Lane:
         *,
         device_group: bool = False,
         idle_exit_s: float = _IDLE_EXIT_S,
+        abort_wait_s: float = _ABORT_WAIT_S,
+        exit_wait_s: float = 30 * 60.0,
     ) -> None:
         self.name = name
+        self._exit_wait_s = exit_wait_s
         self._idle_exit_s = idle_exit_s
+        self._abort_wait_s = abort_wait_s
         self._abort = abort
         self._cuda_device = cuda_device
         self._device_group = device_group
@@ -134,6 +163,9 @@ class Lane:
         self._inline: int | None = None  # the thread running a job inline
         self._worker_id: int | None = None
         self.broken: BaseException | None = None
+        #: jobs queued or started so far: only the caller's thread adds one (tests read it)
+        self.submitted = 0
+        _exits.register(self)
 
     def enqueue(self, job: Job[Any]) -> None:
         """Queue ``job`` behind every job queued before it; it runs on the worker."""
@@ -142,7 +174,9 @@ class Lane:
             self._queue(job)
 
     def _queue(self, job: Job[Any]) -> None:  # under the lock
+        _exits.refuse(self.name)  # no job once the interpreter exits
         self._jobs.append(job)
+        self.submitted += 1
         self._start_worker()
 
     def _watch(self) -> None:
@@ -155,9 +189,25 @@ class Lane:
         with self._lock:
             self._cond.notify()
 
+    def stop_at_exit(self) -> _exits.Waiter:
+        """NOTE [ Interpreter exit ]: withdraw the jobs queued and not started (locally; a
+        waiter gets ``RuntimeError``); the worker leaves once its running job ends."""
+        with self._lock:  # the hook ran: nothing is queued from now on (exits.refuse)
+            withdrawn, self._jobs = self._jobs, collections.deque()
+            self._idle_exit_s = 0.0
+            self._cond.notify_all()
+            worker = self._worker
+        self.inflight.clear()  # no deadline keeps the worker
+        error = RuntimeError(f"the interpreter exited before this job ran ({self.name})")
+        for job in withdrawn:
+            job._withdrawn(error)
+        what = f"the transfer in flight on tensorcast's group over ranks {self.name}"
+        return _exits.Waiter(worker, self._exit_wait_s, what)
+
     def _start_worker(self) -> None:  # under the lock
         self._cond.notify()
         if self._worker is None:
+            _exits.refuse(self.name)
             # Recorded once started: an interrupt inside start() leaves None, and the next
             # job starts another. Two workers still run one job at a time, in order.
             worker = threading.Thread(
@@ -242,8 +292,10 @@ class Lane:
         if me == self._inline or me == self._worker_id:
             self._not_from_a_job()
         with self._lock:
+            _exits.refuse(self.name)
             inline = not self._jobs and not self._running
             if inline:
+                self.submitted += 1
                 self._running = True
                 self._inline = me
                 job._taken = True
@@ -283,13 +335,20 @@ class Lane:
             self.break_(error)
 
     def break_(self, cause: BaseException) -> None:
-        """Mark the lane broken after a failure in the middle of a frame (first cause wins)."""
+        """Mark the lane broken after a failure in the middle of a frame (first cause
+        wins), then abort its group off this thread, waiting ``abort_wait_s`` at most
+        (NOTE [ One ordered lane ])."""
         if self.broken is not None:
             return
         self.broken = cause
-        # A group that cannot abort is broken all the same, and the cause is what to report.
-        with contextlib.suppress(RuntimeError):
-            self._abort()
+        name = f"tensorcast-abort-{self.name}"
+        aborting = threading.Thread(target=_abort, args=(self._abort,), name=name, daemon=True)
+        try:
+            aborting.start()
+        except RuntimeError:  # no thread starts any more (the interpreter is exiting)
+            _abort(self._abort)
+            return
+        aborting.join(self._abort_wait_s)
 
     def check(self) -> None:
         """Raise ``PeerError`` if the lane is broken."""
@@ -353,6 +412,13 @@ class Lane:
                 f"(the channel's timeout): a peer died, or did not post its side of the frame"
             )
         )
+
+
+def _abort(abort: Callable[[], None]) -> None:
+    """Abort a broken lane's group: one that cannot is broken all the same, and the cause
+    is what to report."""
+    with contextlib.suppress(RuntimeError):
+        abort()
 
 
 def _own(error: BaseException) -> bool:

@@ -1,11 +1,11 @@
 """A receiver's role: a frame off the wire, validated, rebuilt as views.
 
-A :class:`Receiver` is what a receiving rank holds for one channel: its stamp (the
-channel's agreed id, the pass, the step it expects next) and :meth:`Receiver.recv`,
-which returns the next batch, :data:`END` or :data:`CLOSE`, and raises ``SourceError``
-for a source's ERROR frame. A frame is read in the order the source cut it (one
-``Cutter`` per side, ``transport.frame``): the first message, then a spilled header, then
-a separate payload. The prefix and the header are validated before anything is
+A :class:`Receiver` is what a receiving rank holds for one channel: the channel's agreed
+id and :meth:`Receiver.recv`, which checks that a frame carries that id and the pass and
+step of the :class:`Stamp` it is given, and returns the next batch, :data:`END` or
+:data:`CLOSE`, and raises ``SourceError`` for a source's ERROR frame. A frame is read in
+the order the source cut it (one ``Cutter`` per side, ``transport.frame``): the first
+message, then a spilled header, then a separate payload. The prefix and the header are validated before anything is
 allocated from their sizes. Until the whole frame is in, any failure breaks the lane
 (this rank cannot skip the rest of a frame it cannot read); once it is in, a bad CRC is
 an error of that step alone. The frame's leaves were made while its head was on the wire
@@ -15,6 +15,7 @@ an error of that step alone. The frame's leaves were made while its head was on 
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,9 +24,19 @@ import torch
 
 from tensorcast._errors import DesyncError, HeaderError, PeerError, SourceError, TensorcastError
 from tensorcast.codec import Decoded, KeepsViews, decode
-from tensorcast.transport.device import DevicePart, Staging
-from tensorcast.transport.frame import PREFIX_SIZE, Cut, Cutter, Flags, Kind, Prefix, crc32
+from tensorcast.transport.device import DevicePart
+from tensorcast.transport.frame import (
+    PREFIX_SIZE,
+    Cut,
+    Cutter,
+    Flags,
+    Kind,
+    Prefix,
+    Stamp,
+    crc32,
+)
 from tensorcast.transport.pool import BufferPool, FirstMessage, FramePool
+from tensorcast.transport.staging import Staging
 from tensorcast.transport.wire import Posted
 
 if TYPE_CHECKING:
@@ -81,8 +92,8 @@ class _Incoming:
 
 class Receiver:
     """A receiver of one channel on one of tensorcast's groups: receives and rebuilds the
-    source's frames. :meth:`recv` and :meth:`start_pass` must run as jobs on the group's
-    lane (see NOTE [ One ordered lane ]).
+    source's frames. :meth:`recv` must run as a job on the group's lane (see NOTE [ One
+    ordered lane ]).
 
     Args:
         group: tensorcast's group the frames travel on.
@@ -113,8 +124,10 @@ class Receiver:
         self.src = src
         self.rank = rank
         self.id = channel_id
-        self.pass_index = 0
-        self.step = 0  # frames counted in this pass (NOTE [ A frame is atomic ])
+        #: the pass and step expected of frames outside a loader's pass
+        self.stamp = Stamp()
+        #: frames counted, every pass together (NOTE [ A frame is atomic ]); never goes back
+        self.frames = 0
         self.timeout = timeout or _DEFAULT_TIMEOUT
         self._root = group.local(src)
         self._diagnose = diagnose
@@ -125,18 +138,22 @@ class Receiver:
         self._parts = Staging(group, self._root, self._break)  # device parts of frames
         self._cutter = Cutter(group, promises=promises)
         self.last_nbytes = 0  # the last batch's payload, for the loader's stats
+        #: when the last frame's first message arrived (``time.perf_counter()``): before
+        #: it, a receiver waits for the source; after it, the frame's transfer
+        self.first_at = 0.0
 
     @property
     def ranks(self) -> tuple[int, ...]:
         return self.group.ranks
 
-    def start_pass(self, pass_index: int) -> None:
-        """Number the frames of a new pass; run as a job, like the frames."""
-        self.pass_index = pass_index
-        self.step = 0
-
-    def recv(self, device: torch.device | None, timeout: datetime.timedelta | None = None) -> Any:
-        """The source's next frame, as what it stands for: a batch, :data:`END` or
+    def recv(
+        self,
+        device: torch.device | None,
+        timeout: datetime.timedelta | None = None,
+        stamp: Stamp | None = None,
+    ) -> Any:
+        """The source's next frame, that of ``stamp``'s pass and step (default: the
+        receiver's own stamp), as what it stands for: a batch, :data:`END` or
         :data:`CLOSE`. Where the payload travels on a GPU, or lands on one, the batch is
         a :class:`DevicePart` to post and take on the caller's thread (NOTE [ Device work
         at next() ]).
@@ -152,12 +169,15 @@ class Receiver:
         if lane.broken is not None:
             lane.check()
         wait = timeout or self.timeout
-        step = self.step
-        self.step = step + 1  # before the first message (NOTE [ A frame is atomic ])
+        if stamp is None:
+            stamp = self.stamp
+        step = stamp.step
+        stamp.step = step + 1  # before the first message (NOTE [ A frame is atomic ])
+        self.frames += 1
         first = self._messages.take(self.group.capacity)
         try:
             try:
-                frame = self._read(first, step, wait)
+                frame = self._read(first, stamp.pass_index, step, wait)
             except BaseException as e:
                 self._break(e)
                 raise
@@ -177,7 +197,9 @@ class Receiver:
                 f"{list(group.ranks)} failed: {type(error).__name__}: {error}"
             ) from error
 
-    def _read(self, first: FirstMessage, step: int, timeout: datetime.timedelta) -> _Incoming:
+    def _read(
+        self, first: FirstMessage, pass_index: int, step: int, timeout: datetime.timedelta
+    ) -> _Incoming:
         """Post, wait for the first message, check its prefix, cut the frame, take the
         rest (a spilled header, a separate payload), decode the header."""
         wire, root = self.group.wire, self._root
@@ -191,15 +213,16 @@ class Receiver:
             head = wire.head(first.buffer, root, timeout)
             first.kept.detach_ahead()  # NOTE [ Views made ahead ]
             head.wait(timeout)
+            self.first_at = time.perf_counter()
         except RuntimeError as e:  # from the collective: the source died or timed out
+            why = self._diagnose((self.id, pass_index, step), e, timeout.total_seconds())
             raise PeerError(
                 f"waiting for the source rank {self.src} on ranks {list(self.group.ranks)} "
-                f"failed after up to {timeout.total_seconds():g} s: "
-                f"{self._diagnose((self.id, self.pass_index, step), e, timeout.total_seconds())} "
+                f"failed after up to {timeout.total_seconds():g} s: {why} "
                 f"({type(e).__name__}: {e})"
             ) from e
         prefix = Prefix.unpack(first.mem, first.capacity)
-        self._check(prefix, step, promised)
+        self._check(prefix, pass_index, step, promised)
         cut = self._cutter.read(prefix)
         if posted is not None:
             posted.wait(timeout)  # the payload, or zeros where the promise was not kept
@@ -270,8 +293,8 @@ class Receiver:
         if int(prefix.flags) & _CRC:
             self._check_crc(payload, prefix, step)
         if device is not None and device != payload.device:
-            return self._parts.upload(payload, device, decoded.rebuild, timeout)
-        return decoded.rebuild(payload, frame.kept)
+            return self._parts.upload(payload, device, decoded, timeout)
+        return decoded.rebuild(payload, frame.kept, outputs=self._pool.outputs)
 
     def _check_crc(self, payload: torch.Tensor, prefix: Prefix, step: int) -> None:
         if crc32(payload) != prefix.crc:
@@ -296,15 +319,17 @@ class Receiver:
 
         return self._parts.part(prefix.payload_len, build, device, timeout)
 
-    def _check(self, prefix: Prefix, step: int, promised: int) -> None:
-        """Raise ``DesyncError`` unless the prefix is this channel's frame at ``step`` and
-        promised as this rank's rule says (NOTE [ Promised payloads ])."""
-        if (prefix.channel, prefix.pass_index, prefix.step) != (self.id, self.pass_index, step):
+    def _check(self, prefix: Prefix, pass_index: int, step: int, promised: int) -> None:
+        """Raise ``DesyncError`` unless the prefix is this channel's frame of ``pass_index``
+        at ``step`` and promised as this rank's rule says (NOTE [ Promised payloads ])."""
+        if (prefix.channel, prefix.pass_index, prefix.step) != (self.id, pass_index, step):
             raise DesyncError(
                 f"ranks {list(self.group.ranks)}: expected channel {self.id:#x} pass "
-                f"{self.pass_index} step {step} from the source rank {self.src}, got "
+                f"{pass_index} step {step} from the source rank {self.src}, got "
                 f"channel {prefix.channel:#x} pass {prefix.pass_index} step {prefix.step}: the "
-                f"ranks did not use their loaders (or tensorcast.broadcast) in the same order"
+                f"ranks did not use their loaders (or tensorcast.broadcast) in the same order, "
+                f"or left a pass (a break, an iterator dropped) after different batches: "
+                f"decide a break together, e.g. with an all_reduce of a stop flag"
             )
         flags = int(prefix.flags)  # plain int arithmetic: an IntFlag's operators run Python code
         if bool(flags & _PROMISED) != bool(promised):

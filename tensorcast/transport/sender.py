@@ -1,8 +1,9 @@
 """The source's role: a batch into a frame, the frame onto the wire.
 
-A :class:`Sender` is what a source rank holds for one channel: its stamp (the channel's
-agreed id, the pass and the step every frame carries) and two phases per frame, so that
-a frame is atomic (NOTE [ A frame is atomic ]):
+A :class:`Sender` is what a source rank holds for one channel: its agreed id, which every
+frame carries with a :class:`Stamp` (its pass and step), how it packs batches
+(:class:`Packing`), and two phases per frame, so that a frame is atomic (NOTE [ A frame is
+atomic ]):
 
 1. :meth:`Sender.write` does everything that can fail: flatten, detach, allocate, copy,
    write the first message and build this rank's own tree. Nothing has been sent, so a
@@ -16,8 +17,9 @@ A frame is posted whole by one lane job, on the lane's worker thread or inline o
 caller's (see ``transport.lane``). Anything that escapes once its first message is
 posted, a peer's failure or a signal handler's exception alike, breaks the lane, so the
 peers fail within their timeout instead of reading a frame that is half old, half new.
-Both roles count a frame (their ``step``) as they start on it, before its first message
-is posted: :meth:`Sender.send` and ``Receiver.recv``, once the lane is known whole. An
+Both roles count a frame (their ``frames``, and its stamp's ``step``) as they start on it,
+before its first message is posted: :meth:`Sender.send` and ``Receiver.recv``, once the
+lane is known whole. An
 exception that escapes from then on, even between the last message and the job's return
 (a handler runs when a call returns), finds the count moved, and the lane breaks
 (``Lane.run``) instead of a retry sending or reading the frame a second time. And the
@@ -37,18 +39,56 @@ import torch
 
 from tensorcast._errors import PeerError
 from tensorcast.codec import Decoded, Encoded, Encoder, Packed, decode
-from tensorcast.transport.device import Staging
-from tensorcast.transport.frame import MAX_ERROR_BYTES, PREFIX_SIZE, Cut, Cutter, Kind, crc32
+from tensorcast.transport.frame import (
+    MAX_ERROR_BYTES,
+    PREFIX_SIZE,
+    Cut,
+    Cutter,
+    Kind,
+    Stamp,
+    crc32,
+)
 from tensorcast.transport.pool import BufferPool, FirstMessage, FramePool
+from tensorcast.transport.staging import Staging
 
 if TYPE_CHECKING:
     from tensorcast.transport.groups import Group
 
-__all__ = ["Outgoing", "Sender"]
+__all__ = ["Outgoing", "Packing", "Sender"]
 
 # A pre-packed buffer up to this size is copied into a pooled one (see Sender._prepacked).
 _COPY_BELOW = 1 << 20
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default process group timeout
+
+
+@dataclass(frozen=True, slots=True)
+class Packing:
+    """How a source packs its batches into a frame's buffer, as ``tc.pack`` does. Only the
+    source uses it: a receiver reads every leaf's offset from the header, so the ranks of
+    a channel need not agree on it (it is no part of the setup agreement).
+
+    Attributes:
+        align: every leaf's offset in the buffer is a multiple of this (a power of two).
+        trim: padded leaves travel without their padding where that pays (NOTE [ Trimmed
+            leaves ], ``codec/trim.py``): the default of :meth:`Sender.write`.
+
+    Raises:
+        ValueError: as ``tc.pack`` raises for the same values (checked where it is made).
+    """
+
+    align: int = 64
+    trim: bool = True
+
+    def __post_init__(self) -> None:
+        Encoder(align=self.align)  # tc.pack's own check and message
+
+    def encoder(self) -> Encoder:
+        return Encoder(align=self.align, trim=self.trim)
+
+
+def _kind(device: torch.device) -> str:
+    """Where receivers whose output device is ``device`` rebuild (``codec.trim.decide``)."""
+    return "device" if device.type == "cuda" else "host"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +110,9 @@ class Sender:
     """The source of one channel on one of tensorcast's groups: writes and sends its frames.
 
     Every method that communicates (:meth:`send_batch`, :meth:`send`, :meth:`send_end`,
-    :meth:`send_close`, :meth:`send_error`) and :meth:`start_pass` must run as a job on the
-    group's lane (see NOTE [ One ordered lane ]).
+    :meth:`send_close`, :meth:`send_error`) must run as a job on the group's lane (see
+    NOTE [ One ordered lane ]). Each takes the ``stamp`` its frame carries: a loader pass's,
+    or by default the sender's own.
 
     Args:
         group: tensorcast's group the frames travel on.
@@ -83,6 +124,7 @@ class Sender:
         promises: promise payloads (NOTE [ Promised payloads ]; host wires only).
         pulling: the context in which the source is in ``next(source)`` (its heartbeat
             says so, see ``transport.liveness``).
+        packing: how batches are packed (default: ``tc.pack``'s defaults).
     """
 
     is_source = True
@@ -97,12 +139,15 @@ class Sender:
         verify: bool = False,
         promises: bool = False,
         pulling: contextlib.AbstractContextManager[Any] | None = None,
+        packing: Packing | None = None,
     ) -> None:
         self.group = group
         self.src = self.rank = src
         self.id = channel_id
-        self.pass_index = 0
-        self.step = 0  # frames counted in this pass (NOTE [ A frame is atomic ])
+        #: the pass and step of frames sent outside a loader's pass
+        self.stamp = Stamp()
+        #: frames counted, every pass together (NOTE [ A frame is atomic ]); never goes back
+        self.frames = 0
         self.timeout = timeout or _DEFAULT_TIMEOUT
         self.pulling = pulling if pulling is not None else contextlib.nullcontext()
         self._root = group.local(src)
@@ -113,52 +158,66 @@ class Sender:
         self._pool = BufferPool()  # payloads that travel on their own
         self._parts = Staging(group, self._root, self._failed)  # device parts of frames
         self._messages = FramePool()  # first messages
-        self._encoder = Encoder()  # reuses the last batch's layout while the structure repeats
+        # reuses the last batch's layout while the structure repeats
+        self._encoder = (packing or Packing()).encoder()
         self._cutter = Cutter(group, promises=promises)  # frames as they are sent
 
     @property
     def ranks(self) -> tuple[int, ...]:
         return self.group.ranks
 
-    def start_pass(self, pass_index: int) -> None:
-        """Number the frames of a new pass; run as a job, like the frames."""
-        self.pass_index = pass_index
-        self.step = 0
-
     def send_batch(
-        self, batch: Any, device: torch.device | None, timeout: datetime.timedelta | None = None
+        self,
+        batch: Any,
+        device: torch.device | None,
+        timeout: datetime.timedelta | None = None,
+        stamp: Stamp | None = None,
+        trim: bool | None = None,
     ) -> Any:
         """Send ``batch`` and return this rank's own tree of it (see :meth:`write`).
 
         A batch that cannot travel is announced with an ERROR frame, then raised.
         """
         try:
-            out, own = self.write(batch, device, timeout)
+            out, own = self.write(batch, device, timeout, trim=trim)
         except Exception as e:
-            self.send_error(f"batch serialization failed: {type(e).__name__}: {e}", timeout)
+            message = f"batch serialization failed: {type(e).__name__}: {e}"
+            self.send_error(message, timeout, stamp)
             raise
-        self.send(out, timeout)
+        self.send(out, timeout, stamp)
         return own
 
-    def send_end(self, timeout: datetime.timedelta | None = None) -> None:
+    def send_end(
+        self, timeout: datetime.timedelta | None = None, stamp: Stamp | None = None
+    ) -> None:
         """The pass ended: the source is exhausted."""
-        self.send(self._control(Kind.END, b""), timeout)
+        self.send(self._control(Kind.END, b""), timeout, stamp)
 
-    def send_close(self, timeout: datetime.timedelta | None = None) -> None:
-        """The pass was left early at this step (a loader's ``for ... break``)."""
-        self.send(self._control(Kind.CLOSE, b""), timeout)
+    def send_close(
+        self, timeout: datetime.timedelta | None = None, stamp: Stamp | None = None
+    ) -> None:
+        """The pass was closed at this step (a loader iterator's ``close()``)."""
+        self.send(self._control(Kind.CLOSE, b""), timeout, stamp)
 
-    def send_error(self, message: str, timeout: datetime.timedelta | None = None) -> None:
+    def send_error(
+        self, message: str, timeout: datetime.timedelta | None = None, stamp: Stamp | None = None
+    ) -> None:
         """The pass failed here; receivers raise ``SourceError`` with ``message``."""
         text = message.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
-        self.send(self._control(Kind.ERROR, text), timeout)
+        self.send(self._control(Kind.ERROR, text), timeout, stamp)
 
     # -- phase 1: everything that can fail ---------------------------------------------
 
     def write(
-        self, batch: Any, device: torch.device | None, timeout: datetime.timedelta | None = None
+        self,
+        batch: Any,
+        device: torch.device | None,
+        timeout: datetime.timedelta | None = None,
+        trim: bool | None = None,
     ) -> tuple[Outgoing, Any]:
-        """The frame of ``batch`` (a tree or a :class:`Packed`) and this rank's own tree.
+        """The frame of ``batch`` (a tree or a :class:`Packed`) and this rank's own tree;
+        ``trim``: see :class:`Packing` (None: the Packing's; a :class:`Packed` goes as is).
+
 
         The payload is written where it travels: into the first message when it fits
         there (inline), else into a buffer of its own. Where the payload, or this rank's
@@ -177,7 +236,7 @@ class Sender:
             decoded.check_buffer(batch.buffer)
             header, n = batch.header, decoded.nbytes
         else:
-            encoded = self._encoder.encode(batch)
+            encoded = self._encoder.encode(batch, trim=trim, receiver=_kind(device or self._device))
             header, n = encoded.header, encoded.nbytes
         # Frames are cut in the order they are sent: a frame is sent in the job that
         # writes it (an ERROR frame in place of one that failed to write).
@@ -196,16 +255,16 @@ class Sender:
             if isinstance(batch, Packed):
                 source = batch.buffer if batch.buffer.is_cpu else batch.buffer.cpu()
                 message.host[cut.payload_at : cut.payload_at + n] = source.numpy()
-                own = decoded.rebuild(payload, message.kept)
+                own = decoded.rebuild(payload, message.kept, outputs=self._pool.outputs)
             else:
-                own = encoded.write_tree(payload, message.kept)
+                own = encoded.write_tree(payload, message.kept, self._pool.outputs)
         elif isinstance(batch, Packed):
             payload, own = self._prepacked(batch, decoded)
         else:
             payload, own = self._packed(encoded)
         if device is not None and device != payload.device:
-            build = decoded.rebuild if isinstance(batch, Packed) else encoded.view_tree
-            own = self._parts.upload(payload, device, build, wait)
+            coded = decoded if isinstance(batch, Packed) else encoded
+            own = self._parts.upload(payload, device, coded, wait)
         return self._finish(message, cut, Kind.DATA, header, payload, n), own
 
     def _control(self, kind: Kind, text: bytes) -> Outgoing:
@@ -223,7 +282,7 @@ class Sender:
 
     def _packed(self, encoded: Encoded) -> tuple[torch.Tensor, Any]:
         payload = self._pool.take(encoded.nbytes, self._device)
-        return payload, encoded.write_tree(payload, self._pool.kept)
+        return payload, encoded.write_tree(payload, self._pool.kept, self._pool.outputs)
 
     def _prepacked(self, batch: Packed, decoded: Decoded) -> tuple[torch.Tensor, Any]:
         payload = batch.buffer
@@ -234,10 +293,10 @@ class Sender:
             # while a buffer of the caller's needs each view made anew: for a small batch
             # of many leaves a copy into a pooled buffer is the cheaper of the two.
             copy = self._pool.take(payload.numel(), self._device).copy_(payload)
-            return copy, decoded.rebuild(copy, self._pool.kept)
+            return copy, decoded.rebuild(copy, self._pool.kept, outputs=self._pool.outputs)
         elif payload.is_inference():
             payload = payload.clone()  # this rank's tree must not be made of inference tensors
-        return payload, decoded.rebuild(payload)
+        return payload, decoded.rebuild(payload, outputs=self._pool.outputs)
 
     def _message(self, cut: Cut) -> FirstMessage:
         """A first message for ``cut``, every byte zero but where the frame writes: no
@@ -309,17 +368,23 @@ class Sender:
             f"({type(error).__name__}: {error})"
         )
 
-    def send(self, out: Outgoing, timeout: datetime.timedelta | None = None) -> None:
-        """Post a frame :meth:`write` made: counted first, then its messages in order
-        (NOTE [ A frame is atomic ]); a failure breaks the lane."""
-        step = self.step
-        self.step = step + 1
+    def send(
+        self, out: Outgoing, timeout: datetime.timedelta | None = None, stamp: Stamp | None = None
+    ) -> None:
+        """Post a frame :meth:`write` made, stamped with ``stamp`` (default: the sender's):
+        counted first, then its messages in order (NOTE [ A frame is atomic ]); a failure
+        breaks the lane."""
+        if stamp is None:
+            stamp = self.stamp
+        step = stamp.step
+        stamp.step = step + 1
+        self.frames += 1
         wait = timeout or self.timeout
         wire, root, message = self.group.wire, self._root, out.message
         try:
             self._cutter.commit(
                 message.mem, out.kind, out.cut, out.header_len, out.crc, self.id,
-                self.pass_index, step,
+                stamp.pass_index, step,
             )  # fmt: skip
             # Receivers posted a promised payload with the first message.
             promised = None if out.promised is None else wire.payload(out.promised, root, wait)

@@ -28,6 +28,7 @@ import contextlib
 import datetime
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -53,6 +54,9 @@ class FakeStreams:
             through a wire with these streams is ``"payload"``.
         hold: events recorded while set stay not done until :meth:`release` (device
             work that never finishes: a dead peer).
+        buffers: every buffer :meth:`empty` made, weakly (which ones something holds).
+        handed: every tensor handed over, weakly, and whether on the transfer stream
+            (inside :meth:`transfer`: a tensor the work reads, recorded there).
     """
 
     device = torch.device("cpu")
@@ -60,6 +64,8 @@ class FakeStreams:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
         self.hold = False
+        self.buffers: list[weakref.ref[torch.Tensor]] = []
+        self.handed: list[tuple[weakref.ref[torch.Tensor], bool]] = []
         self._held: list[FakeEvent] = []
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -88,7 +94,9 @@ class FakeStreams:
 
     def empty(self, nbytes: int) -> torch.Tensor:
         self.log("empty")
-        return torch.empty(nbytes, dtype=torch.uint8)
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.buffers.append(weakref.ref(buffer))
+        return buffer
 
     def host(self, nbytes: int) -> torch.Tensor:
         self.log("host")
@@ -113,6 +121,7 @@ class FakeStreams:
 
     def hand_over(self, tensor: torch.Tensor) -> None:
         self.log("hand_over")
+        self.handed.append((weakref.ref(tensor), self.in_transfer))
 
     def done(self, event: Any) -> bool:
         self.log("done")

@@ -1,10 +1,13 @@
-"""Ranks that break out of a loader's loop after different batches fail loudly, in bounded
-time, on every rank (NOTE [ An early close ] in ``tensorcast/loader/steps.py``).
+"""Ranks that leave a loader's pass after different batches fail loudly, in bounded time,
+on every rank (NOTE [ Where a pass ends ] in ``tensorcast/loader/passes.py``, NOTE [ An
+early close ] in ``tensorcast/loader/steps.py``).
 
 Two gloo ranks: rank 0 is the source, rank 1 its receiver. A "model" runs its own
-all_reduce on the default group every step both ranks take. Each rank breaks after its
-own number of batches; what each rank sees is recorded: an error inside its loop, a
-warning when the loop's pass is closed, and what the loader's next use raises.
+all_reduce on the default group every step both ranks take. Each rank leaves the pass
+after its own number of batches, by a ``break`` (the pass is dropped: its queued steps
+run, and nothing else is sent) or by ``close()`` on its iterator (a CLOSE frame, sent or
+expected); what each rank sees is recorded: an error inside its loop, in its ``close()``,
+and at its next uses of the loader. Nothing is ever warned of.
 """
 
 from __future__ import annotations
@@ -23,19 +26,22 @@ TIMEOUT_S = 2.0  # the loader's: a rank that waited for a frame would show in `t
 N = 8
 
 
-def _rank_breaks_at(rank: int, world: int, prefetch: int, breaks: tuple[int, int]) -> dict:
-    mine, both = breaks[rank], min(breaks)
-    source = ({"i": torch.tensor([i])} for i in range(N)) if rank == 0 else None
+def _rank_leaves_at(
+    rank: int, world: int, prefetch: int, leaves: tuple[int, int], how: str
+) -> dict[str, Any]:
+    mine, both = leaves[rank], min(leaves)
+    source = [{"i": torch.tensor([i])} for i in range(N)] if rank == 0 else None
     loader = tc.BroadcastingDataLoader(
         source, group=dist.group.WORLD, src=0, prefetch=prefetch, timeout=TIMEOUT_S
     )
-    out: dict[str, Any] = {"loop": None, "warned": [], "next": None}
+    out: dict[str, Any] = {"loop": None, "close": None, "next": None}
     got: list[int] = []
     started = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        it = iter(loader)
         try:
-            for b in loader:
+            for b in it:
                 got.append(int(b["i"]))
                 started = time.monotonic()  # `took` counts from the last batch handed out
                 if len(got) <= both:  # the model's step; a rank that goes on alone has none
@@ -44,53 +50,70 @@ def _rank_breaks_at(rank: int, world: int, prefetch: int, breaks: tuple[int, int
                     break
         except tc.TensorcastError as e:
             out["loop"] = type(e).__name__
-        out["warned"] = [str(w.message) for w in caught if "left pass" in str(w.message)]
-    try:
-        next(iter(loader))
-        out["next"] = "ok"
-    except tc.TensorcastError as e:
-        out["next"] = type(e).__name__
-        out["message"] = str(e)
+        if how == "close":
+            try:
+                it.close()
+            except tc.TensorcastError as e:
+                out["close"] = type(e).__name__
+        del it
+        # The next uses: whole passes, until one fails (the peer aborted its channel).
+        deadline = time.monotonic() + TIMEOUT_S + 3
+        while out["next"] is None and time.monotonic() < deadline:
+            try:
+                list(loader)
+            except tc.TensorcastError as e:
+                out["next"] = type(e).__name__
+                out["message"] = str(e)
+            time.sleep(0.05)
+        out["warned"] = [str(w.message) for w in caught]
     out["took"] = time.monotonic() - started
     out["got"] = got
     dist.destroy_process_group()  # tensorcast's group was aborted: the next call starts anew
     return out
 
 
+def _desync_seen(rank: dict[str, Any]) -> bool:
+    """Whether the rank was told that the ranks left the pass after different batches."""
+    return "DesyncError" in (rank["loop"], rank["close"], rank["next"]) or (
+        rank["next"] == "PeerError" and "DesyncError" in rank.get("message", "")
+    )
+
+
+@pytest.mark.parametrize("how", ["break", "close"])
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_receiver_breaking_later_fails_loudly(pool2: Any, prefetch: int) -> None:
-    """The source breaks after 2 batches, its receiver after 3."""
-    source, receiver = pool2.run(_rank_breaks_at, prefetch, (2, 3), timeout=60)
+def test_receiver_leaving_later_fails_loudly(pool2: Any, prefetch: int, how: str) -> None:
+    """The source leaves after 2 batches, its receiver after 3."""
+    source, receiver = pool2.run(_rank_leaves_at, prefetch, (2, 3), how, timeout=60)
     assert source["got"] == [0, 1] and receiver["got"][:2] == [0, 1]
-    # The receiver asks for a step the source closed the pass at: DesyncError at once,
-    # inside its loop (prefetch 0) or when its pass is closed, warned of and raised again.
-    if receiver["loop"] is None:
-        assert receiver["warned"] and "after different batches" in receiver["warned"][0]
-        assert receiver["next"] == "DesyncError"
-    else:
-        assert receiver["loop"] == "DesyncError"
+    # The receiver asked for a step the source never sent: the next frame it gets is
+    # another one (the source's CLOSE, or its next pass's first), a DesyncError at once.
+    assert _desync_seen(receiver), receiver
     assert receiver["took"] < TIMEOUT_S, receiver  # it waited for no frame that never comes
-    # The source left normally; its next use fails within its timeout (its receiver is gone).
-    assert source["next"] in ("PeerError", "DesyncError")
-    assert source["took"] < TIMEOUT_S + 2, source
+    # The source left normally; a later use fails within its timeout (its receiver is gone).
+    assert source["next"] in ("PeerError", "DesyncError"), source
+    assert source["took"] < TIMEOUT_S + 3, source
+    assert source["warned"] == receiver["warned"] == [], "nothing is warned of"
 
 
+@pytest.mark.parametrize("how", ["break", "close"])
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_receiver_breaking_earlier_fails_loudly(pool2: Any, prefetch: int) -> None:
-    """The source breaks after 3 batches, its receiver after 2."""
-    source, receiver = pool2.run(_rank_breaks_at, prefetch, (3, 2), timeout=60)
+def test_receiver_leaving_earlier_fails_loudly(pool2: Any, prefetch: int, how: str) -> None:
+    """The source leaves after 3 batches, its receiver after 2."""
+    source, receiver = pool2.run(_rank_leaves_at, prefetch, (3, 2), how, timeout=60)
     assert source["got"] == [0, 1, 2] and receiver["got"] == [0, 1]
-    # The receiver is handed a batch where the source's close was due.
-    assert receiver["warned"] and "after different batches" in receiver["warned"][0]
-    assert receiver["next"] == "DesyncError"
-    # The source, sending to a receiver that aborted, fails in its close or its loop.
-    assert source["loop"] == "PeerError" or source["warned"], source
-    assert source["next"] in ("PeerError", "DesyncError")
+    # The receiver is handed a frame of the source's old pass where its close or its next
+    # pass was due.
+    assert _desync_seen(receiver), receiver
+    if how == "close":
+        assert receiver["close"] == "DesyncError", receiver
+    # The source, sending to a receiver that aborted, fails at a later use.
+    assert source["next"] in ("PeerError", "DesyncError"), source
     for rank in (source, receiver):
-        assert rank["took"] < TIMEOUT_S + 2, rank
+        assert rank["took"] < TIMEOUT_S + 3, rank
+    assert source["warned"] == receiver["warned"] == [], "nothing is warned of"
 
 
-def _rank_same_break(rank: int, world: int, prefetch: int) -> tuple[list[int], list[str]]:
+def _rank_same_leave(rank: int, world: int, prefetch: int, how: str) -> tuple[list[int], list[str]]:
     source = [{"i": torch.tensor([i])} for i in range(N)] if rank == 0 else None
     loader = tc.BroadcastingDataLoader(
         source, group=dist.group.WORLD, src=0, prefetch=prefetch, timeout=TIMEOUT_S
@@ -100,17 +123,22 @@ def _rank_same_break(rank: int, world: int, prefetch: int) -> tuple[list[int], l
         warnings.simplefilter("always")
         for stop in range(3):  # three passes, each left after batch `stop` on every rank
             last = -1
-            for n, b in enumerate(loader):
+            it = iter(loader)
+            for n, b in enumerate(it):
                 dist.all_reduce(torch.ones(1))
                 last = int(b["i"])
                 if n == stop:
                     break
+            if how == "close":
+                it.close()
+            del it
             out.append(last)
         out.append(len(list(loader)))  # and a whole pass after them
     return out, [str(w.message) for w in caught]
 
 
-def test_the_same_break_on_every_rank_is_quiet(pool2: Any) -> None:
+@pytest.mark.parametrize("how", ["break", "close"])
+def test_the_same_leave_on_every_rank_is_quiet(pool2: Any, how: str) -> None:
     for prefetch in (0, 2):
-        for got, caught in pool2.run(_rank_same_break, prefetch, timeout=60):
+        for got, caught in pool2.run(_rank_same_leave, prefetch, how, timeout=60):
             assert got == [0, 1, 2, N] and not caught

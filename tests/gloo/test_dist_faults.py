@@ -550,9 +550,10 @@ def _integrity(rank: int, world: int, tap: WireTap) -> dict[str, Any]:
 
 @in_a_new_process_group
 def _out_of_step(rank: int, world: int) -> dict[str, Any]:
-    """A loader restarted on one rank mid-epoch: the receiver, closing its pass early, is
-    handed a batch of the source's pass where the source's close was due (NOTE [ An early
-    close ]): DesyncError at once, and its channel refuses any further use."""
+    """A loader restarted on one rank mid-epoch: the receiver's new pass is handed a frame
+    of the source's old one where its own first frame was due (each frame carries its
+    pass and step, NOTE [ Where a pass ends ]): DesyncError at once, and its channel
+    refuses any further use."""
     out: dict[str, Any] = {}
     source = _Passes([[lambda s=s: good_batch(1, s) for s in range(4)]]) if rank == 0 else None
     loader = tc.BroadcastingDataLoader(
@@ -566,10 +567,11 @@ def _out_of_step(rank: int, world: int) -> dict[str, Any]:
     else:
         start = time.monotonic()
         with pytest.raises(tc.DesyncError) as info:
-            iter(loader)  # this rank starts pass 2 while the source is in pass 1
+            next(iter(loader))  # this rank starts pass 2 while the source is in pass 1
         assert time.monotonic() - start < TIMEOUT + MARGIN
         msg = str(info.value)
-        assert "pass 1" in msg and "closed the pass at step 3" in msg and "went on" in msg, msg
+        assert "expected channel" in msg and "pass 2 step 0" in msg, msg
+        assert "pass 1 step 3" in msg and "after different batches" in msg, msg
         out["restart"] = msg
         start = time.monotonic()
         with pytest.raises(tc.PeerError, match="failed earlier") as info:

@@ -354,12 +354,15 @@ def _rank_no_leak_and_break(rank: int, world: int) -> dict[str, int]:
 
 def test_loaders_built_per_epoch_leak_no_thread_or_group(pool2: Any) -> None:
     for r in pool2.run(_rank_no_leak_and_break, timeout=TIMEOUT):
-        assert r["threads"] <= 2 and r["groups"] == 1 and r["sum"] == 2, r
+        # At most one world's threads, whatever the number of loaders: its watch, the
+        # source's heartbeat, and the lane's worker (the steps the breaks left run on it).
+        assert r["threads"] <= 3 and r["groups"] == 1 and r["sum"] == 2, r
 
 
 @tapped
 def _rank_deferred_failure(rank: int, world: int, tap: WireTap) -> str:
-    """A step left pending by a break fails: the next use of the loader says so."""
+    """A step left queued by a break fails (it runs after the break: NOTE [ Where a pass
+    ends ]): the loader's next use says so, on every rank, naming the failure."""
     calls = [0]
 
     def payload(wire: Any, tensor: Any, root: int) -> None:
@@ -377,15 +380,21 @@ def _rank_deferred_failure(rank: int, world: int, tap: WireTap) -> str:
         )
         for step, _ in enumerate(loader):
             if step == 0:
-                break  # steps 1 and 2 are still owed; step 2's payload fails on rank 1
-        with pytest.raises(tc.PeerError) as info:
-            iter(loader)
-        return str(info.value)
+                break  # steps 1 and 2 are still queued; step 2's payload fails on rank 1
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:  # the source learns at a send to the aborted peer
+            try:
+                list(loader)
+            except tc.PeerError as e:
+                return str(e)
+            time.sleep(0.05)
+        raise AssertionError("the failure after the break was never raised")
 
 
 def test_a_failure_after_a_break_is_raised_not_swallowed(pool2: Any) -> None:
-    for r in pool2.run(_rank_deferred_failure, timeout=TIMEOUT):
-        assert "sending a frame failed" in r or "failed" in r, r
+    source, receiver = pool2.run(_rank_deferred_failure, timeout=TIMEOUT)
+    assert "connection reset by peer (injected)" in receiver, receiver
+    assert "failed" in source, source
 
 
 class Counter:

@@ -63,7 +63,8 @@ def _pass(rank: int, prefetch: int, work: float, log_every: int | None) -> dict[
         "stall": s.stall.median,
         "stall_max": s.stall.max,
         "source": s.source.median,
-        "wire": s.wire.median,
+        "wait": s.wait_for_source.median,
+        "transfer": s.transfer.median,
         "share": s.stall_share,
         "recent_steps": s.recent.steps if s.recent else -1,
         "recent_bytes": s.recent.bytes if s.recent else -1,
@@ -100,6 +101,12 @@ def test_stall_shows_the_source_and_hides_under_prefetch(pool2) -> None:
     source = results[0]
     assert source["slow"]["source"] >= 0.8 * PULL and source["hidden"]["source"] >= 0.8 * PULL
     assert results[1]["slow"]["source"] == 0.0  # receivers do not call next(source)
+    # A receiver's wait for the source's next(source) is its own field, not the transfer's:
+    # a 1 kB batch takes about 20 ms to come, and a fraction of a millisecond to move.
+    receiver = results[1]["slow"]
+    assert receiver["wait"] >= 0.8 * PULL, receiver
+    assert receiver["transfer"] < PULL / 4, receiver
+    assert source["slow"]["wait"] == 0.0, source["slow"]  # the source waits for no one's batch
     assert results[0]["slow"]["bytes"] == results[1]["slow"]["bytes"]
     # log_every=4: two lines on the source rank, none on the receiver
     assert len(source["lines"]) == 2 and "step 4: data stall" in source["lines"][0]

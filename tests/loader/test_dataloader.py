@@ -77,6 +77,28 @@ def test_bad_arguments() -> None:
             tc.BroadcastingDataLoader([], prefetch=prefetch)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="src"):
         tc.BroadcastingDataLoader([], src=0)
+    for align in (0, 3, 48, 1 << 17, 64.0, "64"):
+        with pytest.raises(ValueError) as packed:
+            tc.pack({"x": torch.ones(2)}, align=align)  # type: ignore[arg-type]
+        with pytest.raises(ValueError) as loaded:
+            tc.BroadcastingDataLoader([], align=align)  # type: ignore[arg-type]
+        assert str(loaded.value) == str(packed.value), "the same check as tc.pack's"
+
+
+def test_a_no_op_loader_gives_independent_passes_and_refuses_a_mid_pass_load() -> None:
+    """The rules of a pass hold without a process group too: ``zip(loader, loader)`` yields
+    pairs, and ``load_state_dict()`` while a pass is open raises, saying to call it before
+    ``iter()``."""
+    pairs = list(zip(*[tc.BroadcastingDataLoader([batch(i) for i in range(N)])] * 2))
+    assert [(a["name"], b["name"]) for a, b in pairs] == [(f"b{i}", f"b{i}") for i in range(N)]
+    loader = tc.BroadcastingDataLoader(Stateful(N))
+    it = iter(loader)
+    next(it)
+    with pytest.raises(RuntimeError, match=r"Call load_state_dict\(\) before iter\(\)"):
+        loader.load_state_dict({"pos": 0})
+    del it  # dropped: no pass is open any more
+    loader.load_state_dict({"pos": 4})
+    assert_same(list(loader), [batch(4), batch(5)], "resumed after a dropped pass")
 
 
 def test_stateless_source_warns_once_without_a_process_group() -> None:

@@ -4,14 +4,18 @@ group: the jobs are plain functions."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
 from tensorcast import PeerError
+from tensorcast.transport import exits as _exits
 from tensorcast.transport.lane import Job, Lane
 
 T = TypeVar("T")
@@ -156,3 +160,136 @@ def test_a_job_left_queued_by_an_interrupted_thread_start_runs_once_settled(
         time.sleep(0.01)
     assert queued.result() == 42
     assert calls == ["tensorcast-lane-0-1", "tensorcast-lane-0-1"]
+
+
+def test_breaking_a_lane_whose_abort_blocks_returns_and_raises_peer_error() -> None:
+    """An NCCL abort can block (NVIDIA/nccl #829, #549). Breaking the lane marks it first,
+    runs the abort on a thread of its own and waits for it a bounded time, so the thread
+    that broke it goes on, and the jobs queued behind fail with ``PeerError``."""
+    release = threading.Event()
+    aborted_on: list[str] = []
+
+    def abort() -> None:
+        aborted_on.append(threading.current_thread().name)
+        release.wait(30)
+
+    lane = Lane("0-1", abort, idle_exit_s=0.2, abort_wait_s=0.2)
+    started = time.monotonic()
+    lane.break_(RuntimeError("a payload failed"))
+    assert time.monotonic() - started < 5, "break_ waited for the abort"
+    assert aborted_on == ["tensorcast-abort-0-1"]
+    with pytest.raises(PeerError, match="a payload failed"):
+        lane.check()
+    lane.break_(RuntimeError("again"))  # the first cause wins; one abort
+    assert len(aborted_on) == 1
+    release.set()
+
+
+def test_a_deadline_break_on_the_worker_goes_on_to_the_queued_jobs() -> None:
+    """The worker breaks a lane whose device work is past its deadline; with an abort
+    that blocks, it still runs the jobs queued behind, which raise ``PeerError``."""
+    from tensorcast.transport.testing import FakeStreams
+
+    release = threading.Event()
+    lane = Lane("0-1", lambda: release.wait(30), idle_exit_s=0.2, abort_wait_s=0.2)
+    streams = FakeStreams()
+    streams.hold = True  # never done: a dead peer
+    lane.inflight.add(streams, streams.record(), None, 0.1)
+    started = time.monotonic()
+    while lane.broken is None:
+        assert time.monotonic() - started < 5, "the deadline did not break the lane"
+        time.sleep(0.01)
+    job = _queued(lane, lane.check)
+    with pytest.raises(PeerError, match="deadline"):
+        job.result()
+    assert time.monotonic() - started < 5
+    release.set()
+
+
+# -- interpreter exit (NOTE [ Interpreter exit ] in tensorcast.transport.exits) ------------------
+
+
+def test_at_exit_a_lane_drops_its_queue_and_its_worker_ends_after_the_running_job() -> None:
+    lane, _ = _lane()
+    gate, ran = threading.Event(), []
+    running = _queued(lane, lambda: gate.wait(5) and ran.append("running"))
+    queued = [_queued(lane, lambda k=k: ran.append(k)) for k in range(3)]
+    deadline = time.monotonic() + 5
+    while len(lane._jobs) == 4:  # until the worker has taken the first job
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    waiter = lane.stop_at_exit()
+    assert waiter.thread is not None and waiter.thread.is_alive()
+    for job in queued:  # withdrawn, locally: whoever waits is told, nothing ran
+        with pytest.raises(RuntimeError, match="interpreter exited before this job ran"):
+            job.result()
+    gate.set()
+    waiter.thread.join(5)
+    assert not waiter.thread.is_alive(), "the worker leaves once its running job ends"
+    assert running.result() is None and ran == ["running"]
+
+
+def test_once_the_exit_hook_ran_no_job_is_queued_or_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the exit hook (or once the interpreter is finalizing) a lane refuses every
+    job, inline or queued, and starts no thread: a finaliser or an atexit hook that called
+    tensorcast then fails loudly instead of waiting on exiting peers."""
+    lane, _ = _lane()
+    _started(lane, lambda: 1).result()
+    submitted = lane.submitted
+    threads = threading.active_count()
+    monkeypatch.setitem(_exits._state, "ran", True)
+    for call in (
+        lambda: lane.enqueue(Job(lambda: 1)),
+        lambda: lane.start(Job(lambda: 1), lambda: 0),
+        lambda: lane.run(lambda: 1, lambda: 0),
+        lambda: lane.settle([Job(lambda: 1)]),
+    ):
+        with pytest.raises(RuntimeError, match="the interpreter is exiting"):
+            call()
+    assert lane.submitted == submitted and threading.active_count() == threads
+
+
+#: A process whose lanes are busy when its script ends: one job running (3 s), more queued.
+#: An atexit hook registered before tensorcast's runs after it and tries to queue a job.
+EXIT_SCRIPT = r"""
+import atexit, sys, threading, time
+
+def late():
+    try:
+        lane.enqueue(Job(lambda: print("RAN AT EXIT", flush=True)))
+    except RuntimeError as e:
+        print("REFUSED", e, flush=True)
+    print("THREADS", sorted(t.name for t in threading.enumerate()), flush=True)
+
+atexit.register(late)  # before the first lane: runs after tensorcast's hook
+from tensorcast.transport.lane import Job, Lane
+
+lane = Lane("0-1", lambda: None)
+started = threading.Event()
+def running():
+    started.set()
+    time.sleep(3.0)
+    print("RUNNING JOB DONE", flush=True)
+lane.enqueue(Job(running))
+for k in range(3):
+    lane.enqueue(Job(lambda k=k: print("QUEUED JOB RAN", k, flush=True)))
+started.wait(5)
+print("END", time.monotonic(), flush=True)
+"""
+
+
+def test_at_exit_the_running_job_ends_the_queued_ones_never_run_and_nothing_is_queued(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(EXIT_SCRIPT)
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - started
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "RUNNING JOB DONE" in out and "QUEUED JOB RAN" not in out, out
+    assert "RAN AT EXIT" not in out and "REFUSED" in out, out
+    assert "tensorcast: at exit, waiting up to" in out, out  # said after WARN_AFTER_S
+    assert "tensorcast-lane" not in out.split("THREADS", 1)[1], out  # the worker was joined
+    assert took < 30, out

@@ -20,7 +20,7 @@ from trees import STEADY_STEPS, big_header, every_kind, payload_batch, steady_ba
 
 from tensorcast._errors import DesyncError, HeaderError, PeerError, SourceError
 from tensorcast.transport import frame as _frame
-from tensorcast.transport.frame import Kind
+from tensorcast.transport.frame import Kind, Stamp
 from tensorcast.transport.groups import Group
 from tensorcast.transport.lane import Lane
 from tensorcast.transport.receiver import END, Receiver
@@ -89,7 +89,8 @@ def test_inline_separate_and_spilled_frames_rebuild_and_grow_alike() -> None:
         kinds = [what for what, _ in src_wire.log]
         assert kinds == [["head"], ["head", "payload"], ["head", "head"], ["head"]][step]
         assert rgroup.capacity == sender.group.capacity
-        assert sender.step == receiver.step == step + 1, "each role counts its frames"
+        assert sender.frames == receiver.frames == step + 1, "each role counts its frames"
+        assert sender.stamp.step == receiver.stamp.step == step + 1, "outside a pass: its own"
     assert rgroup.capacity > _frame.INITIAL_CAPACITY
 
 
@@ -130,7 +131,7 @@ def test_leaves_made_ahead_are_never_another_layouts_or_a_held_batchs(
 def test_end_and_error_frames_are_an_end_marker_and_a_source_error() -> None:
     sender, receiver, *_ = pair(channel_id=2)
     for role in (sender, receiver):
-        role.start_pass(1)
+        role.stamp = Stamp(1)
     got: list[Any] = []
 
     def receive() -> None:
@@ -146,18 +147,61 @@ def test_end_and_error_frames_are_an_end_marker_and_a_source_error() -> None:
     t.join(20)
     assert got[0] is END
     assert str(got[1]) == "source rank 0 reported: source iterator failed: ValueError: shard 3"
-    assert sender.step == receiver.step == 2, "both frames counted on both sides"
+    assert sender.frames == receiver.frames == 2, "both frames counted on both sides"
     assert receiver.group.lane.broken is None, "a source's failure is no broken lane"
 
 
 def test_a_frame_of_another_step_is_a_desync_that_breaks_the_lane() -> None:
     sender, receiver, _, rwire, rgroup = pair(channel_id=7)
-    receiver.step = 1  # a receiver that took one frame more than the source sent
+    receiver.stamp.step = 1  # a receiver that took one frame more than the source sent
     with pytest.raises(DesyncError, match="expected channel 0x7 pass 0 step 1"):
         transfer(sender, receiver, {"x": torch.ones(2)})
     assert rgroup.lane.broken is not None and rwire.aborted
     with pytest.raises(PeerError, match="failed earlier"):
         rgroup.lane.check()
+
+
+def test_frames_of_interleaved_passes_carry_their_own_pass_and_step() -> None:
+    """Two passes of one channel, their frames interleaved: each frame carries its own
+    pass's number and step, and the role's count of frames only grows."""
+    sender, receiver, *_ = pair(channel_id=3)
+    sends = [Stamp(1), Stamp(2)]
+    expects = [Stamp(1), Stamp(2)]
+    got: list[Any] = []
+
+    def receive() -> None:
+        for k in (0, 1, 1, 0, 1):
+            got.append(int(receiver.recv(None, TIMEOUT, expects[k])["k"]))
+
+    t = threading.Thread(target=receive)
+    t.start()
+    for k in (0, 1, 1, 0, 1):
+        sender.send_batch({"k": torch.tensor([k])}, None, TIMEOUT, sends[k])
+    t.join(20)
+    assert got == [0, 1, 1, 0, 1]
+    assert [(s.step, e.step) for s, e in zip(sends, expects)] == [(2, 2), (3, 3)]
+    assert sender.frames == receiver.frames == 5
+    assert sender.stamp.step == receiver.stamp.step == 0, "the roles' own stamps unused"
+
+
+def test_a_frame_of_another_pass_is_a_desync() -> None:
+    sender, receiver, _, _, rgroup = pair(channel_id=3)
+    got: list[Any] = []
+
+    def receive() -> None:
+        try:
+            receiver.recv(None, TIMEOUT, Stamp(1))
+        except BaseException as e:
+            got.append(e)
+
+    t = threading.Thread(target=receive)
+    t.start()
+    sender.send_batch({"x": torch.ones(2)}, None, TIMEOUT, Stamp(2))
+    t.join(20)
+    assert isinstance(got[0], DesyncError)
+    message = str(got[0])
+    assert "expected channel 0x3 pass 1 step 0" in message and "got channel 0x3 pass 2" in message
+    assert rgroup.lane.broken is not None
 
 
 def test_a_corrupted_payload_fails_its_step_only() -> None:
@@ -167,7 +211,7 @@ def test_a_corrupted_payload_fails_its_step_only() -> None:
     with pytest.raises(HeaderError, match="CRC32"):
         transfer(sender, receiver, big)
     assert rgroup.lane.broken is None  # the frame was read whole: the stream is in step
-    assert receiver.step == 1, "the refused frame was this step's"
+    assert receiver.frames == receiver.stamp.step == 1, "the refused frame was this step's"
     _, got = transfer(sender, receiver, big)
     assert torch.equal(got["a"], big["a"])
 
@@ -222,7 +266,7 @@ def test_first_messages_carry_no_stale_bytes() -> None:
     for name, tree in frames:  # batch after batch
         sender.send_batch(tree, None, TIMEOUT)
         sent.append(name)
-    sender.start_pass(1)
+    sender.stamp = Stamp(1)
     for step, (name, tree) in enumerate(frames):  # with the end of a pass, or a failure
         sender.send_batch(tree, None, TIMEOUT)
         sender.send_end(TIMEOUT)

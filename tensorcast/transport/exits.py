@@ -40,7 +40,7 @@ WARN_AFTER_S = 2.0
 
 _lock = threading.Lock()
 _owners: weakref.WeakSet[Stoppable] = weakref.WeakSet()  # a registry: see STYLE
-_state = {"registered": False, "ran": False}
+state = {"registered": False, "ran": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,20 +64,20 @@ def register(owner: Stoppable) -> None:
     """Stop ``owner``'s thread at interpreter exit (NOTE [ Interpreter exit ])."""
     with _lock:
         _owners.add(owner)
-        if not _state["registered"]:
-            _state["registered"] = True
+        if not state["registered"]:
+            state["registered"] = True
             atexit.register(_at_exit)
 
 
 def exiting() -> bool:
     """Whether the exit hook ran, or the interpreter is finalizing."""
-    return _state["ran"] or sys.is_finalizing()
+    return state["ran"] or sys.is_finalizing()
 
 
 def refuse(ranks: str) -> None:
     """Raise ``RuntimeError`` once the interpreter exits: a job queued or run then, on
     tensorcast's group over ``ranks``, would wait on peers that are exiting too."""
-    if _state["ran"] or sys.is_finalizing():
+    if state["ran"] or sys.is_finalizing():
         raise RuntimeError(
             f"tensorcast: no transfer starts on its group over ranks {ranks} any more: the "
             f"interpreter is exiting. A loader's next() or tensorcast.broadcast was called "
@@ -88,7 +88,7 @@ def refuse(ranks: str) -> None:
 
 def _at_exit() -> None:
     with _lock:
-        _state["ran"] = True
+        state["ran"] = True
         owners = list(_owners)
     waiters = [owner.stop_at_exit() for owner in owners]
     del owners

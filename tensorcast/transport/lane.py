@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -174,7 +175,8 @@ class Lane:
             self._queue(job)
 
     def _queue(self, job: Job[Any]) -> None:  # under the lock
-        _exits.refuse(self.name)  # no job once the interpreter exits
+        if _exits.state["ran"] or sys.is_finalizing():  # no job once the interpreter exits
+            _exits.refuse(self.name)
         self._jobs.append(job)
         self.submitted += 1
         self._start_worker()
@@ -207,7 +209,8 @@ class Lane:
     def _start_worker(self) -> None:  # under the lock
         self._cond.notify()
         if self._worker is None:
-            _exits.refuse(self.name)
+            if _exits.state["ran"] or sys.is_finalizing():
+                _exits.refuse(self.name)
             # Recorded once started: an interrupt inside start() leaves None, and the next
             # job starts another. Two workers still run one job at a time, in order.
             worker = threading.Thread(
@@ -292,7 +295,8 @@ class Lane:
         if me == self._inline or me == self._worker_id:
             self._not_from_a_job()
         with self._lock:
-            _exits.refuse(self.name)
+            if _exits.state["ran"] or sys.is_finalizing():
+                _exits.refuse(self.name)
             inline = not self._jobs and not self._running
             if inline:
                 self.submitted += 1

@@ -237,7 +237,7 @@ def test_once_the_exit_hook_ran_no_job_is_queued_or_run(monkeypatch: pytest.Monk
     _started(lane, lambda: 1).result()
     submitted = lane.submitted
     threads = threading.active_count()
-    monkeypatch.setitem(_exits._state, "ran", True)
+    monkeypatch.setitem(_exits.state, "ran", True)
     for call in (
         lambda: lane.enqueue(Job(lambda: 1)),
         lambda: lane.start(Job(lambda: 1), lambda: 0),

@@ -26,7 +26,7 @@ import tempfile
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,3 +222,19 @@ class RankPool:
         for p in self._procs:
             p.join(10)
         self._kill()
+
+
+@contextlib.contextmanager
+def may_start_workers() -> Iterator[None]:
+    """Let this pool rank start DataLoader workers.
+
+    The pool's ranks are daemonic processes, and multiprocessing refuses children to a
+    daemon. The workers never outlive the loaders that start them here.
+    """
+    config = mp.current_process()._config  # type: ignore[attr-defined]
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = daemon

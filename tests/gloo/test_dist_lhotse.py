@@ -9,11 +9,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import hashlib
 import io
-import multiprocessing as mp
 import struct
 import time
 from collections.abc import Iterator
@@ -30,7 +28,7 @@ from lhotse.cut import Cut
 from lhotse.dataset import DynamicBucketingSampler, K2SpeechRecognitionDataset
 from lhotse.dataset.collation import collate_audio, collate_vectors
 from lhotse.dataset.input_strategies import AudioSamples
-from rankpool import RankPool
+from rankpool import RankPool, may_start_workers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
 
@@ -228,24 +226,8 @@ def _checkpoint(state: dict[str, Any]) -> dict[str, Any]:
     return torch.load(out, weights_only=True)  # type: ignore[no-any-return]
 
 
-@contextlib.contextmanager
-def _may_start_workers() -> Iterator[None]:
-    """Let this pool rank start DataLoader workers.
-
-    The pool's ranks are daemonic processes, and multiprocessing refuses children to a
-    daemon. The workers never outlive the loaders that start them here.
-    """
-    config = mp.current_process()._config  # type: ignore[attr-defined]
-    daemon = config.get("daemon")
-    config["daemon"] = False
-    try:
-        yield
-    finally:
-        config["daemon"] = daemon
-
-
 def _resume(rank: int, world: int, kind: str, stop_after: int, save_s: float) -> dict[str, Any]:
-    with _may_start_workers():
+    with may_start_workers():
         return _resume_pass(kind, stop_after, save_s)
 
 

@@ -9,10 +9,7 @@ padding did not travel (fewer bytes than with ``trim=False``).
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import multiprocessing as mp
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +22,7 @@ from lhotse.cut import Cut
 from lhotse.dataset import K2SpeechRecognitionDataset, SimpleCutSampler
 from lhotse.dataset.collation import collate_audio
 from lhotse.dataset.input_strategies import AudioSamples
-from rankpool import RankPool
+from rankpool import RankPool, may_start_workers
 from torch.utils.data import DataLoader
 
 import tensorcast as tc
@@ -90,19 +87,6 @@ def _audio_source(root: str, workers: int, collate: Any) -> DataLoader[Any]:
 SOURCES = {"k2": _k2_source, "collate_audio": _audio_source}
 
 
-@contextlib.contextmanager
-def _may_start_workers() -> Iterator[None]:
-    """Let this pool rank (a daemonic process) start DataLoader workers; they never
-    outlive the loaders that start them here."""
-    config = mp.current_process()._config  # type: ignore[attr-defined]
-    daemon = config.get("daemon")
-    config["daemon"] = False
-    try:
-        yield
-    finally:
-        config["daemon"] = daemon
-
-
 def _pipeline(rank: int, world: int, root: str, kind: str) -> dict[str, Any]:
     """Every rank: the expected batches built here (no workers, no packing), then the
     pipeline through the loader with trim on and off, checked batch by batch."""
@@ -112,7 +96,7 @@ def _pipeline(rank: int, world: int, root: str, kind: str) -> dict[str, Any]:
     for batch in want:
         leaves = [batch["inputs"]] if kind == "k2" else [batch["audio"], batch["audio_lens"]]
         out["tensor_bytes"] += sum(t.nbytes for t in leaves)
-    with _may_start_workers():
+    with may_start_workers():
         for trim in (True, False):
             packed = tc.packed_collate(None if kind == "k2" else collate_cuts, trim=trim)
             source = SOURCES[kind](root, 2, packed) if rank == 0 else None

@@ -15,13 +15,10 @@ for the whole session: the dim names used here are used nowhere else.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import multiprocessing as mp
 import os
 import time
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,7 +26,7 @@ import torch
 import torch.distributed as dist
 from lhotse import CutSet
 from lhotse.dataset import DynamicBucketingSampler
-from rankpool import RankPool
+from rankpool import RankPool, may_start_workers
 from test_dist_lhotse import corpus, digest
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, Dataset
@@ -156,18 +153,6 @@ class CutBatches(Dataset[dict[str, Any]]):
         return {"lens": lens, "ids": [c.id for c in cuts], "cuts": cuts}
 
 
-@contextlib.contextmanager
-def _may_start_workers() -> Iterator[None]:
-    """The pool's ranks are daemons, which may not start DataLoader workers otherwise."""
-    config = mp.current_process()._config  # type: ignore[attr-defined]
-    daemon = config.get("daemon")
-    config["daemon"] = False
-    try:
-        yield
-    finally:
-        config["daemon"] = daemon
-
-
 def _sampler() -> DynamicBucketingSampler:
     return DynamicBucketingSampler(
         corpus(16, seed=5),
@@ -185,7 +170,7 @@ def _rank_workers_and_collate(rank: int, world: int) -> dict[str, Any]:
     tp = mesh.get_group("tp")
     is_source = tc.is_dp_source_rank(mesh)
     out: dict[str, Any] = {}
-    with _may_start_workers():
+    with may_start_workers():
         plain = [digest(b) for b in DataLoader(CutBatches(), sampler=_sampler(), batch_size=None)]
         for workers in (0, 2):
             source = DataLoader(

@@ -79,4 +79,3 @@ def same(a: Any, b: Any, where: str = "x") -> None:
             same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
-

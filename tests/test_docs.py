@@ -34,7 +34,11 @@ from subprocs import LAUNCHER_ENV, run_killable
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TIMEOUT = 180.0
-OPTIONAL = ("lhotse", "lightning", "torchdata")  # extras: a block that imports one needs it installed
+OPTIONAL = (
+    "lhotse",
+    "lightning",
+    "torchdata",
+)  # extras: a block that imports one needs it installed
 _FENCE = re.compile(r"^```python\s*$")
 _MARK = re.compile(r"^<!--\s*doc-test:\s*(?P<body>.*?)\s*-->\s*$")
 _RANKS = re.compile(r"^(?P<kind>ranks|torchrun)=(?P<n>\d+)$")

@@ -21,7 +21,8 @@ grammar ] below is the grammar of its tokens and values.
 ``lhotse_cuts`` the types that travel as containers. Nothing in this package imports the
 transport or the loader, and they import this face alone, never an inner module (``make
 lint`` checks both): an :class:`Encoder` and the :class:`Encoded` batches it makes on the
-source, :func:`decode` and the :class:`Decoded` header it returns on the receivers.
+source, :func:`decode` and the :class:`Decoded` header it returns on the receivers
+(and a :class:`Repad`, a trimmed leaf's re-pad the transport runs where it pays).
 """
 
 # NOTE [ The token and value grammar ]
@@ -63,7 +64,7 @@ from tensorcast.codec.build import Decoded
 from tensorcast.codec.encode import Encoded, Encoder
 from tensorcast.codec.packed import Packed, resolve_device, unpack
 from tensorcast.codec.schema import FORMAT_VERSION, MAX_HEADER_BYTES, PREFIX_BYTES, decode
-from tensorcast.codec.views import KeepsViews
+from tensorcast.codec.views import KeepsViews, Repad
 
 __all__ = [
     "FORMAT_VERSION",
@@ -74,6 +75,7 @@ __all__ = [
     "Encoder",
     "KeepsViews",
     "Packed",
+    "Repad",
     "decode",
     "resolve_device",
     "unpack",

@@ -24,7 +24,14 @@ from tensorcast._errors import HeaderError
 from tensorcast.codec import registry as _registry
 from tensorcast.codec.dtypes import NUMPY_CODES
 from tensorcast.codec.paths import Path, render_path
-from tensorcast.codec.views import KeepsViews, ReusesOutputs, ViewSpec, host_block, leaf_views
+from tensorcast.codec.views import (
+    KeepsViews,
+    Repad,
+    ReusesOutputs,
+    ViewSpec,
+    host_block,
+    leaf_views,
+)
 
 if TYPE_CHECKING:
     from tensorcast.codec.schema import Structure
@@ -130,6 +137,7 @@ class Decoded:
         kept: KeepsViews | None = None,
         host: torch.Tensor | None = None,
         outputs: ReusesOutputs | None = None,
+        later: list[Repad] | None = None,
     ) -> Any:
         """The tree, its leaves viewing ``buffer`` (numpy leaves: CPU views of it), but
         for trimmed leaves: rebuilt on ``buffer``'s device (arrays on the CPU).
@@ -142,6 +150,8 @@ class Decoded:
                 when ``buffer`` is on a GPU: they are then read from it, not copied back.
             outputs: where trimmed leaves are rebuilt into, reused once the caller let
                 go of the last ones (:class:`ReusesOutputs`); default fresh memory.
+            later: where the trimmed leaves' re-pads are left to run before the tree is
+                read, their memory taken (``codec.views.untrimmed``); default: run now.
 
         Raises:
             HeaderError: the tokens or the small values are not a valid tree.
@@ -151,7 +161,9 @@ class Decoded:
         if program is None or consts is None:
             program, consts = self.compiled()
         spec = structure.view_spec or self._view_spec()
-        leaves = leaf_views(spec, len(structure.leaves), buffer, kept, host, self.trims, outputs)
+        leaves = leaf_views(
+            spec, len(structure.leaves), buffer, kept, host, self.trims, outputs, later
+        )
         return run(program, leaves, consts)
 
     def host_block(self, buffer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from tensorcast.codec import trim as _trim
 from tensorcast.codec.build import run
 from tensorcast.codec.flatten import BufferLeaf, flatten
 from tensorcast.codec.layout import DEFAULT_ALIGN, KIND, Layout, lay_out
-from tensorcast.codec.views import KeepsViews, ReusesOutputs, leaf_views, untrimmed
+from tensorcast.codec.views import KeepsViews, Repad, ReusesOutputs, leaf_views, untrimmed
 
 __all__ = ["Encoded", "Encoder", "encode"]
 
@@ -126,15 +126,18 @@ class Encoded:
         buffer: torch.Tensor,
         kept: KeepsViews | None = None,
         outputs: ReusesOutputs | None = None,
+        later: list[Repad] | None = None,
     ) -> Any:
         """Write the batch into ``buffer`` and return its tree as the receivers rebuild
         it: leaves that view ``buffer`` (fresh tensors on views ``kept`` keeps, when
         ``buffer`` came from there), plain tensors even for leaves that require grad;
-        trimmed leaves rebuilt from ``buffer`` (into ``outputs``' memory, if given)."""
+        trimmed leaves rebuilt from ``buffer`` (into ``outputs``' memory, if given; with
+        ``later``, their re-pads are left in it to run, as ``codec.views.untrimmed``
+        says)."""
         spec = self.layout.write_spec
         with torch.no_grad():  # copies of leaves that require grad stay out of autograd
             tensor_views = self.write(buffer, views=spec.kept_views(buffer, kept))
-        return self._tree(self._leaf_values(buffer, tensor_views, outputs))
+        return self._tree(self._leaf_values(buffer, tensor_views, outputs, later))
 
     def view_tree(self, buffer: torch.Tensor) -> Any:
         """The tree of a buffer this batch was written into (a copy of one, elsewhere)."""
@@ -154,12 +157,18 @@ class Encoded:
                 dst[pos : pos + n].view(src.dtype).reshape(src.shape)[...] = src
         return out[: spec.host_nbytes]
 
-    def device_tree(self, buffer: torch.Tensor, host: torch.Tensor | None) -> Any:
+    def device_tree(
+        self, buffer: torch.Tensor, host: torch.Tensor | None, later: list[Repad] | None = None
+    ) -> Any:
         """The tree of a device buffer this batch is (being) written into, read nowhere
         but on the device: tensor leaves view ``buffer``, the others come from ``host``,
-        its host block (:meth:`host_block`)."""
+        its host block (:meth:`host_block`); trimmed leaves' re-pads left in ``later``
+        when given (``codec.views.untrimmed``)."""
         spec = self.layout.read_spec()
-        return self._tree(leaf_views(spec, len(self.leaves), buffer, host=host, trims=self.trims))
+        values = leaf_views(
+            spec, len(self.leaves), buffer, host=host, trims=self.trims, later=later
+        )
+        return self._tree(values)
 
     def upload_others(self, buffer: torch.Tensor, host: torch.Tensor) -> None:
         """Copy the leaves that are not tensors from their host block (pinned) into their
@@ -177,6 +186,7 @@ class Encoded:
         buffer: torch.Tensor,
         tensor_views: list[torch.Tensor],
         outputs: ReusesOutputs | None = None,
+        later: list[Repad] | None = None,
     ) -> list[Any]:
         """The leaf values the receivers will see, built from what :meth:`write` returned."""
         spec = self.layout.write_spec
@@ -188,7 +198,8 @@ class Encoded:
         values = spec.placed(out, len(self.leaves))
         for i, (kind, code, shape, off, n) in spec.trimmed:
             stored = buffer[off : off + n]
-            values[i] = untrimmed(kind, code, shape, stored, self.trims[i], outputs, i)  # type: ignore[index]
+            trim = self.trims[i]  # type: ignore[index]
+            values[i] = untrimmed(kind, code, shape, stored, trim, outputs, i, later)
         host: np.ndarray | None = None
         for i, (kind, _code, shape, off, _n) in spec.others:
             data = self.leaves[i][3]

@@ -8,7 +8,9 @@ A trimmed leaf is no view: :func:`leaf_views` rebuilds it from its stored bytes
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Mapping, Sequence, Set
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -21,7 +23,15 @@ from tensorcast.codec.dtypes import CODE_ITEMSIZE, numpy_dtype, torch_dtype
 if TYPE_CHECKING:
     from tensorcast.codec.trim import Trim
 
-__all__ = ["KeepsViews", "ReusesOutputs", "ViewSpec", "host_block", "leaf_views", "untrimmed"]
+__all__ = [
+    "KeepsViews",
+    "Repad",
+    "ReusesOutputs",
+    "ViewSpec",
+    "host_block",
+    "leaf_views",
+    "untrimmed",
+]
 
 
 class KeepsViews(Protocol):
@@ -170,6 +180,7 @@ def leaf_views(
     host: torch.Tensor | None = None,
     trims: Mapping[int, Trim] | None = None,
     outputs: ReusesOutputs | None = None,
+    later: list[Repad] | None = None,
 ) -> list[Any]:
     """The ``count`` buffer leaves ``spec`` describes, as views into ``buffer`` (fresh
     tensors on views ``kept`` keeps, when it came from there).
@@ -179,7 +190,9 @@ def leaf_views(
     GPU travels with, so that they need no copy back from the device.
 
     Trimmed leaves (``trims``, by leaf index) are rebuilt from their stored bytes on
-    ``buffer``'s device (arrays on the CPU), into ``outputs``' memory when given.
+    ``buffer``'s device (arrays on the CPU), into ``outputs``' memory when given; with
+    ``later``, their memory is taken now and their re-pads appended to it, to be run
+    before the tree is read (see :func:`untrimmed`).
     """
     if buffer.storage_offset() % _MAX_ITEMSIZE:
         buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
@@ -191,7 +204,8 @@ def leaf_views(
         if trims is None:
             raise ValueError("a layout with trimmed leaves needs their side tables")
         for i, (kind, code, shape, off, n) in spec.trimmed:
-            values[i] = untrimmed(kind, code, shape, buffer[off : off + n], trims[i], outputs, i)
+            stored = buffer[off : off + n]
+            values[i] = untrimmed(kind, code, shape, stored, trims[i], outputs, i, later)
     if not spec.others:
         return values
     if host is not None:
@@ -222,16 +236,50 @@ def untrimmed(
     trim: Trim,
     outputs: ReusesOutputs | None,
     index: int,
+    later: list[Repad] | None = None,
 ) -> Any:
     """A trimmed leaf rebuilt from its ``stored`` prefixes: a tensor on their device (into
-    ``outputs``' memory on a host), an array on the CPU."""
+    ``outputs``' memory on a host), an array on the CPU.
+
+    With ``later``, only its memory is taken now: the re-pad, a write of the whole leaf,
+    is appended to ``later`` for the caller to run before anyone reads the leaf (a
+    source runs it while its payload is on the wire). Its sizes were checked when the
+    side table was made or validated, so running it cannot fail on them.
+    """
     shape = tuple(shape)
+    result: Any
     if kind == "ndarray":
         out = torch.from_numpy(np.empty(shape, numpy_dtype(code)))
-        return _untrim.rebuild(stored, shape, out.dtype, trim, out=out).numpy()
-    dtype = torch_dtype(code)
-    into = outputs.output(index, shape, dtype) if outputs is not None and stored.is_cpu else None
-    return _untrim.rebuild(stored, shape, dtype, trim, out=into)
+        dtype, result = out.dtype, out.numpy()
+    else:
+        dtype = torch_dtype(code)
+        into = (
+            outputs.output(index, shape, dtype) if outputs is not None and stored.is_cpu else None
+        )
+        out = torch.empty(shape, dtype=dtype, device=stored.device) if into is None else into
+        result = out
+    repad = Repad(out, functools.partial(_untrim.rebuild, stored, shape, dtype, trim, out=out))
+    if later is None:
+        repad()
+    else:
+        later.append(repad)
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class Repad:
+    """A trimmed leaf's re-pad, left to run (:func:`untrimmed` with ``later``).
+
+    Attributes:
+        out: the leaf's memory, taken already (on a GPU: on the stream that was current).
+        run: the re-pad, a write of all of ``out``.
+    """
+
+    out: torch.Tensor
+    run: Callable[[], Any]
+
+    def __call__(self) -> None:
+        self.run()
 
 
 def _other(kind: str, code: str, shape: Any, piece: np.ndarray) -> Any:

@@ -5,9 +5,12 @@ On a GPU, order is a matter of streams as well as of threads. A lane's worker do
 work only (gloo heads, header checks, packing into pinned staging); everything a frame
 does on the GPU (the upload, the NCCL payload, the stream waits) is one
 :class:`DevicePart`, posted by the consumer's thread at ``next()`` / ``broadcast()``:
-points that are the same on every rank, in lane order. A loader posts the next frame's
-part before it builds this one's, so that a frame refused on one rank only (a bad CRC)
-does not keep that rank from posting what its peers post. Each group's parts run on a
+points that are the same on every rank, in lane order. A part's tree is built when it
+is posted, and what building refuses (a bad CRC) is kept and raised when it is taken:
+a loader posts the next frame's part before it hands this one out, so a frame refused
+on one rank only does not keep that rank from posting what its peers post. A trimmed
+leaf's re-pad (``codec.untrim``) is device work too: it is queued on the part's stream
+right after the transfer, before the part's event, into memory taken there. Each group's parts run on a
 stream of the group's own (uploads for a host wire, which wait on no peer, on one per
 device) that first waits on the caller's current stream, so a part starts after whatever
 the caller queued before and overlaps whatever it queues after.
@@ -211,7 +214,9 @@ class DevicePart:
     Args:
         streams: the device's streams.
         nbytes: the payload's size.
-        build: ``build(buffer)``, the tree of the payload once it is in ``buffer``.
+        build: ``build(buffer, later=later)``, the tree of the payload once it is in
+            ``buffer``; the re-pads of its trimmed leaves left in ``later`` (a list) are
+            run on the transfer stream right after.
         fill: ``fill(buffer)`` writes the payload on the transfer stream (an upload from
             pinned staging, or the source's CUDA batch packed), or None.
         send: ``send(buffer)`` posts the payload's collective and returns its handle,
@@ -234,10 +239,12 @@ class DevicePart:
         "_inflight",
         "_kept",
         "_on_error",
+        "_outputs",
         "_reads",
         "_ready",
         "_send",
         "_started",
+        "_taken",
         "_timeout_s",
         "_tree",
         "nbytes",
@@ -248,7 +255,7 @@ class DevicePart:
         self,
         streams: Streams,
         nbytes: int,
-        build: Callable[[torch.Tensor], Any],
+        build: Callable[..., Any],
         *,
         fill: Callable[[torch.Tensor], Any] | None = None,
         send: Callable[[torch.Tensor], Any] | None = None,
@@ -275,7 +282,9 @@ class DevicePart:
         self._event: Any = None
         self._tree: Any = None
         self._error: BaseException | None = None
+        self._outputs: tuple[torch.Tensor, ...] = ()  # the trimmed leaves' memory
         self._started = False
+        self._taken = False
 
     @property
     def posted(self) -> bool:
@@ -305,6 +314,7 @@ class DevicePart:
                     self._fill(buffer)
                 if self._send is not None:  # a stream wait (NOTE [ A stream wait ], wire)
                     self._send(buffer).wait(datetime.timedelta(seconds=self._timeout_s))
+                self._make(buffer)
                 event = streams.record()
         except BaseException as e:  # nothing of the frame may go on on this rank
             self._on_error(e)
@@ -315,22 +325,37 @@ class DevicePart:
         self._fill = self._send = self._kept = self._ready = None
         self._reads = ()
 
+    def _make(self, buffer: torch.Tensor) -> None:
+        """Build the tree (on the transfer stream, after the transfer), and queue its
+        trimmed leaves' re-pads there; what building raised is this step's alone, kept
+        for :meth:`take`."""
+        later: list[Any] = []
+        try:
+            self._tree = self._build(buffer, later=later)
+            for repad in later:
+                repad()
+        except Exception as e:  # a refusal of this step: a bad CRC, bad values
+            self._error = e
+            self._tree = None
+        else:
+            self._outputs = tuple(repad.out for repad in later)
+        self._build = None  # type: ignore[assignment]
+
     def take(self) -> Any:
         """The batch, for the caller's current stream: posts the work if not yet done,
-        makes the stream wait on it, and builds the tree (once; what building raised, a
-        bad CRC or bad values, is raised again by a later call)."""
+        makes the stream wait on it and hands the memory over (once; what building
+        raised, a bad CRC or bad values, is raised again by a later call)."""
         self.post()
-        if self._build is not None:
+        if not self._taken:
             buffer = self._buffer
             assert buffer is not None
             self.streams.wait(self._event)
             self.streams.hand_over(buffer)
+            for out in self._outputs:  # made on the transfer stream, read on this one
+                self.streams.hand_over(out)
+            self._outputs = ()
             self._inflight.reap()  # what is done by now goes now (a one-off broadcast's)
-            try:
-                self._tree = self._build(buffer)
-            except Exception as e:  # a refusal of this step (an interrupt: built again)
-                self._error = e
-            self._build = None  # type: ignore[assignment]
+            self._taken = True
         if self._error is not None:
             raise self._error
         return self._tree

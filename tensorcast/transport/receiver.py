@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tensorcast._errors import DesyncError, HeaderError, PeerError, SourceError, TensorcastError
-from tensorcast.codec import Decoded, KeepsViews, decode
+from tensorcast.codec import Decoded, KeepsViews, Repad, decode
 from tensorcast.transport.device import DevicePart
 from tensorcast.transport.frame import (
     PREFIX_SIZE,
@@ -312,10 +312,10 @@ class Receiver:
         timeout: datetime.timedelta,
         host: torch.Tensor | None,
     ) -> DevicePart:
-        def build(buffer: torch.Tensor) -> Any:
+        def build(buffer: torch.Tensor, later: list[Repad]) -> Any:
             if int(prefix.flags) & _CRC:  # verify=True: one copy to the host
                 self._check_crc(buffer, prefix, step)
-            return decoded.rebuild(buffer, host=host)
+            return decoded.rebuild(buffer, host=host, later=later)
 
         return self._parts.part(prefix.payload_len, build, device, timeout)
 

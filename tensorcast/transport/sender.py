@@ -26,19 +26,29 @@ exception that escapes from then on, even between the last message and the job's
 source's result is a tree of views into the buffer it is about to send, built before the
 first message: the source and the receivers return the same tree (detached, not
 inference tensors) or none of them does.
+
+# NOTE [ The own tree's re-pads ]
+A trimmed leaf is no view: the source's own tree holds it rebuilt, a write of the whole
+leaf (``codec.untrim``), as a receiver's does. Its memory is taken in phase 1, with the
+rest of the tree; the re-pad itself, which only reads the payload the wire is reading
+too, runs in phase 2 while the frame's largest message is in flight (the payload, or the
+first message that holds it), not before the first message: on a host wire the source
+pays for it beside the transfer instead of ahead of it. Its sizes were checked when the
+side table was made, so it cannot fail on them; anything it raises (memory, a signal)
+escapes mid-frame and breaks the lane like any other failure there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tensorcast._errors import PeerError
-from tensorcast.codec import Decoded, Encoded, Encoder, Packed, decode
+from tensorcast.codec import Decoded, Encoder, Packed, Repad, decode
 from tensorcast.transport.frame import (
     MAX_ERROR_BYTES,
     PREFIX_SIZE,
@@ -104,6 +114,9 @@ class Outgoing:
     header: torch.Tensor | None  # the spilled header, when it did not fit
     payload: torch.Tensor | None  # the payload, when it travels on its own
     host_leaves: torch.Tensor | None = None  # a device frame's host block (``Decoded``)
+    # the own tree's re-pads of trimmed leaves, run while the frame's largest message is
+    # in flight (NOTE [ The own tree's re-pads ])
+    later: list[Repad] = field(default_factory=list)
 
 
 class Sender:
@@ -250,22 +263,28 @@ class Sender:
                 part, staging, block = self._parts.packed(encoded, device, wait)
             out = self._finish(message, cut, Kind.DATA, header, staging, n, block)
             return out, part
+        later: list[Repad] = []
+        outputs = self._pool.outputs
         if cut.inline:
             payload = message.inline_payload(cut.payload_at, n)
             if isinstance(batch, Packed):
                 source = batch.buffer if batch.buffer.is_cpu else batch.buffer.cpu()
                 message.host[cut.payload_at : cut.payload_at + n] = source.numpy()
-                own = decoded.rebuild(payload, message.kept, outputs=self._pool.outputs)
+                own = decoded.rebuild(payload, message.kept, outputs=outputs, later=later)
             else:
-                own = encoded.write_tree(payload, message.kept, self._pool.outputs)
+                own = encoded.write_tree(payload, message.kept, outputs, later)
         elif isinstance(batch, Packed):
-            payload, own = self._prepacked(batch, decoded)
+            payload, own = self._prepacked(batch, decoded, later)
         else:
-            payload, own = self._packed(encoded)
+            payload = self._pool.take(n, self._device)
+            own = encoded.write_tree(payload, self._pool.kept, outputs, later)
         if device is not None and device != payload.device:
             coded = decoded if isinstance(batch, Packed) else encoded
             own = self._parts.upload(payload, device, coded, wait)
-        return self._finish(message, cut, Kind.DATA, header, payload, n), own
+            later.clear()  # the host tree is not handed out
+        out = self._finish(message, cut, Kind.DATA, header, payload, n)
+        out.later.extend(later)
+        return out, own
 
     def _control(self, kind: Kind, text: bytes) -> Outgoing:
         self.group.lane.check()
@@ -280,11 +299,9 @@ class Sender:
             "through pinned memory anyway), or verify=False"
         )
 
-    def _packed(self, encoded: Encoded) -> tuple[torch.Tensor, Any]:
-        payload = self._pool.take(encoded.nbytes, self._device)
-        return payload, encoded.write_tree(payload, self._pool.kept, self._pool.outputs)
-
-    def _prepacked(self, batch: Packed, decoded: Decoded) -> tuple[torch.Tensor, Any]:
+    def _prepacked(
+        self, batch: Packed, decoded: Decoded, later: list[Repad]
+    ) -> tuple[torch.Tensor, Any]:
         payload = batch.buffer
         if not payload.is_cpu:
             payload = payload.cpu()  # a host wire: the bytes travel from the host
@@ -293,10 +310,11 @@ class Sender:
             # while a buffer of the caller's needs each view made anew: for a small batch
             # of many leaves a copy into a pooled buffer is the cheaper of the two.
             copy = self._pool.take(payload.numel(), self._device).copy_(payload)
-            return copy, decoded.rebuild(copy, self._pool.kept, outputs=self._pool.outputs)
+            kept = self._pool.kept
+            return copy, decoded.rebuild(copy, kept, outputs=self._pool.outputs, later=later)
         elif payload.is_inference():
             payload = payload.clone()  # this rank's tree must not be made of inference tensors
-        return payload, decoded.rebuild(payload, outputs=self._pool.outputs)
+        return payload, decoded.rebuild(payload, outputs=self._pool.outputs, later=later)
 
     def _message(self, cut: Cut) -> FirstMessage:
         """A first message for ``cut``, every byte zero but where the frame writes: no
@@ -391,6 +409,8 @@ class Sender:
             head = wire.head(message.buffer, root, wait)
             if out.cut.inline:  # the next frame like it views this message again
                 message.kept.detach_ahead()  # NOTE [ Views made ahead ]
+            if out.payload is None:
+                _run(out.later)
             head.wait(wait)
             if promised is not None:
                 promised.wait(wait)
@@ -399,10 +419,19 @@ class Sender:
             if out.host_leaves is not None:  # a device frame's leaves that are not tensors
                 wire.head(out.host_leaves, root, wait).wait(wait)
             if out.payload is not None:
-                wire.payload(out.payload, root, wait).wait(wait)
+                posted = wire.payload(out.payload, root, wait)
+                _run(out.later)
+                posted.wait(wait)
         except RuntimeError as e:  # from the collective: a peer died or timed out
             self.group.lane.break_(e)
             raise self._peer_error(e, wait) from e
         except BaseException as e:  # e.g. a signal handler's: raised as it is
             self.group.lane.break_(e)
             raise
+
+
+def _run(later: list[Repad]) -> None:
+    """Run the own tree's re-pads (NOTE [ The own tree's re-pads ]), once."""
+    for repad in later:
+        repad()
+    later.clear()

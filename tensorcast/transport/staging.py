@@ -140,7 +140,7 @@ class Staging:
     def part(
         self,
         n: int,
-        build: Callable[[torch.Tensor], Any],
+        build: Callable[..., Any],
         device: torch.device | None,
         timeout: datetime.timedelta,
         **work: Any,
@@ -185,7 +185,7 @@ class Staging:
         self,
         streams: Streams,
         n: int,
-        build: Callable[[torch.Tensor], Any],
+        build: Callable[..., Any],
         timeout: datetime.timedelta,
         on_error: Callable[[BaseException], None],
         **work: Any,
@@ -196,6 +196,6 @@ class Staging:
         )
 
 
-def _on_device(build: Callable[[torch.Tensor], Any], device: torch.device) -> Any:
+def _on_device(build: Callable[..., Any], device: torch.device) -> Any:
     """``build``, its tree made from a copy of the buffer on ``device`` (asked for)."""
-    return lambda buffer: build(buffer.to(device))
+    return lambda buffer, later: build(buffer.to(device), later=later)

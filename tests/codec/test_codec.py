@@ -38,10 +38,8 @@ from tensorcast.codec.flatten import flatten
 # --------------------------------------------------------------------------- helpers
 
 
-
 def roundtrip(tree: Any, **kw: Any) -> Any:
     return tc.unpack(tc.pack(tree, **kw))
-
 
 
 # --------------------------------------------------------------------------- registered types

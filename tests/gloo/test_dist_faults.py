@@ -137,9 +137,6 @@ def big_text_batch() -> dict[str, Any]:
     }
 
 
-
-
-
 def _cyclic_batch() -> list[Any]:
     loop: list[Any] = [torch.ones(1)]
     loop.append(loop)

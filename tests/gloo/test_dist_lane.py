@@ -184,7 +184,9 @@ def _wait_until_waiting_for_a_job(ident: int, limit_s: float = 10.0) -> None:
     while time.monotonic() < deadline:
         frame = sys._current_frames().get(ident)
         while frame is not None:
-            if frame.f_code.co_name == "result" and frame.f_code.co_filename.endswith("transport/lane.py"):
+            if frame.f_code.co_name == "result" and frame.f_code.co_filename.endswith(
+                "transport/lane.py"
+            ):
                 return
             frame = frame.f_back
         time.sleep(0.001)

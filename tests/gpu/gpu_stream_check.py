@@ -811,7 +811,7 @@ def t3_pinned_staging(dev: torch.device) -> dict[str, Any]:
             part = DevicePart(
                 streams,
                 n,
-                lambda buffer: buffer,
+                lambda buffer, later: buffer,
                 fill=upload,
                 kept=staging,
                 inflight=inflight,

@@ -243,7 +243,7 @@ def test_leaves_that_are_not_tensors_travel_on_the_host_beside_a_device_payload(
 
 def _part(streams: FakeStreams, inflight: Inflight, **work: Any) -> DevicePart:
     return DevicePart(
-        streams, 64, lambda buffer: {"x": buffer[:8]}, inflight=inflight, timeout_s=10.0,
+        streams, 64, lambda buffer, later: {"x": buffer[:8]}, inflight=inflight, timeout_s=10.0,
         on_error=lambda error: None, **work,
     )  # fmt: skip
 
@@ -355,3 +355,42 @@ def test_a_host_wire_to_a_device_reads_the_other_leaves_from_the_host(
                         {k: out[k] for k in ("feats", "text", "raw")})  # fmt: skip
         tree["x"] = torch.arange(100_000.0)
     assert streams.threads("transfer") == {threading.current_thread().name}
+
+
+def test_a_trimmed_leaf_is_re_padded_on_the_transfer_stream_after_its_payload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The law: on both ranks a trimmed leaf's re-pad is device work of its frame, queued
+    on the transfer stream after the payload and before the frame's event, by the
+    consumer's thread; the rebuilt leaf is handed over to the consumer's stream with the
+    buffer; both trees equal the source's batch, bit for bit."""
+    from tensorcast.codec import untrim
+
+    sender, receiver, sgroup, rgroup = device_pair()
+    groups = (sgroup, rgroup)
+    real = untrim.rebuild
+
+    def rebuild(*args: Any, **kwargs: Any) -> Any:
+        for group in groups:
+            if group.wire.streams.in_transfer:
+                group.wire.streams.log("repad")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(untrim, "rebuild", rebuild)
+    audio = torch.zeros(4, 200_000)
+    for row, n in enumerate((200_000, 120_000, 60_000, 9_000)):
+        audio[row, :n] = torch.randn(n, generator=torch.Generator().manual_seed(row))
+    trees = [{"audio": audio, "lens": torch.tensor([200_000, 120_000, 60_000, 9_000])}] * 2
+    own, got = run_both(sender, receiver, trees, ahead=1)
+    for tree, mine, theirs in zip(trees, own, got):
+        assert same(tree, mine) and same(tree, theirs)
+    assert sender.group.wire.streams is not None
+    for group, consumer in ((sgroup, "source-main"), (rgroup, "receiver-main")):
+        streams = group.wire.streams
+        ops = [op for op, _ in streams.calls if op in ("payload", "repad", "record", "hand_over")]
+        # per frame: its payload, the re-pad, its event; the buffer and the leaf handed over
+        frame = ["payload", "repad", "record"]
+        assert ops == frame + frame + ["hand_over"] * 4 or ops == (
+            frame + ["hand_over"] * 2 + frame + ["hand_over"] * 2
+        ), ops
+        assert streams.threads("repad") == {consumer}

@@ -24,7 +24,7 @@ from tensorcast.loader import mesh as _mesh
 from tensorcast.loader.args import distributed, output_device, to_timedelta
 from tensorcast.transport import groups as _groups
 from tensorcast.transport.agreement import ranks_name
-from tensorcast.transport.device import hand_out
+from tensorcast.transport.device import DevicePart, hand_out
 from tensorcast.transport.groups import Role, World, open_role
 from tensorcast.transport.receiver import CLOSE, END
 from tensorcast.transport.sender import Sender
@@ -108,7 +108,7 @@ def _run(
         value = lane.run(functools.partial(role.recv, device, wait), frames_taken)
         if value is END or value is CLOSE:
             raise SourceError(f"source rank {role.src} ended the stream where a batch was expected")
-    return hand_out(value, lane)
+    return hand_out(value, lane) if isinstance(value, DevicePart) else value  # a host tree
 
 
 # The (group, src) broadcast was last called with, under which default group, and its

@@ -32,7 +32,9 @@ columns: median and p90 ms of the slowest rank's time per iteration, GB/s of ten
   wire     the bytes of the buffer a tensorcast method sent per batch (padding trimmed,
            or every leaf whole with trim=False), and the floor's: the batch's tensor bytes;
   trim on / off  a method's median trimmed over its median with trim=False (below 1x:
-           trimming pays), and paired, per iteration"""
+           trimming pays), and paired, per iteration;
+  trim's decision  the source's encode of the batch with trim on less with trim off, timed
+           in-process beside the run: what trimming adds where it trims nothing"""
 
 # How the chart names and colours each method: tensorcast in blues, the peers apart.
 LABELS = {
@@ -142,6 +144,15 @@ def text_table(report: dict[str, Any]) -> str:
                 f"{m} {_x(r['median'])} (paired {_x(r['paired'])})" for m, r in ratios.items()
             )
             lines.append(f"  trim on / off: {said}")
+        decision = wl.get("trim_decision_ms")
+        if decision:
+            floor = next((r["median_ms"] for r in wl["rows"] if r["method"] == "floor"), None)
+            extra = decision["on"] - decision["off"]
+            share = f", {100 * extra / floor:.2g}% of the floor" if floor else ""
+            lines.append(
+                f"  trim's decision on the source: {extra:+.3f} ms a batch (encode "
+                f"{decision['on']:.3f} ms on, {decision['off']:.3f} off{share})"
+            )
     return "\n".join(lines)
 
 

@@ -23,6 +23,7 @@ from tensorcast.bench.timing import (
     build_methods,
     close_methods,
     time_methods,
+    trim_decision_ms,
     trim_supported,
     wire_bytes,
 )
@@ -146,10 +147,26 @@ def _load(spec: str, quick: bool, slot: Slot) -> tuple[Any, int]:
 
 def _sources(mine: Any, slot: Slot) -> Any:
     """What this rank's slot's source told every rank (its digests of its batch, one per
-    iteration, and its wire bytes): ``mine`` on a source, None elsewhere."""
+    iteration, its wire bytes, its trim decision's cost): ``mine`` on a source, None
+    elsewhere."""
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (slot.src, mine), group=slot.control)
     return {src: d for src, d in everyone if d is not None}[slot.src]
+
+
+def _checks(got: dict[str, list[str]], want: list[str], slot: Slot) -> list[Any]:
+    """Every rank's (failures, batches checked): this rank's digests against its source's,
+    gathered from every rank."""
+    failures = [
+        f"rank {dist.get_rank()} {n}: the batch of iteration {it} differs from the source's"
+        for n, digests in got.items()
+        for it, (d, w) in enumerate(zip(digests, want))
+        if d != w
+    ][:10]
+    checked = sum(len(d) for d in got.values())
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (failures, checked), group=slot.control)
+    return gathered
 
 
 def run_workload(
@@ -189,16 +206,9 @@ def run_workload(
         wire = wire_bytes(methods, batch, nbytes, slot) if slot.is_source else None
     finally:
         close_methods(methods)
-    want, wire = _sources((sent, wire) if slot.is_source else None, slot)
-    failures = [
-        f"rank {dist.get_rank()} {n}: the batch of iteration {it} differs from the source's"
-        for n, digests in got.items()
-        for it, (d, w) in enumerate(zip(digests, want))
-        if d != w
-    ][:10]
-    checked = sum(len(d) for d in got.values())
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (failures, checked), group=slot.control)
+    decision = trim_decision_ms(batch, slot.device) if slot.is_source else None
+    want, wire, decision = _sources((sent, wire, decision) if slot.is_source else None, slot)
+    gathered = _checks(got, want, slot)
     timed = {n: t[warmup:] for n, t in times.items()}
     name = spec if builtin else os.path.basename(spec)
     return {
@@ -208,6 +218,8 @@ def run_workload(
         "rows": rows(timed, nbytes, wire),
         # each tensorcast method's time trimmed over its time with trim=False
         "trim_over_untrimmed": trim_ratios(timed),
+        # the source's Encoder.encode in ms with trim on and off, timed beside the run
+        "trim_decision_ms": decision,
         "check_failures": [f for fs, _ in gathered for f in fs],
         # batches checked, by rank: each method's output, every iteration
         "checked": [n for _, n in gathered],

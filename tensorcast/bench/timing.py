@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ __all__ = [
     "Slot",
     "build_methods",
     "close_methods",
+    "trim_decision_ms",
     "trim_supported",
     "wire_bytes",
 ]
@@ -189,6 +191,28 @@ def wire_bytes(
             trim = _trim(not name.endswith("(trim=False)"))
             out[name] = tc.pack(batch, device=slot.device, **trim).nbytes
     return out
+
+
+def trim_decision_ms(batch: Any, device: torch.device, reps: int = 21) -> dict[str, float] | None:
+    """On a source: what deciding the trims costs a batch, timed in this process beside
+    the run, where the broadcasts' noise does not reach it. ``Encoder.encode`` of the
+    batch with ``trim=True`` (the probe of every leaf that could pay; on a padded leaf the
+    scan and the side table too) and with ``trim=False``, alternating, ``reps`` times
+    each: the medians in ms. Writing the buffer is not in it (a trimmed leaf's compact
+    copy replaces its whole copy). None where this tensorcast does not trim."""
+    if not trim_supported():
+        return None
+    from tensorcast.codec import Encoder
+
+    receiver = "device" if device.type == "cuda" else "host"
+    encoders = {"on": Encoder(trim=True), "off": Encoder(trim=False)}
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for _ in range(reps + 1):  # the first of each: layouts made, caches warm
+        for key, encoder in encoders.items():
+            t0 = time.perf_counter()
+            encoder.encode(batch, receiver=receiver)
+            times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(t[1:]) * 1e3 for key, t in times.items()}
 
 
 def timed(fn: Callable[[], Any], cuda: bool) -> tuple[Any, float]:

@@ -81,10 +81,10 @@ class Decoded:
     @property
     def host_nbytes(self) -> int | None:
         """The size of the host block of the leaves that are not tensors (numpy arrays,
-        bytes, str), which travels beside a buffer on a GPU; None when every leaf is a
-        tensor."""
+        bytes, str) and of trimmed ndarray leaves, which travels beside a buffer on a GPU;
+        None when there is none (every leaf a tensor)."""
         spec = self._view_spec()
-        return spec.host_nbytes if spec.others else None
+        return spec.host_nbytes if spec.host_spans else None
 
     def check_buffer(self, buffer: Any) -> None:
         """Check that ``buffer`` can be the buffer this header describes.

@@ -109,17 +109,18 @@ class Encoded:
             torch._foreach_copy_(views, srcs)
         if spec.others and others:
             _write_others(buffer, spec.others, leaves, host)
-        for i, (_kind, _code, _shape, off, n) in spec.trimmed:
-            _trim.compact_into(buffer[off : off + n], leaves[i][3], self.trims[i].kept)  # type: ignore[index]
+        for i, (kind, _code, _shape, off, n) in spec.trimmed:
+            if others or kind != "ndarray":  # else from the host block (upload_others)
+                _trim.compact_into(buffer[off : off + n], leaves[i][3], self.trims[i].kept)  # type: ignore[index]
         return views
 
     @property
     def host_nbytes(self) -> int | None:
         """The size of the host block of the leaves that are not tensors (numpy arrays,
-        bytes, str), which travels beside a buffer on a GPU; None when every leaf is a
-        tensor."""
+        bytes, str) and of trimmed ndarray leaves, which travels beside a buffer on a GPU;
+        None when there is none (every leaf a tensor)."""
         spec = self.layout.write_spec
-        return spec.host_nbytes if spec.others else None
+        return spec.host_nbytes if spec.host_spans else None
 
     def write_tree(
         self,
@@ -146,8 +147,9 @@ class Encoded:
 
     def host_block(self, out: torch.Tensor) -> torch.Tensor:
         """The bytes of the leaves that are not tensors (numpy arrays, bytes, str), alone,
-        written into the host tensor ``out`` as ``codec.views.leaf_views`` reads a host
-        block: what travels beside a buffer on a GPU."""
+        and the stored bytes of trimmed ndarray leaves, written into the host tensor
+        ``out`` as ``codec.views.leaf_views`` reads a host block: what travels beside a
+        buffer on a GPU."""
         spec = self.layout.write_spec
         dst = out.numpy()
         for (i, _row), (_off, n, pos) in zip(spec.others, spec.host_spans):
@@ -155,6 +157,8 @@ class Encoded:
             if n:
                 src = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
                 dst[pos : pos + n].view(src.dtype).reshape(src.shape)[...] = src
+        for i, (pos, n) in spec.host_trimmed.items():  # a trimmed ndarray: its prefixes
+            _trim.compact_into(out[pos : pos + n], self.leaves[i][3], self.trims[i].kept)  # type: ignore[index]
         return out[: spec.host_nbytes]
 
     def device_tree(
@@ -171,8 +175,9 @@ class Encoded:
         return self._tree(values)
 
     def upload_others(self, buffer: torch.Tensor, host: torch.Tensor) -> None:
-        """Copy the leaves that are not tensors from their host block (pinned) into their
-        places in the device ``buffer``, asynchronously."""
+        """Copy the leaves that are not tensors (and trimmed ndarrays' stored bytes) from
+        their host block (pinned) into their places in the device ``buffer``,
+        asynchronously."""
         for off, n, pos in self.layout.write_spec.host_spans:
             if n:
                 buffer[off : off + n].copy_(host[pos : pos + n], non_blocking=True)

@@ -89,6 +89,7 @@ class ViewSpec:
         "codes",
         "host_nbytes",
         "host_spans",
+        "host_trimmed",
         "others",
         "specs",
         "tensor_index",
@@ -126,10 +127,15 @@ class ViewSpec:
             self.tensor_index.append(i)
         #: where each other leaf's bytes sit in a *host block*: those bytes alone, one
         #: after another (aligned), for a buffer that lives on a GPU (see :func:`leaf_views`)
+        #: trimmed ndarray leaves follow the others, their stored bytes (a host result)
         self.host_spans: list[tuple[int, int, int]] = []  # (offset, nbytes, host position)
+        self.host_trimmed: dict[int, tuple[int, int]] = {}  # leaf index -> (position, nbytes)
         pos = 0
-        for _i, row in self.others:
+        on_host = self.others + [(i, row) for i, row in self.trimmed if row[0] == "ndarray"]
+        for k, (i, row) in enumerate(on_host):
             self.host_spans.append((row[3], row[4], pos))
+            if k >= len(self.others):
+                self.host_trimmed[i] = (pos, row[4])
             pos = (pos + row[4] + _MAX_ITEMSIZE - 1) // _MAX_ITEMSIZE * _MAX_ITEMSIZE
         self.host_nbytes = pos
 
@@ -187,7 +193,8 @@ def leaf_views(
 
     The leaves that are not tensors (numpy arrays, bytes, str) come from ``host`` when
     given: a host block of their bytes alone (``spec.host_spans``), which a buffer on a
-    GPU travels with, so that they need no copy back from the device.
+    GPU travels with, so that they need no copy back from the device; so do the stored
+    bytes of trimmed ndarray leaves, which are rebuilt on the host.
 
     Trimmed leaves (``trims``, by leaf index) are rebuilt from their stored bytes on
     ``buffer``'s device (arrays on the CPU), into ``outputs``' memory when given; with
@@ -204,7 +211,11 @@ def leaf_views(
         if trims is None:
             raise ValueError("a layout with trimmed leaves needs their side tables")
         for i, (kind, code, shape, off, n) in spec.trimmed:
-            stored = buffer[off : off + n]
+            if host is not None and i in spec.host_trimmed:  # an ndarray: from the host
+                pos, _ = spec.host_trimmed[i]
+                stored = host[pos : pos + n]
+            else:
+                stored = buffer[off : off + n]
             values[i] = untrimmed(kind, code, shape, stored, trims[i], outputs, i, later)
     if not spec.others:
         return values

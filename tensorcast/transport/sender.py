@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tensorcast._errors import PeerError
-from tensorcast.codec import Decoded, Encoder, Packed, Repad, decode
+from tensorcast.codec import Decoded, Encoded, Encoder, Packed, Repad, decode
 from tensorcast.transport.frame import (
     MAX_ERROR_BYTES,
     PREFIX_SIZE,
@@ -231,7 +231,6 @@ class Sender:
         """The frame of ``batch`` (a tree or a :class:`Packed`) and this rank's own tree;
         ``trim``: see :class:`Packing` (None: the Packing's; a :class:`Packed` goes as is).
 
-
         The payload is written where it travels: into the first message when it fits
         there (inline), else into a buffer of its own. Where the payload, or this rank's
         tree, lives on a GPU, the own tree is a :class:`DevicePart` to post and take on
@@ -244,42 +243,28 @@ class Sender:
         lane = self.group.lane
         if lane.broken is not None:
             lane.check()
+        coded: Decoded | Encoded
         if isinstance(batch, Packed):
-            decoded = decode(batch.header)
-            decoded.check_buffer(batch.buffer)
-            header, n = batch.header, decoded.nbytes
+            coded = decode(batch.header)
+            coded.check_buffer(batch.buffer)
+            header = batch.header
         else:
-            encoded = self._encoder.encode(batch, trim=trim, receiver=_kind(device or self._device))
-            header, n = encoded.header, encoded.nbytes
+            coded = self._encoder.encode(batch, trim=trim, receiver=_kind(device or self._device))
+            header = coded.header
+        n = coded.nbytes
         # Frames are cut in the order they are sent: a frame is sent in the job that
         # writes it (an ERROR frame in place of one that failed to write).
         cut = self._cutter.cut(len(header), n)
         message = self._message(cut)
         wait = timeout or self.timeout
         if self._streams is not None:
-            if isinstance(batch, Packed):
-                part, staging, block = self._parts.prepacked(batch, decoded, device, wait)
+            if isinstance(coded, Decoded):
+                part, staging, block = self._parts.prepacked(batch, coded, device, wait)
             else:
-                part, staging, block = self._parts.packed(encoded, device, wait)
-            out = self._finish(message, cut, Kind.DATA, header, staging, n, block)
-            return out, part
-        later: list[Repad] = []
-        outputs = self._pool.outputs
-        if cut.inline:
-            payload = message.inline_payload(cut.payload_at, n)
-            if isinstance(batch, Packed):
-                source = batch.buffer if batch.buffer.is_cpu else batch.buffer.cpu()
-                message.host[cut.payload_at : cut.payload_at + n] = source.numpy()
-                own = decoded.rebuild(payload, message.kept, outputs=outputs, later=later)
-            else:
-                own = encoded.write_tree(payload, message.kept, outputs, later)
-        elif isinstance(batch, Packed):
-            payload, own = self._prepacked(batch, decoded, later)
-        else:
-            payload = self._pool.take(n, self._device)
-            own = encoded.write_tree(payload, self._pool.kept, outputs, later)
+                part, staging, block = self._parts.packed(coded, device, wait)
+            return self._finish(message, cut, Kind.DATA, header, staging, n, block), part
+        payload, own, later = _on_host(batch, coded, message, cut, self._pool, self._device)
         if device is not None and device != payload.device:
-            coded = decoded if isinstance(batch, Packed) else encoded
             own = self._parts.upload(payload, device, coded, wait)
             later.clear()  # the host tree is not handed out
         out = self._finish(message, cut, Kind.DATA, header, payload, n)
@@ -298,23 +283,6 @@ class Sender:
             "batch already on the GPU has no host copy: pass CPU batches (they are staged "
             "through pinned memory anyway), or verify=False"
         )
-
-    def _prepacked(
-        self, batch: Packed, decoded: Decoded, later: list[Repad]
-    ) -> tuple[torch.Tensor, Any]:
-        payload = batch.buffer
-        if not payload.is_cpu:
-            payload = payload.cpu()  # a host wire: the bytes travel from the host
-        elif payload.numel() <= _COPY_BELOW:
-            # Views of a pooled buffer are kept and handed out again as detached copies,
-            # while a buffer of the caller's needs each view made anew: for a small batch
-            # of many leaves a copy into a pooled buffer is the cheaper of the two.
-            copy = self._pool.take(payload.numel(), self._device).copy_(payload)
-            kept = self._pool.kept
-            return copy, decoded.rebuild(copy, kept, outputs=self._pool.outputs, later=later)
-        elif payload.is_inference():
-            payload = payload.clone()  # this rank's tree must not be made of inference tensors
-        return payload, decoded.rebuild(payload, outputs=self._pool.outputs, later=later)
 
     def _message(self, cut: Cut) -> FirstMessage:
         """A first message for ``cut``, every byte zero but where the frame writes: no
@@ -428,6 +396,42 @@ class Sender:
         except BaseException as e:  # e.g. a signal handler's: raised as it is
             self.group.lane.break_(e)
             raise
+
+
+def _on_host(
+    batch: Any,
+    coded: Decoded | Encoded,
+    message: FirstMessage,
+    cut: Cut,
+    pool: BufferPool,
+    device: torch.device,
+) -> tuple[torch.Tensor, Any, list[Repad]]:
+    """A host frame's payload, written where it travels (inline in ``message``, else a
+    buffer of ``pool``'s or the :class:`Packed` batch's own), this rank's tree of it, and
+    the tree's re-pads left to run (NOTE [ The own tree's re-pads ])."""
+    later: list[Repad] = []
+    n, outputs = coded.nbytes, pool.outputs
+    if isinstance(coded, Encoded):
+        inline = message.inline_payload(cut.payload_at, n) if cut.inline else None
+        payload = pool.take(n, device) if inline is None else inline
+        kept = pool.kept if inline is None else message.kept
+        return payload, coded.write_tree(payload, kept, outputs, later), later
+    buffer = batch.buffer
+    if cut.inline:
+        payload = message.inline_payload(cut.payload_at, n)
+        message.host[cut.payload_at : cut.payload_at + n] = buffer.cpu().numpy()
+        return payload, coded.rebuild(payload, message.kept, outputs=outputs, later=later), later
+    if not buffer.is_cpu:
+        buffer = buffer.cpu()  # a host wire: the bytes travel from the host
+    elif buffer.numel() <= _COPY_BELOW:
+        # Views of a pooled buffer are kept and handed out again as detached copies,
+        # while a buffer of the caller's needs each view made anew: for a small batch
+        # of many leaves a copy into a pooled buffer is the cheaper of the two.
+        copy = pool.take(buffer.numel(), device).copy_(buffer)
+        return copy, coded.rebuild(copy, pool.kept, outputs=outputs, later=later), later
+    elif buffer.is_inference():
+        buffer = buffer.clone()  # this rank's tree must not be made of inference tensors
+    return buffer, coded.rebuild(buffer, outputs=outputs, later=later), later
 
 
 def _run(later: list[Repad]) -> None:

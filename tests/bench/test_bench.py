@@ -80,6 +80,9 @@ def test_quick_run_under_torchrun(tmp_path: Path) -> None:
         both = {m.removesuffix("(trim=False)") for m in UNTRIMMED if m in methods}
         assert set(wl["trim_over_untrimmed"]) == both
         assert all(r["median"] > 0 and r["paired"] > 0 for r in wl["trim_over_untrimmed"].values())
+        decision = wl["trim_decision_ms"]  # the source's encode, trim on and off
+        assert decision is None or (decision["on"] > 0 and decision["off"] > 0)
+        assert (decision is not None) == report["trim_supported"]
     if report["trim_supported"]:  # padding never travels: the bytes say so
         by = {wl["workload"]: {r["method"]: r for r in wl["rows"]} for wl in report["workloads"]}
         for name in ("audio_padded", "fbank_padded"):  # big enough for a host's rule
@@ -93,6 +96,8 @@ def test_quick_run_under_torchrun(tmp_path: Path) -> None:
         assert wl["checked"] == [batches * (wl["iters"] + 1)] * 4, wl["checked"]  # + warmup
     assert "checked: on every one of the 4 ranks, every batch each method handed it" in out
     assert "paired   the median of the method's per-iteration ratios" in out
+    if report["trim_supported"]:
+        assert "trim's decision on the source:" in out
 
 
 @pytest.mark.dist

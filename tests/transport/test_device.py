@@ -357,6 +357,37 @@ def test_a_host_wire_to_a_device_reads_the_other_leaves_from_the_host(
     assert streams.threads("transfer") == {threading.current_thread().name}
 
 
+def test_a_trimmed_ndarray_is_rebuilt_from_the_host_block_not_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A trimmed ndarray leaf is a host result: its stored bytes travel in the host block
+    beside a device payload and it is rebuilt from there on both sides, never copied back
+    from the device (``meta`` memory raises where a GPU would sync); a trimmed tensor leaf
+    is rebuilt on the device."""
+    streams = _MetaStreams()
+    monkeypatch.setattr(staging, "streams_for", lambda device: streams)
+    wires = FakeWire.pair()
+    groups = [Group((0, 1), w, Lane(f"trim{w.rank}", w.abort, idle_exit_s=0.2)) for w in wires]
+    sender = Sender(groups[0], 0, timeout=TIMEOUT)
+    receiver = Receiver(groups[1], 0, rank=1, timeout=TIMEOUT)
+    meta = torch.device("meta")
+    feats = np.full((4, 12_000, 8), -23.025850929940457, dtype=np.float32)
+    audio = torch.zeros(4, 40_000)
+    for row, n in enumerate((3_000, 1_800, 700, 90)):
+        feats[row, :n] = np.arange(n * 8, dtype=np.float32).reshape(n, 8) / 7
+        audio[row, : n * 10] = 1.5
+    tree = {"feats": feats, "audio": audio, "text": "utt"}
+    from tensorcast import pack, read_header
+
+    assert [leaf.trimmed for leaf in read_header(pack(tree).header).leaves] == [True, True]
+    own = sender.send_batch(tree, meta, TIMEOUT).take()
+    got = receiver.recv(meta, TIMEOUT).take()
+    for out in (own, got):
+        assert isinstance(out["feats"], np.ndarray) and out["feats"].tobytes() == feats.tobytes()
+        assert out["audio"].device == meta and out["audio"].shape == audio.shape
+        assert out["text"] == "utt"
+
+
 def test_a_trimmed_leaf_is_re_padded_on_the_transfer_stream_after_its_payload(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -326,6 +326,20 @@ class _MetaStreams(FakeStreams):
         return torch.empty(nbytes, dtype=torch.uint8, device="meta")
 
 
+def _meta_pair(monkeypatch: pytest.MonkeyPatch) -> tuple[_MetaStreams, Sender, Receiver]:
+    """A sender and a receiver on a host wire whose output device is ``meta``, faked by
+    the streams ``streams_for`` gives for it."""
+    streams = _MetaStreams()
+    monkeypatch.setattr(staging, "streams_for", lambda device: streams)
+    wires = FakeWire.pair()
+    groups = [Group((0, 1), w, Lane(f"meta{w.rank}", w.abort, idle_exit_s=0.2)) for w in wires]
+    return (
+        streams,
+        Sender(groups[0], 0, timeout=TIMEOUT),
+        Receiver(groups[1], 0, rank=1, timeout=TIMEOUT),
+    )
+
+
 def test_a_host_wire_to_a_device_reads_the_other_leaves_from_the_host(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -333,13 +347,8 @@ def test_a_host_wire_to_a_device_reads_the_other_leaves_from_the_host(
     and bytes leaves are read from there on both sides, never copied back from the
     device one leaf at a time (each copy a host sync). The device is faked by the streams
     ``streams_for`` gives for it."""
-    streams = _MetaStreams()
-    monkeypatch.setattr(staging, "streams_for", lambda device: streams)
-    wires = FakeWire.pair()
-    groups = [Group((0, 1), w, Lane(f"meta{w.rank}", w.abort, idle_exit_s=0.2)) for w in wires]
-    sender = Sender(groups[0], 0, timeout=TIMEOUT)
-    receiver = Receiver(groups[1], 0, rank=1, timeout=TIMEOUT)
-    meta = torch.device("meta")
+    streams, sender, receiver = _meta_pair(monkeypatch)
+    meta = streams.device
     tree = {
         "x": torch.arange(100.0),
         "feats": np.arange(30, dtype=np.float64).reshape(5, 6),
@@ -364,12 +373,7 @@ def test_a_trimmed_ndarray_is_rebuilt_from_the_host_block_not_the_device(
     beside a device payload and it is rebuilt from there on both sides, never copied back
     from the device (``meta`` memory raises where a GPU would sync); a trimmed tensor leaf
     is rebuilt on the device."""
-    streams = _MetaStreams()
-    monkeypatch.setattr(staging, "streams_for", lambda device: streams)
-    wires = FakeWire.pair()
-    groups = [Group((0, 1), w, Lane(f"trim{w.rank}", w.abort, idle_exit_s=0.2)) for w in wires]
-    sender = Sender(groups[0], 0, timeout=TIMEOUT)
-    receiver = Receiver(groups[1], 0, rank=1, timeout=TIMEOUT)
+    _, sender, receiver = _meta_pair(monkeypatch)
     meta = torch.device("meta")
     feats = np.full((4, 12_000, 8), -23.025850929940457, dtype=np.float32)
     audio = torch.zeros(4, 40_000)

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from models import dp_tp_mesh, model_step
 from taps import WireTap, tapped
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -57,22 +58,6 @@ class Source:
 
 def names(batches: list[Any]) -> list[str]:
     return [b["name"] for b in batches]
-
-
-def dp_tp_mesh(world: int) -> Any:
-    return init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
-
-
-def model_step(rank: int, step: int, tp: Any) -> None:
-    """The model's own traffic on the TP group, at a moment that differs per rank."""
-    time.sleep(0.002 * ((rank + step) % 3))
-    x = torch.ones(3) * (rank + 1)
-    dist.all_reduce(x, group=tp)
-    root = dist.get_process_group_ranks(tp)[step % 2]
-    y = torch.full((4,), float(root + step)) if rank == root else torch.zeros(4)
-    dist.broadcast(y, root, group=tp)
-    if not torch.equal(y, torch.full((4,), float(root + step))):
-        raise AssertionError(f"the model's broadcast got {y.tolist()} at step {step}")
 
 
 def _rank_model_on_the_tp_group(rank: int, world: int) -> dict[str, Any]:

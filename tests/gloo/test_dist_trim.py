@@ -15,6 +15,7 @@ checks what it received against its own build.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import dp_tp_mesh, model_step
 from trees import check_same, digest
 
 import tensorcast as tc
@@ -189,6 +191,40 @@ def _round_trips(rank: int, world: int, described: list[Leaf]) -> list[str]:
     return digests
 
 
+def _step_tree(dp: int, step: int) -> dict[str, Any]:
+    """The batch of data-parallel slot ``dp`` at ``step``: padded leaves whose data and
+    runs change from step to step (so the trimmed sizes do too) and from slot to slot."""
+    seeded = [dataclasses.replace(leaf, seed=leaf.seed + 100 * dp + step) for leaf in PADDED[:4]]
+    return build_tree(seeded, step)
+
+
+def _trimmed_under_a_model(rank: int, world: int) -> list[str]:
+    """Every rank of a (dp, tp) mesh: trimmed batches through the loader at prefetch 0, 1
+    and 2, a model step of the TP group's own collectives after each (at moments that
+    differ per rank), and a trimmed tc.broadcast on the TP group between; each batch
+    checked against this rank's own build, the digests returned."""
+    mesh = dp_tp_mesh(world)
+    tp = mesh.get_group("tp")
+    dp, _ = tc.dp_rank_and_size(mesh, ("tp",))
+    tp_root = dist.get_process_group_ranks(tp)[0]
+    digests = []
+    for prefetch in (0, 1, 2):
+        source = (
+            [_step_tree(dp, s) for s in range(3)] if tc.is_dp_source_rank(mesh, ("tp",)) else None
+        )
+        loader = tc.BroadcastingDataLoader(source, mesh, axes=("tp",), prefetch=prefetch)
+        for step, batch in enumerate(loader):
+            check_same(batch, _step_tree(dp, step), f"rank {rank} prefetch={prefetch} step {step}")
+            model_step(rank, step, tp)
+            extra = _step_tree(dp, 50 + step) if rank == tp_root else None
+            got = tc.broadcast(extra, tp_root, tp)
+            check_same(got, _step_tree(dp, 50 + step), f"rank {rank} tc.broadcast at {step}")
+            digests.append(digest(batch))
+        stats, whole = loader.stats(), sum(batch_nbytes(_step_tree(dp, s)) for s in range(3))
+        assert stats.steps == 3 and stats.bytes < whole / 2, (stats, whole)  # trimmed
+    return digests
+
+
 def _packed_loader_bytes(rank: int, world: int) -> dict[str, Any]:
     """The audio_padded batch through the loader, trim on and off: what each rank's
     ``loader.stats().bytes`` says, and that every rank got the batch bit for bit."""
@@ -271,3 +307,13 @@ def test_the_loader_sends_fewer_bytes_with_trim_on(pool2: Any) -> None:
         assert r[False] >= 2 * r["tensor_bytes"], (rank, r)  # two batches, every byte
         assert r[True] <= 0.6 * r[False], (rank, r)
     assert results[0][True] == results[1][True]
+
+
+def test_trimmed_batches_under_a_model_with_its_own_collectives(pool4: Any) -> None:
+    """Four ranks, a (dp=2, tp=2) mesh: trimmed batches whose sizes change every step
+    reach both ranks of each slot bit for bit at every prefetch, with the model's own
+    all_reduce and broadcast on the TP group after each batch and a trimmed
+    tc.broadcast on that group between; the slots' batches differ."""
+    results = pool4.run(_trimmed_under_a_model, timeout=TIMEOUT)
+    assert results[0] == results[1] and results[2] == results[3], results
+    assert results[0] != results[2]

@@ -285,7 +285,7 @@ def _decode(header: bytes | bytearray | memoryview) -> Decoded:
     if type(values) is not list:
         raise _fail("the small values are not a list")
     structure = Structure(nbytes, align, leaves, tokens, trimmed)
-    side_tables = _side_tables(trims, leaves)
+    side_tables = _side_tables(trims, leaves, nbytes + len(header))
     if trimmed:
         structure.program = _program(tokens, len(leaves))
     # Larger structures are not kept for the next header, nor those of trimmed leaves,
@@ -371,9 +371,11 @@ def _trimmed_indices(trims: Any, n_leaves: int) -> frozenset[int]:
     return frozenset(record[0] for record in trims)
 
 
-def _side_tables(trims: list[Any], leaves: list[Any]) -> dict[int, Trim] | None:
+def _side_tables(trims: list[Any], leaves: list[Any], travelled: int) -> dict[int, Trim] | None:
     """The trims' side tables by leaf index, each checked against its leaf's row (whose
-    kind, dtype code and shape are valid); their full leaves within the buffer cap."""
+    kind, dtype code and shape are valid); their full leaves within the buffer cap, and
+    within a bounded multiple of the ``travelled`` bytes and the rebuild limit
+    (``untrim.check_rebuild``)."""
     if not trims:
         return None
     tables = {}
@@ -387,6 +389,10 @@ def _side_tables(trims: list[Any], leaves: list[Any]) -> dict[int, Trim] | None:
         if full > MAX_BUFFER_BYTES:
             raise _fail(f"the trimmed leaves rebuild to over {MAX_BUFFER_BYTES} bytes")
         tables[i] = table
+    try:
+        _untrim.check_rebuild(full, travelled)
+    except ValueError as e:  # the limit's variable is set wrong: say so as the header's
+        raise _fail(str(e)) from None
     return tables
 
 

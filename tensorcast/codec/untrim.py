@@ -10,18 +10,73 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from tensorcast._errors import HeaderError
-from tensorcast.codec.trim import _WORD, MAX_LEAF_BYTES, Trim, _flat_bytes, _sizes, _words
+from tensorcast.codec.trim import (
+    _WORD,
+    MAX_LEAF_BYTES,
+    MAX_REBUILD_RATIO,
+    Trim,
+    _flat_bytes,
+    _sizes,
+    _words,
+)
 
-__all__ = ["rebuild", "validate"]
+__all__ = ["REBUILD_LIMIT", "REBUILD_LIMIT_ENV", "check_rebuild", "rebuild", "validate"]
 
 _HEX = re.compile(r"(?:[0-9a-f]{2})+")
+
+#: the environment variable that sets :func:`rebuild_limit`, in bytes
+REBUILD_LIMIT_ENV = "TENSORCAST_REBUILD_LIMIT"
+#: the most bytes one header's trimmed leaves rebuild to, unless the environment says
+REBUILD_LIMIT = 16 << 30
+
+
+def rebuild_limit() -> int:
+    """The most bytes one header's trimmed leaves may rebuild to on this process:
+    ``TENSORCAST_REBUILD_LIMIT`` when set (bytes), else :data:`REBUILD_LIMIT`.
+
+    Raises:
+        ValueError: the variable is set but not a non-negative int.
+    """
+    raw = os.environ.get(REBUILD_LIMIT_ENV)
+    if raw is None:
+        return REBUILD_LIMIT
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = -1
+    if limit < 0:
+        raise ValueError(f"{REBUILD_LIMIT_ENV} must be a number of bytes, got {raw!r}")
+    return limit
+
+
+def check_rebuild(full: int, travelled: int, limit: int | None = None) -> None:
+    """Refuse a header whose trimmed leaves rebuild to ``full`` bytes when ``travelled``
+    bytes (its buffer and the header) came: over :data:`MAX_REBUILD_RATIO` times them, or
+    over ``limit`` (default :func:`rebuild_limit`). Checked before anything is allocated.
+
+    Raises:
+        HeaderError: over either bound.
+    """
+    if full > MAX_REBUILD_RATIO * travelled:
+        raise _invalid(
+            f"the trimmed leaves rebuild to {full} bytes from {travelled} bytes that "
+            f"travelled, over {MAX_REBUILD_RATIO} times them"
+        )
+    limit = rebuild_limit() if limit is None else limit
+    if full > limit:
+        raise _invalid(
+            f"the trimmed leaves rebuild to {full} bytes, over this process's limit of "
+            f"{limit} bytes: set {REBUILD_LIMIT_ENV} (bytes) higher for larger batches"
+        )
 
 
 def validate(
@@ -151,25 +206,31 @@ def rebuild(
     return out
 
 
+# Rows at least this long are copied one view a row (few rows for their bytes, which the
+# header's bounds cap); shorter ones through an index, in chunks of rows whose scratch
+# (an int64 index on a host; a mask and its int64 prefix sum on a device) stays bounded
+# whatever the leaf.
+_LONG_ROW_BYTES = 64 << 10
+_HOST_CHUNK = 1 << 20  # elements gathered per chunk on a host
+_DEVICE_CHUNK = 1 << 22  # elements masked per chunk on a device (or one row, if longer)
+
+
 def _rebuild_split(stored: torch.Tensor, out: torch.Tensor, trim: Trim) -> None:
-    """On a host: one ``split`` of the output into (prefix, run) pieces, then the runs
-    zeroed (one zero element) or every element filled, and the prefixes copied, one
-    memcpy a row inside torch: the bytes move at memory speed, each row costs its views."""
+    """On a host. Long rows: one ``split`` of the output into (prefix, run) pieces, the
+    runs zeroed (one zero element) or every element filled, and the prefixes copied, a
+    memcpy a row. Short rows: every element filled, then the prefixes gathered through a
+    flat index, a chunk of rows at a time: no Python object a row."""
     isz = trim.itemsize
-    pieces = _flat_bytes(_words(out)).split(_sizes(trim.kept, trim.row_len, isz)[1])
-    if trim.which is None and not any(trim.elements):
-        torch._foreach_zero_(list(pieces[1::2]))  # write the runs alone
-    else:
-        _fill(_row_view(out, trim), trim)
-    if trim.nbytes:
-        kept_bytes = list(map(isz.__mul__, trim.kept))
-        torch._foreach_copy_(list(pieces[::2]), list(stored.split(kept_bytes)))
-
-
-def _rebuild_masked(stored: torch.Tensor, out: torch.Tensor, trim: Trim) -> None:
-    """On a device: every element filled, then the prefixes scattered through a mask of
-    the kept elements made from the kept lengths (one small upload, no host sync). A few
-    kernels whatever the rows, where per-row views would cost the host a few us each."""
+    if trim.row_len * isz >= _LONG_ROW_BYTES:
+        pieces = _flat_bytes(_words(out)).split(_sizes(trim.kept, trim.row_len, isz)[1])
+        if trim.which is None and not any(trim.elements):
+            torch._foreach_zero_(list(pieces[1::2]))  # write the runs alone
+        else:
+            _fill(_row_view(out, trim), trim)
+        if trim.nbytes:
+            kept_bytes = list(map(isz.__mul__, trim.kept))
+            torch._foreach_copy_(list(pieces[::2]), list(stored.split(kept_bytes)))
+        return
     words = _row_view(out, trim)
     if trim.which is None and not any(trim.elements):
         words.zero_()
@@ -177,13 +238,57 @@ def _rebuild_masked(stored: torch.Tensor, out: torch.Tensor, trim: Trim) -> None
         _fill(words, trim)
     if not trim.nbytes:
         return
-    kept = _upload(torch.tensor(trim.kept, dtype=torch.int64), out.device)
-    mask = torch.arange(trim.row_len, device=out.device) < kept.unsqueeze(1)
-    if words.dim() == 3:
-        mask = mask.unsqueeze(2)  # both words of an element
+    n = trim.row_len
+    pair = words.shape[2:]
+    dst = words.numpy().reshape(-1, *pair)
+    src = stored.numpy().view(dst.dtype).reshape(-1, *pair)
+    for r0, r1, s0, s1, kept in _chunks(trim, _HOST_CHUNK):
+        starts = np.cumsum(kept) - kept  # each row's first element within the chunk
+        rows = np.arange(r0, r1, dtype=np.int64) * n
+        dst[np.repeat(rows - starts, kept) + np.arange(s1 - s0)] = src[s0:s1]
+
+
+def _chunks(trim: Trim, most: int) -> Iterator[tuple[int, int, int, int, np.ndarray]]:
+    """The rows cut into chunks of about ``most`` elements (a row longer than that alone):
+    ``(first row, end row, first stored element, end stored element, kept lengths)``."""
+    kept = trim.row_len - np.asarray(trim.runs, dtype=np.int64)
+    per_chunk = max(1, most // max(trim.row_len, 1))
+    ends = np.cumsum(kept)
+    rows = len(kept)
+    for r0 in range(0, rows, per_chunk):
+        r1 = min(rows, r0 + per_chunk)
+        s1 = int(ends[r1 - 1])
+        part = kept[r0:r1]
+        yield r0, r1, s1 - int(part.sum()), s1, part
+
+
+def _rebuild_masked(stored: torch.Tensor, out: torch.Tensor, trim: Trim) -> None:
+    """On a device: every element filled, then the prefixes scattered through a mask of
+    the kept elements made from the kept lengths (one small upload, no host sync), a chunk
+    of rows at a time: a few kernels a chunk, where per-row views would cost the host a few
+    us each, and scratch bounded whatever the leaf (``masked_scatter_`` takes an int64
+    prefix sum of its mask)."""
+    words = _row_view(out, trim)
+    if trim.which is None and not any(trim.elements):
+        words.zero_()
+    else:
+        _fill(words, trim)
+    if not trim.nbytes:
+        return
     if stored.storage_offset() % words.element_size():
         stored = stored.clone()  # a view as words needs their alignment
-    words.masked_scatter_(mask, stored.view(words.dtype))
+    values = stored.view(words.dtype)
+    if words.dim() == 3:
+        values = values.view(-1, 2)
+    kept = _upload(torch.tensor(trim.kept, dtype=torch.int64), out.device)
+    columns = torch.arange(trim.row_len, device=out.device)
+    for r0, r1, s0, s1, _ in _chunks(trim, _DEVICE_CHUNK):
+        if s0 == s1:
+            continue
+        mask = columns < kept[r0:r1].unsqueeze(1)
+        if words.dim() == 3:
+            mask = mask.unsqueeze(2)  # both words of an element
+        words[r0:r1].masked_scatter_(mask, values[s0:s1])
 
 
 def _upload(small: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -61,10 +61,10 @@ source, :func:`decode` and the :class:`Decoded` header it returns on the receive
 from __future__ import annotations
 
 from tensorcast.codec.build import Decoded
-from tensorcast.codec.encode import Encoded, Encoder
+from tensorcast.codec.encode import Encoded, Encoder, check_trim
 from tensorcast.codec.packed import Packed, resolve_device, unpack
 from tensorcast.codec.schema import FORMAT_VERSION, MAX_HEADER_BYTES, PREFIX_BYTES, decode
-from tensorcast.codec.views import KeepsViews, Repad
+from tensorcast.codec.views import Repad, Reuses
 
 __all__ = [
     "FORMAT_VERSION",
@@ -73,9 +73,10 @@ __all__ = [
     "Decoded",
     "Encoded",
     "Encoder",
-    "KeepsViews",
     "Packed",
     "Repad",
+    "Reuses",
+    "check_trim",
     "decode",
     "resolve_device",
     "unpack",

@@ -25,9 +25,8 @@ from tensorcast.codec import registry as _registry
 from tensorcast.codec.dtypes import NUMPY_CODES
 from tensorcast.codec.paths import Path, render_path
 from tensorcast.codec.views import (
-    KeepsViews,
     Repad,
-    ReusesOutputs,
+    Reuses,
     ViewSpec,
     host_block,
     leaf_views,
@@ -134,9 +133,8 @@ class Decoded:
     def rebuild(
         self,
         buffer: torch.Tensor,
-        kept: KeepsViews | None = None,
+        reuse: Reuses | None = None,
         host: torch.Tensor | None = None,
-        outputs: ReusesOutputs | None = None,
         later: list[Repad] | None = None,
     ) -> Any:
         """The tree, its leaves viewing ``buffer`` (numpy leaves: CPU views of it), but
@@ -144,12 +142,12 @@ class Decoded:
 
         Args:
             buffer: the buffer of ``nbytes`` bytes, on any device.
-            kept: what keeps the views of ``buffer``, when it came from there: the
-                tensor leaves are then fresh tensors on views it kept.
+            reuse: what keeps the views of ``buffer``, when it came from there (the
+                tensor leaves are then fresh tensors on views it kept), and hands out
+                the memory trimmed leaves are rebuilt into (:class:`Reuses`); default
+                views made anew and fresh memory.
             host: the host block of the leaves that are not tensors (:meth:`host_block`),
                 when ``buffer`` is on a GPU: they are then read from it, not copied back.
-            outputs: where trimmed leaves are rebuilt into, reused once the caller let
-                go of the last ones (:class:`ReusesOutputs`); default fresh memory.
             later: where the trimmed leaves' re-pads are left to run before the tree is
                 read, their memory taken (``codec.views.untrimmed``); default: run now.
 
@@ -161,9 +159,7 @@ class Decoded:
         if program is None or consts is None:
             program, consts = self.compiled()
         spec = structure.view_spec or self._view_spec()
-        leaves = leaf_views(
-            spec, len(structure.leaves), buffer, kept, host, self.trims, outputs, later
-        )
+        leaves = leaf_views(spec, len(structure.leaves), buffer, reuse, host, self.trims, later)
         return run(program, leaves, consts)
 
     def host_block(self, buffer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -22,12 +22,13 @@ import torch
 
 from tensorcast.codec import schema as _schema
 from tensorcast.codec import trim as _trim
-from tensorcast.codec.build import run
+from tensorcast.codec.build import compile_tokens, run
 from tensorcast.codec.flatten import BufferLeaf, flatten
 from tensorcast.codec.layout import DEFAULT_ALIGN, KIND, Layout, lay_out
-from tensorcast.codec.views import KeepsViews, Repad, ReusesOutputs, leaf_views, untrimmed
+from tensorcast.codec.paths import render_path
+from tensorcast.codec.views import Repad, Reuses, leaf_views, untrimmed
 
-__all__ = ["Encoded", "Encoder", "encode"]
+__all__ = ["Encoded", "Encoder", "check_trim", "encode"]
 
 _MEMSET_BELOW = 1 << 20
 _MEMSET_ABOVE_LEAVES = 64
@@ -111,8 +112,17 @@ class Encoded:
             _write_others(buffer, spec.others, leaves, host)
         for i, (kind, _code, _shape, off, n) in spec.trimmed:
             if others or kind != "ndarray":  # else from the host block (upload_others)
-                _trim.compact_into(buffer[off : off + n], leaves[i][3], self.trims[i].kept)  # type: ignore[index]
+                self._compact(buffer[off : off + n], i)
         return views
+
+    def _compact(self, out: torch.Tensor, i: int) -> None:
+        """Write trimmed leaf ``i``'s prefixes into ``out``; an error names the leaf."""
+        try:
+            _trim.compact_into(out, self.leaves[i][3], self.trims[i].kept)  # type: ignore[index]
+        except (RuntimeError, ValueError) as e:
+            _, paths = compile_tokens(self.layout.tokens, len(self.leaves), want_paths=True)
+            where = render_path(paths[i]) if paths else f"leaf {i}"
+            raise type(e)(f"writing the trimmed leaf at {where} failed: {e}") from e
 
     @property
     def host_nbytes(self) -> int | None:
@@ -125,20 +135,19 @@ class Encoded:
     def write_tree(
         self,
         buffer: torch.Tensor,
-        kept: KeepsViews | None = None,
-        outputs: ReusesOutputs | None = None,
+        reuse: Reuses | None = None,
         later: list[Repad] | None = None,
     ) -> Any:
         """Write the batch into ``buffer`` and return its tree as the receivers rebuild
-        it: leaves that view ``buffer`` (fresh tensors on views ``kept`` keeps, when
+        it: leaves that view ``buffer`` (fresh tensors on views ``reuse`` keeps, when
         ``buffer`` came from there), plain tensors even for leaves that require grad;
-        trimmed leaves rebuilt from ``buffer`` (into ``outputs``' memory, if given; with
+        trimmed leaves rebuilt from ``buffer`` (into ``reuse``'s memory, if given; with
         ``later``, their re-pads are left in it to run, as ``codec.views.untrimmed``
         says)."""
         spec = self.layout.write_spec
         with torch.no_grad():  # copies of leaves that require grad stay out of autograd
-            tensor_views = self.write(buffer, views=spec.kept_views(buffer, kept))
-        return self._tree(self._leaf_values(buffer, tensor_views, outputs, later))
+            tensor_views = self.write(buffer, views=spec.kept_views(buffer, reuse))
+        return self._tree(self._leaf_values(buffer, tensor_views, reuse, later))
 
     def view_tree(self, buffer: torch.Tensor) -> Any:
         """The tree of a buffer this batch was written into (a copy of one, elsewhere)."""
@@ -158,7 +167,7 @@ class Encoded:
                 src = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
                 dst[pos : pos + n].view(src.dtype).reshape(src.shape)[...] = src
         for i, (pos, n) in spec.host_trimmed.items():  # a trimmed ndarray: its prefixes
-            _trim.compact_into(out[pos : pos + n], self.leaves[i][3], self.trims[i].kept)  # type: ignore[index]
+            self._compact(out[pos : pos + n], i)
         return out[: spec.host_nbytes]
 
     def device_tree(
@@ -190,7 +199,7 @@ class Encoded:
         self,
         buffer: torch.Tensor,
         tensor_views: list[torch.Tensor],
-        outputs: ReusesOutputs | None = None,
+        reuse: Reuses | None = None,
         later: list[Repad] | None = None,
     ) -> list[Any]:
         """The leaf values the receivers will see, built from what :meth:`write` returned."""
@@ -204,7 +213,7 @@ class Encoded:
         for i, (kind, code, shape, off, n) in spec.trimmed:
             stored = buffer[off : off + n]
             trim = self.trims[i]  # type: ignore[index]
-            values[i] = untrimmed(kind, code, shape, stored, trim, outputs, i, later)
+            values[i] = untrimmed(kind, code, shape, stored, trim, reuse, i, later)
         host: np.ndarray | None = None
         for i, (kind, _code, shape, off, _n) in spec.others:
             data = self.leaves[i][3]
@@ -262,6 +271,17 @@ def _write_others(
             buffer[off : off + n].copy_(staged)
 
 
+def check_trim(trim: object) -> bool:
+    """``trim`` itself when it is a ``bool``, what every entry point accepts.
+
+    Raises:
+        TypeError: anything else (None, 0, a string), with what was given.
+    """
+    if type(trim) is not bool:
+        raise TypeError(f"trim must be True or False, got {trim!r} of type {type(trim).__name__}")
+    return trim
+
+
 class Encoder:
     """Encodes one source's batches, one after another: while their structure repeats,
     the last batch's layout is reused and only the small values are encoded anew.
@@ -272,6 +292,7 @@ class Encoder:
 
     Raises:
         ValueError: ``align`` is not a power of two the format allows.
+        TypeError: ``trim`` is not a bool.
     """
 
     __slots__ = ("_align", "_layout", "_trim")
@@ -282,7 +303,7 @@ class Encoder:
                 f"align must be a power of two in [1, {_schema.MAX_ALIGN}], got {align!r}"
             )
         self._align = align
-        self._trim = trim
+        self._trim = check_trim(trim)
         #: the last batch's layout; it holds no tensors, so it keeps no batch alive
         self._layout: Layout | None = None
 
@@ -318,7 +339,7 @@ class Encoder:
             or layout.kinds != kinds
         ):
             layout = self._layout = lay_out(leaves, kinds, tokens, self._align, not loose)
-        if self._trim if trim is None else trim:
+        if self._trim if trim is None else check_trim(trim):
             # unknown receivers: the looser floor's candidates, then decided by the batch
             # worked out once per structure; steady state reads it without a call
             who = receiver or "device"
@@ -342,7 +363,11 @@ def _find_trims(
         receiver = "device" if first is not None and first.device.type == "cuda" else "host"
     trims = {}
     for i in candidates:
-        found = _trim.find(leaves[i][3], receiver=receiver)
+        try:
+            found = _trim.find(leaves[i][3], receiver=receiver)
+        except (RuntimeError, ValueError, TypeError):
+            # Trimming is an optimisation: a leaf its scan cannot read travels whole.
+            found = None
         if found is not None:
             trims[i] = found
     return trims or None

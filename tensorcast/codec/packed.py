@@ -108,6 +108,7 @@ def pack(
     Raises:
         UnsupportedLeafError: a leaf cannot travel; the message names its path.
         ValueError: bad ``align``, tensors on more than one device, a cyclic tree.
+        TypeError: ``trim`` is not a bool.
     """
     asked = resolve_device(device)
     receiver = None if asked is None else "device" if asked.type == "cuda" else "host"

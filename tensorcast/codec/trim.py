@@ -73,6 +73,7 @@ __all__ = [
     "HOST_MIN_SHARE",
     "HOST_ROW_BYTES",
     "MAX_LEAF_BYTES",
+    "MAX_REBUILD_RATIO",
     "MIN_RUN_BYTES",
     "MIN_SAVED_BYTES",
     "MIN_SAVED_FRACTION",
@@ -103,6 +104,10 @@ HOST_MIN_SAVED_BYTES = 256 << 10
 HOST_ROW_BYTES = 24 << 10
 #: the largest full leaf a side table may describe (the format's buffer cap)
 MAX_LEAF_BYTES = 1 << 44
+#: a header's trimmed leaves rebuild to at most this many times the bytes that travelled
+#: (its buffer and the header itself): the encoder trims no leaf past it, receivers refuse
+#: a header past it (``untrim.check_rebuild``, ``docs/format.md``)
+MAX_REBUILD_RATIO = 1024
 #: where the receivers rebuild a trimmed leaf (see :func:`decide`)
 RECEIVERS = ("host", "device")
 
@@ -202,11 +207,21 @@ def _check_receiver(receiver: str) -> None:
 
 
 def _tensor(leaf: Any) -> torch.Tensor:
-    """``leaf`` as a tensor sharing its memory (an ndarray: a torch view of it; a
-    read-only ndarray is copied, as torch cannot wrap it without a warning)."""
+    """``leaf`` as a tensor of the bits ``trim=False`` would store, sharing its memory
+    where torch can: a copy of a read-only ndarray (torch cannot wrap it without a
+    warning), of one whose strides are negative or not a multiple of its itemsize (a
+    flipped array, a field of a packed structured array), and of a conjugate or
+    negative-bit view (whose bits are not its values). Copying is cheaper than leaving
+    such a leaf whole: one pass over host memory, where its padding would travel."""
     if isinstance(leaf, np.ndarray):
-        return torch.from_numpy(leaf if leaf.flags.writeable else leaf.copy())
-    return leaf.detach()
+        isz = leaf.itemsize
+        if not leaf.flags.writeable or any(st < 0 or st % isz for st in leaf.strides):
+            leaf = np.ascontiguousarray(leaf).copy() if leaf.flags.writeable else leaf.copy()
+        return torch.from_numpy(leaf)
+    t = leaf.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -296,7 +311,11 @@ def _pick(leaf: Any, shape: tuple[int, ...], positions: np.ndarray) -> np.ndarra
         picked = _words(torch.from_numpy(leaf[index]))  # a new array
     else:  # through the integer view: not every dtype can be indexed (float4)
         index = (slice(None), *map(torch.from_numpy, coords))
-        picked = _words(leaf.detach())[index]
+        t = leaf.detach()
+        if t.is_conj() or t.is_neg():  # its bits are not its values: index, then resolve
+            picked = _words(t[index].resolve_conj().resolve_neg())
+        else:
+            picked = _words(t)[index]
     return picked.cpu().numpy()
 
 
@@ -401,8 +420,10 @@ def decide(runs: Runs, *, receiver: str = "host") -> Trim | None:
     _check_receiver(receiver)
     table = side_table(runs)
     full = table.full_nbytes
-    saved = full - table.nbytes - len(_dumps(table.record()))
-    return table if _pays(saved, full, len(table.runs), receiver) else None
+    travels = table.nbytes + len(_dumps(table.record()))
+    if full > MAX_REBUILD_RATIO * travels:  # receivers would refuse it: it travels whole
+        return None
+    return table if _pays(full - travels, full, len(table.runs), receiver) else None
 
 
 def find(leaf: Any, *, receiver: str = "host") -> Trim | None:

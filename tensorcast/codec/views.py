@@ -3,7 +3,7 @@
 A :class:`ViewSpec` is worked out once per distinct leaf table; a receiver's rebuild
 (``codec.build.Decoded``) and the sender's write (``codec.encode``) both go through one.
 A trimmed leaf is no view: :func:`leaf_views` rebuilds it from its stored bytes
-(``codec.untrim``), into memory a :class:`ReusesOutputs` hands out when there is one.
+(``codec.untrim``), into memory a :class:`Reuses` hands out when there is one.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ if TYPE_CHECKING:
     from tensorcast.codec.trim import Trim
 
 __all__ = [
-    "KeepsViews",
     "Repad",
-    "ReusesOutputs",
+    "Reuses",
     "ViewSpec",
     "host_block",
     "leaf_views",
@@ -34,26 +33,24 @@ __all__ = [
 ]
 
 
-class KeepsViews(Protocol):
-    """What keeps the views of the buffers it hands out, to hand them out again as fresh
-    tensors when the same buffer is viewed the same way (the transport's kept views do)."""
+class Reuses(Protocol):
+    """What reuses the memory a tree is built on, once nobody can see it (the transport's
+    ``Keeper``, NOTE [ Memory handed out ] in ``transport/pool.py``)."""
 
     def views(
         self,
         buffer: torch.Tensor,
         key: Hashable,
         make: Callable[[torch.Tensor], list[torch.Tensor]],
-    ) -> list[torch.Tensor]: ...
+    ) -> list[torch.Tensor]:
+        """Fresh tensors on the views ``make(buffer)`` made the last time this buffer was
+        viewed as ``key``, when the buffer is one it keeps views for; else ``make(buffer)``."""
+        ...
 
-
-class ReusesOutputs(Protocol):
-    """What hands out the memory trimmed leaves are rebuilt into: a contiguous host tensor
-    of ``shape`` and ``dtype`` for leaf ``index``, reused once the caller has let go of the
-    one it had before (the transport's kept outputs do), else None (fresh memory)."""
-
-    def output(
-        self, index: int, shape: tuple[int, ...], dtype: torch.dtype
-    ) -> torch.Tensor | None: ...
+    def output(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A contiguous host tensor of ``shape`` and ``dtype`` to rebuild trimmed leaf
+        ``index`` into (reused memory), or None for fresh memory."""
+        ...
 
 
 _MAX_ITEMSIZE = max(CODE_ITEMSIZE.values())
@@ -161,12 +158,12 @@ class ViewSpec:
         shift = {code: base_offset // isz for code, isz in self.codes.items()}
         return [as_strided(bases[c], sh, st, o + shift[c]) for c, sh, st, o in self.specs]
 
-    def kept_views(self, buffer: torch.Tensor, kept: KeepsViews | None) -> list[torch.Tensor]:
-        """:meth:`tensor_views`, as fresh tensors on views ``kept`` keeps for ``buffer``
-        when it came from there (:class:`KeepsViews`)."""
-        if kept is None:
+    def kept_views(self, buffer: torch.Tensor, reuse: Reuses | None) -> list[torch.Tensor]:
+        """:meth:`tensor_views`, as fresh tensors on views ``reuse`` keeps for ``buffer``
+        when it came from there (:class:`Reuses`)."""
+        if reuse is None:
             return self.tensor_views(buffer)
-        return kept.views(buffer, (self, buffer.storage_offset()), self.tensor_views)
+        return reuse.views(buffer, (self, buffer.storage_offset()), self.tensor_views)
 
 
 def host_block(spec: ViewSpec, buffer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -182,14 +179,13 @@ def leaf_views(
     spec: ViewSpec,
     count: int,
     buffer: torch.Tensor,
-    kept: KeepsViews | None = None,
+    reuse: Reuses | None = None,
     host: torch.Tensor | None = None,
     trims: Mapping[int, Trim] | None = None,
-    outputs: ReusesOutputs | None = None,
     later: list[Repad] | None = None,
 ) -> list[Any]:
     """The ``count`` buffer leaves ``spec`` describes, as views into ``buffer`` (fresh
-    tensors on views ``kept`` keeps, when it came from there).
+    tensors on views ``reuse`` keeps, when it came from there).
 
     The leaves that are not tensors (numpy arrays, bytes, str) come from ``host`` when
     given: a host block of their bytes alone (``spec.host_spans``), which a buffer on a
@@ -197,13 +193,13 @@ def leaf_views(
     bytes of trimmed ndarray leaves, which are rebuilt on the host.
 
     Trimmed leaves (``trims``, by leaf index) are rebuilt from their stored bytes on
-    ``buffer``'s device (arrays on the CPU), into ``outputs``' memory when given; with
+    ``buffer``'s device (arrays on the CPU), into ``reuse``'s memory when given; with
     ``later``, their memory is taken now and their re-pads appended to it, to be run
     before the tree is read (see :func:`untrimmed`).
     """
     if buffer.storage_offset() % _MAX_ITEMSIZE:
         buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
-    tensors = spec.kept_views(buffer, kept)
+    tensors = spec.kept_views(buffer, reuse)
     if not spec.others and not spec.trimmed:
         return tensors
     values = spec.placed(tensors, count)
@@ -216,7 +212,7 @@ def leaf_views(
                 stored = host[pos : pos + n]
             else:
                 stored = buffer[off : off + n]
-            values[i] = untrimmed(kind, code, shape, stored, trims[i], outputs, i, later)
+            values[i] = untrimmed(kind, code, shape, stored, trims[i], reuse, i, later)
     if not spec.others:
         return values
     if host is not None:
@@ -245,12 +241,12 @@ def untrimmed(
     shape: Any,
     stored: torch.Tensor,
     trim: Trim,
-    outputs: ReusesOutputs | None,
+    reuse: Reuses | None,
     index: int,
     later: list[Repad] | None = None,
 ) -> Any:
     """A trimmed leaf rebuilt from its ``stored`` prefixes: a tensor on their device (into
-    ``outputs``' memory on a host), an array on the CPU.
+    ``reuse``'s memory on a host), an array on the CPU.
 
     With ``later``, only its memory is taken now: the re-pad, a write of the whole leaf,
     is appended to ``later`` for the caller to run before anyone reads the leaf (a
@@ -259,16 +255,22 @@ def untrimmed(
     """
     shape = tuple(shape)
     result: Any
-    if kind == "ndarray":
-        out = torch.from_numpy(np.empty(shape, numpy_dtype(code)))
-        dtype, result = out.dtype, out.numpy()
-    else:
-        dtype = torch_dtype(code)
-        into = (
-            outputs.output(index, shape, dtype) if outputs is not None and stored.is_cpu else None
-        )
-        out = torch.empty(shape, dtype=dtype, device=stored.device) if into is None else into
-        result = out
+    try:
+        if kind == "ndarray":
+            out = torch.from_numpy(np.empty(shape, numpy_dtype(code)))
+            dtype, result = out.dtype, out.numpy()
+        else:
+            dtype = torch_dtype(code)
+            into = None
+            if reuse is not None and stored.is_cpu:
+                into = reuse.output(index, shape, dtype)
+            out = torch.empty(shape, dtype=dtype, device=stored.device) if into is None else into
+            result = out
+    except (RuntimeError, MemoryError) as e:  # torch's out of memory is a RuntimeError
+        raise HeaderError(
+            f"the header's trimmed leaf {index} ({code} of shape {list(shape)}) could not be "
+            f"allocated: {type(e).__name__}: {e}"
+        ) from None
     repad = Repad(out, functools.partial(_untrim.rebuild, stored, shape, dtype, trim, out=out))
     if later is None:
         repad()

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tensorcast._errors import SourceError
+from tensorcast.codec import check_trim
 from tensorcast.loader import mesh as _mesh
 from tensorcast.loader.args import distributed, output_device, to_timedelta
 from tensorcast.transport import groups as _groups
@@ -79,7 +80,9 @@ def broadcast(
         SourceError: on receivers, when the source could not encode its tree.
         DesyncError: the ranks disagree on ``src`` the first time it is used.
         PeerError: a peer died or did not answer within the timeout.
+        TypeError: ``trim`` is not a bool.
     """
+    check_trim(trim)
     if not (_AVAILABLE and dist.is_initialized()):  # inline: no call on a tiny batch's path
         raise RuntimeError(
             "tensorcast.broadcast needs torch.distributed: call "
@@ -172,8 +175,9 @@ def broadcast_batch(
     Every rank of the mesh must make the first call together (it sets up the groups).
     ``timeout`` (seconds or a timedelta) bounds every wait of the call, the first call's
     setup included; None means the default process group's timeout. ``trim`` as for
-    ``tc.broadcast``.
+    ``tc.broadcast`` (a ``TypeError`` unless a bool, on every rank, no-op or not).
     """
+    check_trim(trim)
     wait = to_timedelta(timeout)
     if not distributed():
         return batch

@@ -12,7 +12,8 @@ and ``exits`` stops the lanes' threads and the others (NOTE [ Interpreter exit ]
 Each batch travels as one *frame* (``frame``: its prefix, how both sides cut it into
 messages, and the promise rule), through the codec's face (``tensorcast.codec``) on each
 end. ``wire`` is the small per-backend interface the collectives sit behind (gloo,
-NCCL), ``pool`` the reused buffers and ``kept`` the views they keep, ``liveness`` and
+NCCL), ``pool`` the memory handed out and reused under one rule (buffers, first
+messages, the views they keep, rebuilt trimmed leaves), ``liveness`` and
 ``diagnosis`` the source's heartbeat and what a receiver says of a silent source, and
 ``device`` a frame's GPU side, posted and taken by the caller (NOTE [ Device work at
 next() ]), made by ``staging`` on the lane's thread. ``docs/design.md``, "One

@@ -279,9 +279,11 @@ def cut_frame(
     )
 
 
-def crc32(buffer: torch.Tensor) -> int:
-    """The CRC32 of a payload's bytes (``Flags.CRC``), 0 for an empty one."""
-    return zlib.crc32(buffer.cpu().numpy().data) if buffer.numel() else 0
+def crc32(buffer: torch.Tensor, header: bytes = b"") -> int:
+    """The CRC32 of a frame's header then its payload's bytes (``Flags.CRC``): the header
+    carries what the payload alone does not (a trimmed leaf's run lengths and pads)."""
+    crc = zlib.crc32(header)
+    return zlib.crc32(buffer.cpu().numpy().data, crc) if buffer.numel() else crc
 
 
 # -- the cut of one side's frames, one after another -------------------------------------

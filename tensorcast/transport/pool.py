@@ -1,60 +1,217 @@
-"""Pools of reusable uint8 buffers, handed out again once nothing else holds them.
+"""Memory tensorcast hands out and takes back: pooled buffers, first messages, the views
+they keep, and the memory trimmed leaves are rebuilt into, under one rule for reuse.
 
 Writing a large batch into fresh memory costs more than its transfer (page faults), so
-both sides take payload buffers from a :class:`BufferPool`, and first messages from a
-:class:`FramePool`. A buffer is reused only when nothing but the pool holds its storage:
-every view handed to the caller holds a storage reference, so the storage's use count
-says whether the caller still holds any of it, and reuse needs no promise from the
-caller. Each buffer also keeps the views of the last layout it was viewed as, whose
-references count as the buffer's own (``transport.kept``, with their state table).
+both sides take payload buffers from a :class:`BufferPool`, first messages from a
+:class:`FramePool`, and the host memory of rebuilt trimmed leaves from their role's
+:class:`Keeper`, which also keeps the views a pooled buffer was last viewed as (with
+many small leaves, making one view per leaf is most of a rank's work on a batch) and is
+the codec's ``Reuses``. Every piece of it is written again only under
+NOTE [ Memory handed out ], whose rule is :func:`reusable`.
+
+# NOTE [ Memory handed out ]
+Memory whose views went to the caller (a payload buffer, a first message, a rebuilt
+trimmed leaf) is the caller's until nobody can see it any more. The pool keeps, for each
+piece, its storage object, the references it holds itself (``held``: the buffer, the
+storage, the kept views and the copies made ahead), and the storage's data pointer when
+it was pooled. :func:`reusable` is true only when
+
+- the storage's use count is ``held``: no tensor, numpy array (which holds the storage
+  through its base), DLPack capsule or slice of it is alive in this process;
+- the storage is not shared with another process: ``share_memory_()``, which a
+  ``torch.multiprocessing`` queue runs on every CPU tensor it sends, leaves it
+  ``is_shared()`` and mapped by the consumer, whose references this count never sees
+  (CUDA storages say ``is_shared()`` always; CUDA IPC keeps a reference in this process
+  while a consumer maps one, so the count sees them);
+- its bytes have not moved: ``share_memory_()`` copies them into shared memory and frees
+  the old block, so a raw pointer kept beside the tensor is stale after it.
+
+Anything else is *gone*: forgotten, never written again (it stays with whoever holds
+it). No raw pointer into pooled memory is kept: the host views of a first message are
+made from its tensor at each use. The life of one pooled piece:
+
+    ==========  ==============================  =========================================
+    state       what :func:`reusable` sees      what happens next
+    ==========  ==============================  =========================================
+    handed out  use count > ``held``            stays; the pool takes another piece
+    idle        use count == ``held``, not      handed out again (the least recently
+                shared, pointer unchanged       used idle piece past the pool's bound,
+                                                or one idle too long, is dropped)
+    gone        shared, or its bytes moved      forgotten at the next take, never
+                                                written again
+    ==========  ==============================  =========================================
+
+``held`` is lowered before a reference is dropped or handed to the caller and raised
+after one is made, so it never counts more than is there: a pool that reads it from
+another thread may see a piece busy a moment too long, never idle too early.
+
+*Bounded.* A pool keeps at most ``max_buffers`` pieces per device, each within twice
+the size it was taken for, and drops idle ones not reused within 64 takes: at most a
+small multiple of the largest batch, whatever the batches' shapes. The memory of
+rebuilt trimmed leaves is taken by size (a rounded capacity, viewed as the leaf's shape
+and dtype), so batches whose shapes change every step reuse it as they reuse buffers.
+
+# NOTE [ Views made ahead ]
+A pooled buffer keeps the views it was last viewed as, under a key naming the layout,
+and hands out ``detach()``-ed copies of them (:class:`KeptViews`). Making the copies is
+itself one ``detach()`` per leaf, so both sides make the next ones while a head is on the
+wire, where they would only wait: a receiver once it has posted the receive of the first
+message it is about to read, for the layout that message carried last; the source once it
+has posted its first message, for the next frame of the same layout that comes back to
+that message (its batch dropped by then). When the frame has that layout they are its
+leaves; when not, they are dropped. The life of one buffer's kept views, ``n`` views of
+the layout ``K`` (each holds a storage reference, counted in ``held``):
+
+    =====================  ====  ======  ==================================================
+    state                  key   held    what happens next
+    =====================  ====  ======  ==================================================
+    no views               None  0       ``views(K)``: made by the codec, kept -> kept
+    kept                   K     n       ``views(K)``: n fresh copies handed out (stays);
+                                         ``detach_ahead()``: n copies made -> ahead
+    kept + ahead           K     2n      ``views(K)``: the copies handed out -> kept;
+                                         ``drop_ahead()`` (the frame had another layout,
+                                         or none) -> kept
+    another key asked      K'    0       all dropped, then made for ``K'`` -> kept (n')
+    =====================  ====  ======  ==================================================
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 import torch
 
-from tensorcast.transport.kept import Keeper, KeptOutputs, KeptViews
-
-__all__ = ["BufferPool", "FirstMessage", "FramePool"]
+__all__ = ["BufferPool", "FirstMessage", "FramePool", "Keeper", "KeptViews", "reusable"]
 
 _MIN_CAPACITY = 4096
 _LARGE = 1 << 20
 _LARGE_RETRIES = 20
 _STALE_AFTER = 64  # takes without reuse after which an idle buffer is dropped
 _RETRY_SLEEP = 50e-6  # with _LARGE_RETRIES: about 1 ms at most before allocating anew
+#: the pieces a role keeps for its rebuilt trimmed leaves (leaves x batches held at once)
+OUTPUT_BUFFERS = 12
+
+_use_count = torch._C._storage_Use_Count
+_detach = torch.Tensor.detach
+_CPU = torch.device("cpu")
+
+
+def reusable(storage: torch.UntypedStorage, pointer: int, held: int) -> bool:
+    """Whether memory tensorcast handed out may be written again (NOTE [ Memory handed
+    out ]): nothing but its keeper's own ``held`` references holds ``storage`` in this
+    process, no other process maps it, and its bytes are still at ``pointer``, where they
+    were when it was pooled.
+
+    Args:
+        storage: the memory's storage object, kept by its keeper (one of the ``held``).
+        pointer: ``storage.data_ptr()`` when the memory was pooled.
+        held: the references the keeper holds itself (its tensor, the storage object,
+            any views it keeps).
+    """
+    return (
+        _use_count(storage._cdata) == held
+        and storage.data_ptr() == pointer
+        and (storage.device.type == "cuda" or not storage.is_shared())
+    )
+
+
+def _gone(storage: torch.UntypedStorage, pointer: int) -> bool:
+    """Whether pooled memory left the pool for good: shared, or its bytes moved."""
+    return storage.data_ptr() != pointer or (storage.device.type != "cuda" and storage.is_shared())
+
+
+class KeptViews:
+    """The views one pooled buffer was last viewed as, and copies of them made ahead
+    (NOTE [ Views made ahead ]).
+
+    Used by whichever thread holds the buffer, one at a time (the pool hands a buffer to
+    one taker).
+    """
+
+    __slots__ = ("ahead", "held", "kept", "key")
+
+    def __init__(self) -> None:
+        self.key: Hashable = None
+        self.kept: list[torch.Tensor] = []  # detached views: each holds a reference
+        self.ahead: list[torch.Tensor] | None = None  # see detach_ahead
+        #: the storage references held here: the kept views and the copies made ahead
+        self.held = 0
+
+    def views(
+        self,
+        buffer: torch.Tensor,
+        key: Hashable,
+        make: Callable[[torch.Tensor], list[torch.Tensor]],
+    ) -> list[torch.Tensor]:
+        """Fresh tensors on the views ``make(buffer)`` returned the last time ``key`` was
+        asked; ``buffer`` views the storage these views are kept for."""
+        ahead = self.ahead
+        if self.key != key:
+            self.held = 0  # lowered first (NOTE [ Memory handed out ])
+            self.ahead = None  # made for another key
+            self.kept = []
+            kept = [v.detach() for v in make(buffer)]
+            self.kept, self.key = kept, key
+            self.held = len(kept)
+        elif ahead is not None:
+            self.held = len(self.kept)  # handed to the caller
+            self.ahead = None
+            return ahead
+        return list(map(_detach, self.kept))
+
+    def detach_ahead(self) -> None:
+        """Make the fresh tensors of the kept views now, for the next :meth:`views` of the
+        same key, while a head is on the wire. Held here, they count as the buffer's own."""
+        kept = self.kept
+        if kept:
+            self.held = len(kept)
+            ahead = self.ahead = list(map(_detach, kept))
+            self.held = len(kept) + len(ahead)
+        elif self.ahead is not None:
+            self.drop_ahead()
+
+    def drop_ahead(self) -> None:
+        """Let go of the copies made ahead (the frame did not use them)."""
+        self.held = len(self.kept)
+        self.ahead = None
 
 
 class _Entry:
-    """A pooled buffer, the storage use count that means "nobody else holds it", and the
-    views it keeps (``transport.kept``).
+    """A pooled buffer, what it holds itself, where its bytes were, and the views it
+    keeps (NOTE [ Memory handed out ]).
 
-    The storage object is kept so a check is one cheap call: it holds one reference
+    The storage object is kept so a check is a few cheap calls: it holds one reference
     of its own, which ``_base`` includes.
     """
 
-    __slots__ = ("_base", "buffer", "capacity", "cdata", "kept", "last_used", "storage")
+    __slots__ = ("_base", "buffer", "capacity", "kept", "last_used", "pointer", "storage")
 
     def __init__(self, buffer: torch.Tensor, now: int):
         self.last_used = now
         self.buffer = buffer
         self.capacity = buffer.numel()
         self.storage = buffer.untyped_storage()
-        self.cdata = self.storage._cdata
+        self.pointer = self.storage.data_ptr()
         self.kept = KeptViews()
         self._base = self.use_count()  # the references of the buffer and its storage
 
+    @property
+    def cdata(self) -> int:
+        return int(self.storage._cdata)
+
     def use_count(self) -> int:
-        return int(_use_count(self.cdata))
+        return int(_use_count(self.storage._cdata))
 
     def is_idle(self) -> bool:
-        """Whether nothing but this entry (its buffer, storage and kept views) holds the
-        buffer's storage."""
-        return _use_count(self.cdata) == self._base + self.kept.held
+        """Whether the buffer may be written again (:func:`reusable`)."""
+        return reusable(self.storage, self.pointer, self._base + self.kept.held)
+
+    def is_gone(self) -> bool:
+        """Whether the buffer left the pool for good: shared, or its bytes moved."""
+        return _gone(self.storage, self.pointer)
 
 
 def _capacity(nbytes: int) -> int:
@@ -65,41 +222,100 @@ def _capacity(nbytes: int) -> int:
     return p * 3 // 4 if nbytes <= p * 3 // 4 else p
 
 
-class BufferPool:
-    """Buffers bucketed by capacity, reused once no view of them is alive.
+class Keeper:
+    """One role's reuse of what it hands out (NOTE [ Memory handed out ]): the kept views
+    of its pooled buffers and first messages, found from any slice of one (by its
+    storage), and the host memory its trimmed leaves are rebuilt into. The codec's
+    ``Reuses``; a buffer that is not the role's gets its views made anew.
 
     Args:
-        max_buffers: how many idle buffers to keep per device; older ones are dropped.
+        max_outputs: the pieces of memory kept for rebuilt trimmed leaves.
+    """
+
+    __slots__ = ("__weakref__", "_by_storage", "_max_outputs", "_outputs")
+
+    def __init__(self, *, max_outputs: int = OUTPUT_BUFFERS) -> None:
+        self._by_storage: dict[int, KeptViews] = {}  # storage cdata -> its kept views
+        self._max_outputs = max_outputs
+        self._outputs: BufferPool | None = None  # made at the first trimmed leaf
+
+    def add(self, cdata: int, kept: KeptViews) -> None:
+        self._by_storage[cdata] = kept
+
+    def forget(self, cdata: int, kept: KeptViews) -> None:
+        if self._by_storage.get(cdata) is kept:
+            del self._by_storage[cdata]
+
+    def views(
+        self,
+        buffer: torch.Tensor,
+        key: Hashable,
+        make: Callable[[torch.Tensor], list[torch.Tensor]],
+    ) -> list[torch.Tensor]:
+        """:meth:`KeptViews.views` of the pooled buffer ``buffer`` views; ``key`` must name
+        everything the views depend on but the storage (the layout, and where ``buffer``
+        starts in it)."""
+        kept = self._by_storage.get(buffer.untyped_storage()._cdata)
+        if kept is None:
+            return make(buffer)
+        return kept.views(buffer, key, make)
+
+    def output(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous host tensor of ``shape`` and ``dtype`` for trimmed leaf ``index``:
+        a view of pooled memory taken by size, reused once nobody can see it."""
+        outputs = self._outputs
+        if outputs is None:
+            outputs = self._outputs = BufferPool(
+                max_buffers=self._max_outputs, keeper=self, wait=False
+            )
+        numel = 1
+        for d in shape:
+            numel *= d
+        return outputs.take(numel * dtype.itemsize, _CPU).view(dtype).view(shape)
+
+
+class BufferPool:
+    """Buffers bucketed by capacity, reused under NOTE [ Memory handed out ].
+
+    Args:
+        max_buffers: how many buffers to keep per device; the least recently used idle
+            one past it is dropped (a busy one stays with its user).
         allocate: ``allocate(nbytes)`` makes a host buffer (pinned staging for a GPU);
             by default plain memory on the device asked for.
+        keeper: where the buffers' kept views are found (:class:`Keeper`); default one of
+            the pool's own.
+        wait: wait up to about 1 ms for a large busy buffer to come back (gloo's worker
+            lets go of a finished broadcast's tensor just after ``wait()`` returns).
     """
 
     def __init__(
-        self, *, max_buffers: int = 6, allocate: Callable[[int], torch.Tensor] | None = None
+        self,
+        *,
+        max_buffers: int = 6,
+        allocate: Callable[[int], torch.Tensor] | None = None,
+        keeper: Keeper | None = None,
+        wait: bool = True,
     ) -> None:
         self._max_buffers = max_buffers
         self._allocate_host = allocate
+        self._wait = wait
         self._lock = threading.Lock()
         self._takes = 0  # a clock: how many takes this pool has served
         # key -> entries, most recently used last
         self._buffers: dict[torch.device, list[_Entry]] = {}
-        #: the kept views of this pool's buffers: the codec's ``KeepsViews`` for them
-        self.kept = Keeper()
-        #: host tensors that trimmed leaves are rebuilt into (NOTE [ Kept outputs ])
-        self.outputs = KeptOutputs()
+        #: the kept views of this pool's buffers: the codec's ``Reuses`` for them
+        self.kept = Keeper() if keeper is None else keeper
 
     def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A 1-D uint8 tensor of exactly ``nbytes`` bytes, a view into a pooled buffer."""
         limit = 2 * max(nbytes, _MIN_CAPACITY)
-        # gloo's worker thread drops its reference to a finished broadcast's tensor just
-        # after wait() returns; for a large buffer a short wait beats a fresh allocation.
-        retries = _LARGE_RETRIES if nbytes >= _LARGE else 0
+        retries = _LARGE_RETRIES if nbytes >= _LARGE and self._wait else 0
         for attempt in range(retries + 1):
             with self._lock:
                 entries = self._buffers.setdefault(device, [])
                 if attempt == 0:
                     self._takes += 1
-                    self._evict_stale(entries)
+                    self._evict(entries)
                 # The smallest idle buffer that fits (the first of equals).
                 best: _Entry | None = None
                 fits = False
@@ -141,14 +357,15 @@ class BufferPool:
     def _forget(self, entry: _Entry) -> None:
         self.kept.forget(entry.cdata, entry.kept)
 
-    def _evict_stale(self, entries: list[_Entry]) -> None:
-        """Forget idle buffers not reused lately: a rare large batch should not pin its
-        memory for the rest of the run, while buffers in steady rotation stay."""
+    def _evict(self, entries: list[_Entry]) -> None:
+        """Forget buffers that are gone (shared, or moved: NOTE [ Memory handed out ]), and
+        idle buffers not reused lately: a rare large batch should not pin its memory for
+        the rest of the run, while buffers in steady rotation stay."""
         stale = self._takes - _STALE_AFTER
-        if entries and entries[0].last_used < stale:
+        if any(e.is_gone() for e in entries) or (entries and entries[0].last_used < stale):
             keep: list[_Entry] = []
             for e in entries:
-                if e.last_used >= stale or not e.is_idle():
+                if not e.is_gone() and (e.last_used >= stale or not e.is_idle()):
                     keep.append(e)
                 else:
                     self._forget(e)
@@ -156,27 +373,33 @@ class BufferPool:
 
 
 class FirstMessage(_Entry):
-    """One first-message buffer: the tensor the wire moves, its host view, and what was
-    made from it for the caller (kept, so that a repeating frame makes nothing anew: the
-    views of its leaves, and the slice of its inline payload, :meth:`inline_payload`).
+    """One first-message buffer: the tensor the wire moves, and what was made from it for
+    the caller (kept, so that a repeating frame makes nothing anew: the views of its
+    leaves, and the slice of its inline payload, :meth:`inline_payload`).
 
     Attributes:
-        host: a numpy view of the whole buffer (no storage reference of its own), and
-            ``mem`` a memoryview of it.
         written: what the source's last frame wrote here: the end of its head, and the
             start and end of its inline payload (see ``Sender``).
     """
 
-    __slots__ = ("_inline", "_inline_span", "host", "mem", "written")
+    __slots__ = ("_inline", "_inline_span", "written")
 
     def __init__(self, capacity: int) -> None:
         super().__init__(torch.zeros(capacity, dtype=torch.uint8), 0)
-        self.host: np.ndarray = self.buffer.numpy()
-        self.mem: memoryview = self.host.data
-        self._base = self.use_count()  # the host views count as the entry's own
         self.written = (0, capacity, capacity)
         self._inline: torch.Tensor | None = None
         self._inline_span = (0, -1)
+
+    @property
+    def host(self) -> np.ndarray:
+        """A numpy view of the whole buffer, made now: a view kept from before a
+        ``share_memory_()`` would point at freed memory (NOTE [ Memory handed out ])."""
+        return self.buffer.numpy()
+
+    @property
+    def mem(self) -> memoryview:
+        """A memoryview of the whole buffer, made now (as :attr:`host`)."""
+        return self.buffer.numpy().data
 
     def inline_payload(self, at: int, n: int) -> torch.Tensor:
         """The inline payload's bytes ``[at, at + n)`` as a 1-D tensor, kept: a frame cut
@@ -196,17 +419,19 @@ class FirstMessage(_Entry):
 
 class FramePool:
     """The first messages of one side of a channel: buffers of the frame's capacity,
-    each handed out again once nothing made from it is alive (see :class:`FirstMessage`).
+    each handed out again under NOTE [ Memory handed out ] (see :class:`FirstMessage`).
 
     Used by one lane's jobs, one after another: no lock.
 
     Args:
         max_buffers: how many to keep; the oldest beyond it is forgotten (it stays with
             whoever still holds a batch made from it).
+        keeper: where the messages' kept views are found (the role's :class:`Keeper`).
     """
 
-    def __init__(self, *, max_buffers: int = 8) -> None:
+    def __init__(self, *, max_buffers: int = 8, keeper: Keeper | None = None) -> None:
         self._max_buffers = max_buffers
+        self._keeper = keeper
         self._messages: list[FirstMessage] = []
 
     def take(self, capacity: int) -> FirstMessage:
@@ -215,11 +440,17 @@ class FramePool:
             if message.capacity == capacity and message.is_idle():
                 return message
         # Capacities only grow: idle buffers of another size are not needed again.
-        kept = [m for m in self._messages if m.capacity == capacity or not m.is_idle()]
+        kept = [
+            m
+            for m in self._messages
+            if not m.is_gone() and (m.capacity == capacity or not m.is_idle())
+        ]
         del kept[: max(0, len(kept) + 1 - self._max_buffers)]
         message = FirstMessage(capacity)
+        if self._keeper is not None:
+            for old in self._messages:
+                if old not in kept:
+                    self._keeper.forget(old.cdata, old.kept)
+            self._keeper.add(message.cdata, message.kept)
         self._messages = [*kept, message]
         return message
-
-
-_use_count = torch._C._storage_Use_Count

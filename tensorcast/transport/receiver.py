@@ -9,7 +9,7 @@ message, then a spilled header, then a separate payload. The prefix and the head
 allocated from their sizes. Until the whole frame is in, any failure breaks the lane
 (this rank cannot skip the rest of a frame it cannot read); once it is in, a bad CRC is
 an error of that step alone. The frame's leaves were made while its head was on the wire
-(NOTE [ Views made ahead ], ``transport.kept``).
+(NOTE [ Views made ahead ], ``transport.pool``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tensorcast._errors import DesyncError, HeaderError, PeerError, SourceError, TensorcastError
-from tensorcast.codec import Decoded, KeepsViews, Repad, decode
+from tensorcast.codec import Decoded, Repad, Reuses, decode
 from tensorcast.transport.device import DevicePart
 from tensorcast.transport.frame import (
     PREFIX_SIZE,
@@ -35,7 +35,7 @@ from tensorcast.transport.frame import (
     Stamp,
     crc32,
 )
-from tensorcast.transport.pool import BufferPool, FirstMessage, FramePool
+from tensorcast.transport.pool import BufferPool, FirstMessage, FramePool, Keeper
 from tensorcast.transport.staging import Staging
 from tensorcast.transport.wire import Posted
 
@@ -86,7 +86,7 @@ class _Incoming:
     header: bytes
     decoded: Decoded | None = None
     payload: torch.Tensor | None = None
-    kept: KeepsViews | None = None
+    reuse: Reuses | None = None
     host: torch.Tensor | None = None  # a device frame's host block (``Decoded.host_block``)
 
 
@@ -131,8 +131,10 @@ class Receiver:
         self.timeout = timeout or _DEFAULT_TIMEOUT
         self._root = group.local(src)
         self._diagnose = diagnose
-        self._messages = FramePool()  # first messages
-        self._pool = BufferPool()  # payloads that travel on their own
+        # what this role hands out, reused under NOTE [ Memory handed out ]
+        self._reuse = Keeper()
+        self._messages = FramePool(keeper=self._reuse)  # first messages
+        self._pool = BufferPool(keeper=self._reuse)  # payloads that travel on their own
         #: the wire's device streams: a payload is then received by a DevicePart
         self._streams = group.wire.streams
         self._parts = Staging(group, self._root, self._break)  # device parts of frames
@@ -238,15 +240,15 @@ class Receiver:
             )
         if cut.inline:
             payload = first.inline_payload(cut.payload_at, n)
-            return _Incoming(prefix, cut, header, decoded, payload, first.kept)
+            return _Incoming(prefix, cut, header, decoded, payload, self._reuse)
         if cut.in_promise and buffer is not None:
-            return _Incoming(prefix, cut, header, decoded, buffer, self._pool.kept)
+            return _Incoming(prefix, cut, header, decoded, buffer, self._reuse)
         if self._streams is not None:  # received when posted (NOTE [ Device work at next() ])
             return _Incoming(prefix, cut, header, decoded, host=self._host_block(decoded, timeout))
         payload = self._pool.take(n, wire.device)
         if n:
             wire.payload(payload, root, timeout).wait(timeout)
-        return _Incoming(prefix, cut, header, decoded, payload, self._pool.kept)
+        return _Incoming(prefix, cut, header, decoded, payload, self._reuse)
 
     def _header(
         self, first: FirstMessage, prefix: Prefix, cut: Cut, timeout: datetime.timedelta
@@ -289,32 +291,33 @@ class Receiver:
             raise SourceError(f"source rank {self.src} reported: {text}")
         self.last_nbytes = prefix.payload_len
         if payload is None:
-            return self._receive_on_device(decoded, prefix, step, device, timeout, frame.host)
+            return self._receive_on_device(frame, decoded, step, device, timeout)
         if int(prefix.flags) & _CRC:
-            self._check_crc(payload, prefix, step)
+            self._check_crc(payload, frame.header, prefix, step)
         if device is not None and device != payload.device:
             return self._parts.upload(payload, device, decoded, timeout)
-        return decoded.rebuild(payload, frame.kept, outputs=self._pool.outputs)
+        return decoded.rebuild(payload, frame.reuse)
 
-    def _check_crc(self, payload: torch.Tensor, prefix: Prefix, step: int) -> None:
-        if crc32(payload) != prefix.crc:
+    def _check_crc(self, payload: torch.Tensor, header: bytes, prefix: Prefix, step: int) -> None:
+        if crc32(payload, header) != prefix.crc:
             raise HeaderError(
-                f"step {step}: the payload's CRC32 does not match the source's: the "
-                f"bytes were corrupted in transit"
+                f"step {step}: the CRC32 of the header and payload does not match the "
+                f"source's: the bytes were corrupted in transit"
             )
 
     def _receive_on_device(
         self,
+        frame: _Incoming,
         decoded: Decoded,
-        prefix: Prefix,
         step: int,
         device: torch.device | None,
         timeout: datetime.timedelta,
-        host: torch.Tensor | None,
     ) -> DevicePart:
+        prefix, host = frame.prefix, frame.host
+
         def build(buffer: torch.Tensor, later: list[Repad]) -> Any:
             if int(prefix.flags) & _CRC:  # verify=True: one copy to the host
-                self._check_crc(buffer, prefix, step)
+                self._check_crc(buffer, frame.header, prefix, step)
             return decoded.rebuild(buffer, host=host, later=later)
 
         return self._parts.part(prefix.payload_len, build, device, timeout)

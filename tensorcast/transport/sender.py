@@ -58,7 +58,7 @@ from tensorcast.transport.frame import (
     Stamp,
     crc32,
 )
-from tensorcast.transport.pool import BufferPool, FirstMessage, FramePool
+from tensorcast.transport.pool import BufferPool, FirstMessage, FramePool, Keeper
 from tensorcast.transport.staging import Staging
 
 if TYPE_CHECKING:
@@ -83,14 +83,15 @@ class Packing:
             leaves ], ``codec/trim.py``): the default of :meth:`Sender.write`.
 
     Raises:
-        ValueError: as ``tc.pack`` raises for the same values (checked where it is made).
+        ValueError, TypeError: as ``tc.pack`` raises for the same values (checked where it
+            is made).
     """
 
     align: int = 64
     trim: bool = True
 
     def __post_init__(self) -> None:
-        Encoder(align=self.align)  # tc.pack's own check and message
+        Encoder(align=self.align, trim=self.trim)  # tc.pack's own checks and messages
 
     def encoder(self) -> Encoder:
         return Encoder(align=self.align, trim=self.trim)
@@ -168,9 +169,11 @@ class Sender:
         self._device = group.wire.device
         #: the wire's device streams: payloads are then posted by DevicePart
         self._streams = group.wire.streams
-        self._pool = BufferPool()  # payloads that travel on their own
+        # what this role hands out, reused under NOTE [ Memory handed out ]
+        self._reuse = Keeper()
+        self._pool = BufferPool(keeper=self._reuse)  # payloads that travel on their own
         self._parts = Staging(group, self._root, self._failed)  # device parts of frames
-        self._messages = FramePool()  # first messages
+        self._messages = FramePool(keeper=self._reuse)  # first messages
         # reuses the last batch's layout while the structure repeats
         self._encoder = (packing or Packing()).encoder()
         self._cutter = Cutter(group, promises=promises)  # frames as they are sent
@@ -318,8 +321,11 @@ class Sender:
         """Write the header (the payload is in place already; on a device wire
         ``payload`` is its host staging, or None, and travels later)."""
         crc: int | None = None
-        if self._verify and (payload is not None or nbytes):
-            crc = crc32(payload if payload is not None else self._no_staging())
+        if self._verify and kind == Kind.DATA:
+            covered = payload
+            if covered is None:
+                covered = self._no_staging() if nbytes else torch.empty(0, dtype=torch.uint8)
+            crc = crc32(covered, header)
         spilled: torch.Tensor | None = None
         if cut.spill:
             spilled = torch.frombuffer(bytearray(header), dtype=torch.uint8)
@@ -410,17 +416,16 @@ def _on_host(
     buffer of ``pool``'s or the :class:`Packed` batch's own), this rank's tree of it, and
     the tree's re-pads left to run (NOTE [ The own tree's re-pads ])."""
     later: list[Repad] = []
-    n, outputs = coded.nbytes, pool.outputs
+    n, reuse = coded.nbytes, pool.kept
     if isinstance(coded, Encoded):
         inline = message.inline_payload(cut.payload_at, n) if cut.inline else None
         payload = pool.take(n, device) if inline is None else inline
-        kept = pool.kept if inline is None else message.kept
-        return payload, coded.write_tree(payload, kept, outputs, later), later
+        return payload, coded.write_tree(payload, reuse, later), later
     buffer = batch.buffer
     if cut.inline:
         payload = message.inline_payload(cut.payload_at, n)
-        message.host[cut.payload_at : cut.payload_at + n] = buffer.cpu().numpy()
-        return payload, coded.rebuild(payload, message.kept, outputs=outputs, later=later), later
+        payload.copy_(buffer)
+        return payload, coded.rebuild(payload, reuse, later=later), later
     if not buffer.is_cpu:
         buffer = buffer.cpu()  # a host wire: the bytes travel from the host
     elif buffer.numel() <= _COPY_BELOW:
@@ -428,10 +433,10 @@ def _on_host(
         # while a buffer of the caller's needs each view made anew: for a small batch
         # of many leaves a copy into a pooled buffer is the cheaper of the two.
         copy = pool.take(buffer.numel(), device).copy_(buffer)
-        return copy, coded.rebuild(copy, pool.kept, outputs=outputs, later=later), later
+        return copy, coded.rebuild(copy, reuse, later=later), later
     elif buffer.is_inference():
         buffer = buffer.clone()  # this rank's tree must not be made of inference tensors
-    return buffer, coded.rebuild(buffer, outputs=outputs, later=later), later
+    return buffer, coded.rebuild(buffer, reuse, later=later), later
 
 
 def _run(later: list[Repad]) -> None:

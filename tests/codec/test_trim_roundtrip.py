@@ -26,7 +26,7 @@ from tensorcast.codec import trim as T
 from tensorcast.codec.dtypes import NUMPY_CODES, TORCH_CODES
 from tensorcast.codec.encode import encode
 from tensorcast.transport.groups import Group
-from tensorcast.transport.kept import KeptOutputs
+from tensorcast.transport.pool import Keeper
 from tensorcast.transport.lane import Lane
 from tensorcast.transport.receiver import Receiver
 from tensorcast.transport.sender import Sender
@@ -259,7 +259,7 @@ def test_packed_collate_trims_and_pickles() -> None:
 
 
 def test_kept_outputs_reuse_memory_the_caller_let_go_of() -> None:
-    kept = KeptOutputs(max_per_slot=2)
+    kept = Keeper(max_outputs=2)
     a = kept.output(0, (4, 5), torch.float32)
     b = kept.output(0, (4, 5), torch.float32)
     assert a.data_ptr() != b.data_ptr()
@@ -269,6 +269,17 @@ def test_kept_outputs_reuse_memory_the_caller_let_go_of() -> None:
     assert c.data_ptr() == ptr  # reused: the caller dropped it
     d = kept.output(0, (4, 5), torch.float32)
     assert d.data_ptr() not in (ptr, b.data_ptr())  # both held: fresh memory
+
+
+def test_kept_outputs_are_reused_by_size_whatever_the_shape() -> None:
+    """Batches whose shapes change every step reuse the memory of their rebuilt leaves:
+    it is taken by size, and one piece serves a leaf of another shape and dtype."""
+    kept = Keeper(max_outputs=2)
+    a = kept.output(0, (64, 1000), torch.float32)
+    ptr = a.data_ptr()
+    del a
+    b = kept.output(3, (60, 1050), torch.int32)  # 252_000 bytes: the same size class
+    assert b.data_ptr() == ptr and b.shape == (60, 1050) and b.is_contiguous()
 
 
 def receive_into(got: list[Any], receiver: Receiver, timeout: datetime.timedelta) -> None:

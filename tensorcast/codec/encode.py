@@ -382,5 +382,6 @@ def encode(
     Raises:
         UnsupportedLeafError: a leaf, key or container cannot travel.
         ValueError: bad ``align``, tensors on more than one device, a cyclic tree.
+        TypeError: ``trim`` is not a bool.
     """
-    return Encoder(align=align).encode(tree, trim=trim, receiver=receiver)
+    return Encoder(align=align).encode(tree, trim=check_trim(trim), receiver=receiver)

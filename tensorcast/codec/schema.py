@@ -244,9 +244,9 @@ def decode(header: bytes | bytearray | memoryview) -> Decoded:
     """
     if not isinstance(header, (bytes, bytearray, memoryview)):
         raise TypeError(f"a header is bytes, got {type(header).__name__}")
-    if type(header) is bytes and len(header) <= _CACHE_MAX_BYTES:
+    if type(header) is bytes and len(header) <= _CACHE_MAX_BYTES and header.endswith(_NO_TRIMS):
         return _decode_cached(header)
-    return _decode(header)
+    return _decode(header)  # trims are checked against this moment's rebuild limit
 
 
 _CACHE_MAX_BYTES = 64 << 10

@@ -26,8 +26,8 @@ from tensorcast.codec import trim as T
 from tensorcast.codec.dtypes import NUMPY_CODES, TORCH_CODES
 from tensorcast.codec.encode import encode
 from tensorcast.transport.groups import Group
-from tensorcast.transport.pool import Keeper
 from tensorcast.transport.lane import Lane
+from tensorcast.transport.pool import Keeper
 from tensorcast.transport.receiver import Receiver
 from tensorcast.transport.sender import Sender
 from tensorcast.transport.testing import FakeWire

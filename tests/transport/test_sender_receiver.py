@@ -216,6 +216,47 @@ def test_a_corrupted_payload_fails_its_step_only() -> None:
     assert torch.equal(got["a"], big["a"])
 
 
+class _EditsTrimTables:
+    """A source's wire end that edits one hex digit of the first trimmed leaf's pad element
+    in the next first message it posts: a header that stays valid, with another value."""
+
+    def __init__(self, wire: FakeWire) -> None:
+        self._wire = wire
+        self.edited = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._wire, name)
+
+    def head(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Any:
+        data = tensor.numpy()
+        at = data.tobytes().find(b'"00000000"')
+        if not self.edited and at >= 0:
+            data[at + 7] = ord("1")  # the pad element 0.0 becomes another float
+            self.edited = True
+        return self._wire.head(tensor, root, timeout)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_verify_covers_the_trimmed_leaves_runs_in_the_header(verify: bool) -> None:
+    wires = FakeWire.pair()
+    edits = _EditsTrimTables(wires[0])
+    groups = [Group((0, 1), w, Lane(f"fake{w.rank}", w.abort)) for w in (edits, wires[1])]
+    sender = Sender(groups[0], 0, 1, verify=verify)
+    receiver = Receiver(groups[1], 0, rank=1, channel_id=1, diagnose=lambda *_: "fine")
+    audio = torch.randn(8, 100_000)
+    audio[1:, 30_000:] = 0.0
+    tree = {"audio": audio}
+    if verify:
+        with pytest.raises(HeaderError, match="CRC32"):
+            transfer(sender, receiver, tree)
+    else:  # unseen without it: the padding arrives with another value
+        _, got = transfer(sender, receiver, tree)
+        assert not torch.equal(got["audio"], audio)
+    assert edits.edited
+    _, got = transfer(sender, receiver, tree)  # the stream is in step
+    assert torch.equal(got["audio"], audio)
+
+
 # -- no stale bytes travel -----------------------------------------------------------------
 
 

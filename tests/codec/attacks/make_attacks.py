@@ -549,6 +549,15 @@ ATTACKS: dict[str, tuple[str, bytes]] = {
         "a 1-row leaf of 2**43 F32 elements, all run: 32 TiB rebuilt from 0 bytes",
         trimmed([1, 2**43], 0, [[2**43], "00000000", None]),
     ),
+    "trim_bomb_gib": (
+        "a 1-row leaf of 2**28 F32 elements, all run: 1 GiB rebuilt from a 100-byte header",
+        trimmed([1, 2**28], 0, [[2**28], "00000000", None]),
+    ),
+    "trim_bomb_over_ratio": (
+        "2 rows of 2**24 F32 elements keeping 8 each: 128 MiB from 64 stored bytes, over "
+        "1024 times what travelled",
+        trimmed([2, 2**24], 64, [[2**24 - 8, 2**24 - 8], "00000000", None]),
+    ),
     "trim_element_wrong_width": (
         "a 2-byte run element for an F32 leaf",
         trimmed([2, 8], 32, [[4, 4], "0000", None]),

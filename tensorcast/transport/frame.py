@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 #: How frames are laid out and follow one another; part of every setup agreement.
-FRAMES_VERSION = 7
+FRAMES_VERSION = 8  # 8: the CRC covers the header too
 INITIAL_CAPACITY = 4096
 #: The largest first message: larger payloads always follow in a message of their own.
 MAX_CAPACITY = 256 << 10

@@ -118,11 +118,6 @@ def reusable(storage: torch.UntypedStorage, pointer: int, held: int) -> bool:
     )
 
 
-def _gone(storage: torch.UntypedStorage, pointer: int) -> bool:
-    """Whether pooled memory left the pool for good: shared, or its bytes moved."""
-    return storage.data_ptr() != pointer or (storage.device.type != "cuda" and storage.is_shared())
-
-
 class KeptViews:
     """The views one pooled buffer was last viewed as, and copies of them made ahead
     (NOTE [ Views made ahead ]).
@@ -187,7 +182,16 @@ class _Entry:
     of its own, which ``_base`` includes.
     """
 
-    __slots__ = ("_base", "buffer", "capacity", "kept", "last_used", "pointer", "storage")
+    __slots__ = (
+        "_base",
+        "buffer",
+        "capacity",
+        "cuda",
+        "kept",
+        "last_used",
+        "pointer",
+        "storage",
+    )
 
     def __init__(self, buffer: torch.Tensor, now: int):
         self.last_used = now
@@ -195,6 +199,7 @@ class _Entry:
         self.capacity = buffer.numel()
         self.storage = buffer.untyped_storage()
         self.pointer = self.storage.data_ptr()
+        self.cuda = buffer.is_cuda  # CUDA storages say is_shared() always
         self.kept = KeptViews()
         self._base = self.use_count()  # the references of the buffer and its storage
 
@@ -206,12 +211,19 @@ class _Entry:
         return int(_use_count(self.storage._cdata))
 
     def is_idle(self) -> bool:
-        """Whether the buffer may be written again (:func:`reusable`)."""
-        return reusable(self.storage, self.pointer, self._base + self.kept.held)
+        """Whether the buffer may be written again: :func:`reusable`, inline (a take asks
+        it of every buffer that fits)."""
+        storage = self.storage
+        return (
+            _use_count(storage._cdata) == self._base + self.kept.held
+            and storage.data_ptr() == self.pointer
+            and (self.cuda or not storage.is_shared())
+        )
 
     def is_gone(self) -> bool:
         """Whether the buffer left the pool for good: shared, or its bytes moved."""
-        return _gone(self.storage, self.pointer)
+        storage = self.storage
+        return storage.data_ptr() != self.pointer or (not self.cuda and storage.is_shared())
 
 
 def _capacity(nbytes: int) -> int:
@@ -362,7 +374,12 @@ class BufferPool:
         idle buffers not reused lately: a rare large batch should not pin its memory for
         the rest of the run, while buffers in steady rotation stay."""
         stale = self._takes - _STALE_AFTER
-        if any(e.is_gone() for e in entries) or (entries and entries[0].last_used < stale):
+        gone = False
+        for e in entries:
+            if e.is_gone():
+                gone = True
+                break
+        if gone or (entries and entries[0].last_used < stale):
             keep: list[_Entry] = []
             for e in entries:
                 if not e.is_gone() and (e.last_used >= stale or not e.is_idle()):

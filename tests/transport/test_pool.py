@@ -191,3 +191,46 @@ def test_a_first_message_keeps_its_inline_payloads_slice_without_looking_busy() 
     assert other.data_ptr() == message.buffer.data_ptr() + 128 and other.numel() == 50
     del other
     assert message.is_idle()
+
+
+def test_a_buffer_shared_with_another_process_is_never_written_again() -> None:
+    """``share_memory_()`` (what a torch.multiprocessing queue does to what it sends) moves
+    a storage's bytes and leaves it mapped by the consumer, whose references the use count
+    never sees: the buffer is forgotten, not reused (NOTE [ Memory handed out ])."""
+    pool = BufferPool()
+    leaf = pool.take(100_000, CPU)[64:128]
+    storage = leaf.untyped_storage()
+    leaf.share_memory_()
+    moved = storage.data_ptr()
+    del leaf, storage
+    again = pool.take(100_000, CPU)
+    assert again.data_ptr() != moved
+    assert len(pool._buffers[CPU]) == 1, "the shared buffer is forgotten"
+
+
+def test_a_first_message_keeps_no_pointer_its_bytes_moved_from() -> None:
+    pool = FramePool()
+    message = pool.take(4096)
+    payload = message.inline_payload(1024, 64)
+    old = message.host.ctypes.data
+    payload.share_memory_()  # the caller shares a leaf of an inline payload
+    assert message.host.ctypes.data == message.buffer.data_ptr() != old
+    assert message.is_gone() and not message.is_idle()
+    del payload
+    assert pool.take(4096) is not message
+
+
+def test_reusable_is_the_rule_other_pools_call() -> None:
+    from tensorcast.transport.pool import reusable
+
+    buffer = torch.empty(4096, dtype=torch.uint8)
+    storage = buffer.untyped_storage()
+    held = int(torch._C._storage_Use_Count(storage._cdata))
+    pointer = storage.data_ptr()
+    assert reusable(storage, pointer, held)
+    view = buffer[10:20]
+    assert not reusable(storage, pointer, held)
+    del view
+    storage.share_memory_()
+    assert not reusable(storage, pointer, held)  # moved
+    assert not reusable(storage, storage.data_ptr(), held)  # shared

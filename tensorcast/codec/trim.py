@@ -216,7 +216,7 @@ def _tensor(leaf: Any) -> torch.Tensor:
     if isinstance(leaf, np.ndarray):
         isz = leaf.itemsize
         if not leaf.flags.writeable or any(st < 0 or st % isz for st in leaf.strides):
-            leaf = np.ascontiguousarray(leaf).copy() if leaf.flags.writeable else leaf.copy()
+            leaf = np.ascontiguousarray(leaf) if leaf.flags.writeable else leaf.copy()
         return torch.from_numpy(leaf)
     t = leaf.detach()
     if t.is_conj() or t.is_neg():

@@ -27,8 +27,9 @@ it was pooled. :func:`reusable` is true only when
   the old block, so a raw pointer kept beside the tensor is stale after it.
 
 Anything else is *gone*: forgotten, never written again (it stays with whoever holds
-it). No raw pointer into pooled memory is kept: the host views of a first message are
-made from its tensor at each use. The life of one pooled piece:
+it). No raw pointer into pooled memory is used unchecked: a first message's host views
+are made again whenever its storage's data pointer is not the one it was pooled with.
+The life of one pooled piece:
 
     ==========  ==============================  =========================================
     state       what :func:`reusable` sees      what happens next
@@ -374,12 +375,8 @@ class BufferPool:
         idle buffers not reused lately: a rare large batch should not pin its memory for
         the rest of the run, while buffers in steady rotation stay."""
         stale = self._takes - _STALE_AFTER
-        gone = False
-        for e in entries:
-            if e.is_gone():
-                gone = True
-                break
-        if gone or (entries and entries[0].last_used < stale):
+        # A gone buffer is never taken again, so it grows stale: dropped here, as late.
+        if entries and entries[0].last_used < stale:
             keep: list[_Entry] = []
             for e in entries:
                 if not e.is_gone() and (e.last_used >= stale or not e.is_idle()):
@@ -399,24 +396,36 @@ class FirstMessage(_Entry):
             start and end of its inline payload (see ``Sender``).
     """
 
-    __slots__ = ("_inline", "_inline_span", "written")
+    __slots__ = ("_host", "_inline", "_inline_span", "_mem", "written")
 
     def __init__(self, capacity: int) -> None:
         super().__init__(torch.zeros(capacity, dtype=torch.uint8), 0)
+        self._host: np.ndarray = self.buffer.numpy()
+        self._mem: memoryview = self._host.data
+        self._base = self.use_count()  # the host view counts as the entry's own
         self.written = (0, capacity, capacity)
         self._inline: torch.Tensor | None = None
         self._inline_span = (0, -1)
 
+    def _views(self) -> None:
+        """Make the host views again: the storage's bytes moved (``share_memory_()``), and
+        the kept ones point at freed memory (NOTE [ Memory handed out ])."""
+        self._host = self.buffer.numpy()
+        self._mem = self._host.data
+
     @property
     def host(self) -> np.ndarray:
-        """A numpy view of the whole buffer, made now: a view kept from before a
-        ``share_memory_()`` would point at freed memory (NOTE [ Memory handed out ])."""
-        return self.buffer.numpy()
+        """A numpy view of the whole buffer, checked against where its bytes are now."""
+        if self.storage.data_ptr() != self.pointer:
+            self._views()
+        return self._host
 
     @property
     def mem(self) -> memoryview:
-        """A memoryview of the whole buffer, made now (as :attr:`host`)."""
-        return self.buffer.numpy().data
+        """A memoryview of the whole buffer, checked as :attr:`host` is."""
+        if self.storage.data_ptr() != self.pointer:
+            self._views()
+        return self._mem
 
     def inline_payload(self, at: int, n: int) -> torch.Tensor:
         """The inline payload's bytes ``[at, at + n)`` as a 1-D tensor, kept: a frame cut

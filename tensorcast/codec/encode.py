@@ -363,13 +363,18 @@ def _find_trims(
         receiver = "device" if first is not None and first.device.type == "cuda" else "host"
     trims = {}
     for i in candidates:
+        kind, code, shape, leaf = leaves[i]
         try:
-            found = _trim.find(leaves[i][3], receiver=receiver)
+            if not _trim.probe(leaf, receiver=receiver):
+                continue
+            copy = _trim.readable(leaf)  # copied once, for the scan and the write
+            found = _trim.decide(_trim.scan(copy), receiver=receiver)
         except (RuntimeError, ValueError, TypeError):
-            # Trimming is an optimisation: a leaf its scan cannot read travels whole.
-            found = None
+            continue  # trimming is an optimisation: a leaf it cannot read travels whole
         if found is not None:
             trims[i] = found
+            if copy is not leaf:
+                leaves[i] = (kind, code, shape, copy)
     return trims or None
 
 

@@ -85,6 +85,7 @@ __all__ = [
     "find",
     "min_run",
     "probe",
+    "readable",
     "scan",
     "side_table",
 ]
@@ -206,22 +207,31 @@ def _check_receiver(receiver: str) -> None:
 # --------------------------------------------------------------------------- bits
 
 
-def _tensor(leaf: Any) -> torch.Tensor:
-    """``leaf`` as a tensor of the bits ``trim=False`` would store, sharing its memory
-    where torch can: a copy of a read-only ndarray (torch cannot wrap it without a
-    warning), of one whose strides are negative or not a multiple of its itemsize (a
-    flipped array, a field of a packed structured array), and of a conjugate or
-    negative-bit view (whose bits are not its values). Copying is cheaper than leaving
-    such a leaf whole: one pass over host memory, where its padding would travel."""
+def readable(leaf: Any) -> Any:
+    """``leaf`` itself, or a contiguous copy of the same kind where the scan cannot read it
+    as it is: an ndarray whose strides are negative or not a multiple of its itemsize (a
+    flipped array, a field of a packed structured array), a conjugate or negative-bit
+    tensor view (whose bits are not its values). The encoder scans and compacts the copy,
+    made once, where the probe says a trim could pay: one pass over host memory, cheaper
+    than the padding's bytes on the wire to every receiver."""
     if isinstance(leaf, np.ndarray):
         isz = leaf.itemsize
-        if not leaf.flags.writeable or any(st < 0 or st % isz for st in leaf.strides):
-            leaf = np.ascontiguousarray(leaf) if leaf.flags.writeable else leaf.copy()
-        return torch.from_numpy(leaf)
-    t = leaf.detach()
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()
-    return t
+        if any(st < 0 or st % isz for st in leaf.strides):
+            return np.ascontiguousarray(leaf)
+        return leaf
+    if leaf.is_conj() or leaf.is_neg():
+        return leaf.detach().resolve_conj().resolve_neg()
+    return leaf
+
+
+def _tensor(leaf: Any) -> torch.Tensor:
+    """``leaf`` as a tensor of the bits ``trim=False`` would store, sharing its memory
+    where torch can (a copy of a read-only ndarray, which torch cannot wrap without a
+    warning, and of a leaf that is not :func:`readable` as it is)."""
+    leaf = readable(leaf)
+    if isinstance(leaf, np.ndarray):
+        return torch.from_numpy(leaf if leaf.flags.writeable else leaf.copy())
+    return leaf.detach()
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from typing import Any
 
 from torch.utils.data import default_collate, default_convert
 
+from tensorcast.codec.encode import check_trim
 from tensorcast.codec.packed import DEFAULT_ALIGN, Packed, pack
 
 __all__ = ["PackedCollate", "packed_collate"]
@@ -36,7 +37,7 @@ class PackedCollate:
         self._default = collate_fn is None
         self.collate_fn = collate_fn if collate_fn is not None else default_collate
         self.align = align
-        self.trim = trim
+        self.trim = check_trim(trim)  # at construction, not in a worker
 
     def __call__(self, samples: list[Any]) -> Packed:
         if self._default and not isinstance(samples, list):

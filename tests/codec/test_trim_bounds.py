@@ -93,6 +93,8 @@ def test_trim_takes_only_a_bool_on_every_entry_point(bad: Any) -> None:
         tc.broadcast_batch(tree, None, trim=bad)  # a no-op call checks it too
     with pytest.raises(TypeError, match="trim must be True or False"):
         tc.BroadcastingDataLoader([tree], device_mesh=None, trim=bad)
+    with pytest.raises(TypeError, match="trim must be True or False"):
+        tc.packed_collate(trim=bad)
 
 
 # --------------------------------------------------------------------------- bounds

@@ -17,7 +17,10 @@ the caller queued before and overlaps whatever it queues after.
 The batch is handed out with an event: the caller's current stream waits on it,
 whichever thread did what before, and the buffer is recorded on that stream (it comes
 from the caching allocator, so ``record_stream`` works: a consumer that reads on a side
-stream and drops the batch cannot have it overwritten).
+stream and drops the batch cannot have it overwritten), and so is each trimmed leaf
+rebuilt on the device. A leaf rebuilt on the host (a trimmed ndarray, or a tree asked
+for with ``device="cpu"``) is not: ``record_stream`` takes device memory only, and host
+memory written on the caller's thread is the caller's at once.
 
 What a part reads of the device's memory that is not its own (the source's CUDA batch)
 is recorded on the transfer stream when posted and not held: the caller may drop it at
@@ -337,8 +340,10 @@ class DevicePart:
         except Exception as e:  # a refusal of this step: a bad CRC, bad values
             self._error = e
             self._tree = None
-        else:
-            self._outputs = tuple(repad.out for repad in later)
+        else:  # record_stream takes the device's own memory only: a host output (a
+            # trimmed ndarray, a tree asked for on the CPU) is the caller's at once
+            kind = self.streams.device.type
+            self._outputs = tuple(r.out for r in later if r.out.device.type == kind)
         self._build = None  # type: ignore[assignment]
 
     def take(self) -> Any:

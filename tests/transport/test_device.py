@@ -458,3 +458,18 @@ def test_a_tree_asked_for_off_the_wire_s_device_hands_over_only_device_memory() 
     for group in (sgroup, rgroup):
         handed = [ref() for ref, _ in group.wire.streams.handed]
         assert handed and all(h is None or h.device.type == "cpu" for h in handed)
+
+
+def test_the_trim_decision_reads_nothing_of_a_leaf_on_the_device() -> None:
+    """A source's leaf on a GPU is sent whole: deciding its trim would read it back, 2 to
+    8 host syncs a leaf and a batch (``meta`` memory raises where a GPU would sync). A
+    padded ndarray beside it is on the host, and trimmed as ever."""
+    from tensorcast.codec import encode
+
+    audio = torch.empty(8, 16_000, device="meta")  # padded or not: never looked at
+    feats = np.zeros((8, 4_000, 8), dtype=np.float32)
+    feats[:, :100] = 1.0
+    leaves = [("tensor", "f4", audio.shape, audio), ("ndarray", "f4", feats.shape, feats)]
+    for receiver in (None, "device", "host"):
+        trims = encode._find_trims(leaves, [0, 1], receiver)
+        assert trims is not None and list(trims) == [1], receiver

@@ -37,8 +37,10 @@ a ``tensorcast.broadcast`` are such points).
 A payload that does not complete within the channel's timeout breaks the lane: the
 lane's worker looks at a posted part only once its deadline has passed, so in steady
 state it makes no CUDA call at all (a part not seen done keeps it, asleep and holding no
-device memory, until then: asking the device at another time could fall inside a CUDA
-graph capture on the caller's thread).
+device memory, until then). Its CUDA calls can still fall inside a CUDA graph capture on
+the caller's thread (the last part of a one-off broadcast is seen done only at its
+deadline), so the worker takes the thread-local capture mode (:func:`apart_from_captures`):
+a global-mode capture elsewhere does not count them against it.
 
 The lane's thread makes each part (``transport.staging``: pinned staging, the host block
 of the leaves that are not tensors, the payload's collective bound); the caller's thread
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import datetime
 import threading
 import time
@@ -61,7 +64,18 @@ import torch
 if TYPE_CHECKING:
     from tensorcast.transport.lane import Lane
 
-__all__ = ["CudaStreams", "DevicePart", "Inflight", "Streams", "hand_out", "post", "streams_for"]
+__all__ = [
+    "CudaStreams",
+    "DevicePart",
+    "Inflight",
+    "Streams",
+    "apart_from_captures",
+    "hand_out",
+    "post",
+    "streams_for",
+]
+
+_CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
 
 
 class Streams(Protocol):
@@ -134,6 +148,21 @@ class CudaStreams:
 
     def done(self, event: Any) -> bool:
         return bool(event.query())
+
+
+def apart_from_captures() -> bool:
+    """Let the calling thread's CUDA calls ignore graph captures on other threads (the
+    thread-local capture mode, which PyTorch's NCCL watchdog also takes for its event
+    queries). A lane's worker makes a few at moments of its own (a deadline's event
+    query, pinned staging, a ``ready`` event): under a global-mode capture on the
+    caller's thread, the default, each would invalidate it. Through the driver's
+    ``cuThreadExchangeStreamCaptureMode``; False where the driver cannot be reached."""
+    try:
+        exchange = ctypes.CDLL("libcuda.so.1").cuThreadExchangeStreamCaptureMode
+    except (OSError, AttributeError):
+        return False
+    mode = ctypes.c_int(_CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+    return bool(exchange(ctypes.byref(mode)) == 0)
 
 
 _streams: dict[torch.device, CudaStreams] = {}

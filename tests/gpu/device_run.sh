@@ -31,7 +31,7 @@ declare -A WHAT=(
   [env]="python, torch, numpy and pytest versions, the CUDA device, NCCL, nvidia-smi (compute mode) -> env.json"
   [A]="gpu_stream_check.py --parts A, one process, no group: R1 R2 R3 R4 R5 R6 T1 T2 T3 T18a"
   [B]="gpu_stream_check.py --parts B, two gloo ranks sharing the GPU: R7 T4 T5 T5b T7 T15 T18b T6 T6b"
-  [C]="gpu_stream_check.py --parts C, an NCCL group of one: R8 T8 T9 T10 T11 T23 T16 T13a T13b T13c T14 T19 T20 T21 T22 T12 T12s T12p T6c"
+  [C]="gpu_stream_check.py --parts C, an NCCL group of one: R8 T8 T9 T10 T11 T23 T16 T13a T13b T13c T14 T19 T20 T21 T22 T12 T12s T12p T24 T6c"
   [overlap]="bench_gpu_overlap.py --steps 30: the share of the upload hidden under a step, H2D against a plain pinned copy -> overlap.json"
   [summary]="summary.txt: every check PASS / FAIL / SKIP, the overlap share, H2D against a plain pinned copy"
 )

@@ -107,6 +107,9 @@ Part C, an NCCL group of one (``init_process_group("nccl", world_size=1, device_
   step's, a late read of a dropped tree still that step's, every payload posted by a
   consumer thread. T12s: no host sync on the receiver's consumer thread or its lane's
   worker, counted up to its last step (review S6).
+- T24: a one-off ``tc.broadcast`` with a 1 s timeout, its part not done at its hand-out:
+  graphs captured on the main thread for 2.5 s across its deadline, when the lane's
+  worker queries its event; no capture fails, the lane stays whole (review G-8).
 - T6c: a CUDA graph captured on the main thread while the source's lane worker makes a
   frame (the two meet by events, so the frame is made during the capture): of a CUDA
   batch (the worker records its ``ready`` event), and of a CPU batch of a new size
@@ -217,6 +220,7 @@ CHECKS: dict[str, dict[str, str]] = {
         "T12": "sender / receiver on real lanes over CUDA-stream payloads",
         "T12s": "no host sync on the NCCL-style receiver's threads",
         "T12p": "T12 with a trimmed (B, T) leaf saying its step: re-pad order, hand-over",
+        "T24": "capture across a one-off broadcast's deadline (the worker's event query)",
         "T6c": "capture while the source's worker makes a frame (ready event, staging)",
     },
 }
@@ -1615,6 +1619,10 @@ def part_c(rec: Recorder, store_dir: str) -> None:
     rec.run("T12s", lambda: t12s_receiver_syncs(pair))
     rec.run("T12p", lambda: t12p_padded_leaf_on_cuda_streams(sleeper))
     # Last: a capture that fails may leave this process unable to go on.
+    rec.run(
+        "T24",
+        _in_nccl_world(store_dir, "world-8", lambda: t24_capture_at_a_one_off_deadline(sleeper)),
+    )
     rec.run("T6c", t6c_capture_while_the_worker_makes_a_frame)
     rec.write({"event": "done", "time": time.time()})
 
@@ -2378,6 +2386,50 @@ def t14_break(sleeper: Sleeper) -> dict[str, Any]:
     expect(broke_s < 10, f"break_ took {broke_s:.1f} s", report)
     expect(raised < 10, f"PeerError after {raised:.1f} s", report)
     expect(drained is not None, "the device did not drain within 20 s of the abort", report)
+    return report
+
+
+def t24_capture_at_a_one_off_deadline(sleeper: Sleeper) -> dict[str, Any]:
+    """A one-off ``tc.broadcast`` whose part is not done at its hand-out stays watched
+    until its deadline (1 s here), when the lane's worker queries its event. Graphs are
+    captured on the main thread (torch's default global mode) for 2.5 s across that
+    moment: none may fail, and the lane stays whole (the worker's calls ignore other
+    threads' captures)."""
+    static = torch.zeros(1 << 16, device="cuda")
+    warm_for_capture(static)
+    kwargs = capture_kwargs()
+    report: dict[str, Any] = {
+        "capture_error_mode": kwargs.get("capture_error_mode", "torch's default (global)"),
+    }
+    tree = {"x": torch.arange(1 << 22, device="cuda")}
+    tc.broadcast(tree, 0, timeout=1.0)  # the channel, once: its agreement and group
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        sleeper.sleep(300)  # the part waits on it: not done at its hand-out
+        tc.broadcast(tree, 0, timeout=1.0)
+    lane = _groups.world().group((dist.get_rank(),)).lane
+    report["watched_after_take"] = len(lane.inflight)
+    if not len(lane.inflight):
+        raise Skipped("the part was seen done at its hand-out: no deadline to meet", report)
+    errors: list[str] = []
+    captures = 0
+    ends = time.monotonic() + 2.5
+    while time.monotonic() < ends and not errors:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, **kwargs):
+                y = static
+                for _ in range(20):
+                    y = y * 1.0001
+            captures += 1
+        except RuntimeError as e:
+            errors.append(f"capture {captures}: {str(e)[:300]}")
+        del graph
+    torch.cuda.synchronize()
+    report.update(captures=captures, errors=errors, broken=repr(lane.broken))
+    expect(not errors, f"a capture failed: {errors}", report)
+    expect(lane.broken is None, f"the lane broke: {lane.broken!r}", report)
     return report
 
 

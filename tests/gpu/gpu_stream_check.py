@@ -1843,19 +1843,33 @@ def t11_syncs_per_broadcast(sleeper: Sleeper) -> dict[str, Any]:
     return report
 
 
+def host_padded() -> dict[str, Any]:
+    """A CPU batch whose padded tensor and ndarray both trim, for GPU and CPU receivers
+    alike (a CPU receiver's trim must save a third of the leaf and a few hundred KiB)."""
+    g = torch.Generator().manual_seed(23)
+    rows, length = 8, 64_000
+    audio = torch.zeros(rows, length)
+    feats = np.zeros((rows, 4000, 16), dtype=np.float32)
+    for row in range(rows):
+        n = length * (row + 2) // 10
+        audio[row, :n] = torch.randn(n, generator=g)
+        feats[row, : 250 * row] = row + 0.5
+    return {"audio": audio, "feats": feats, "ids": [f"utt-{row}" for row in range(rows)]}
+
+
 def t23_trimmed_leaves_rebuilt_on_the_host() -> dict[str, Any]:
     """A CPU batch with a padded ndarray (it travels trimmed, in the host block) and a
     padded tensor, on the NCCL group: to the GPU (the ndarray rebuilt on the host) and
     with ``device="cpu"`` (every trimmed leaf rebuilt on the host). ``record_stream``
     takes device memory only: a host output handed to it raises on every rank."""
-    batch = padded_audio("cpu", seed=23)
-    feats = np.zeros((8, 2000, 16), dtype=np.float32)
-    for row in range(8):
-        feats[row, : 250 * row] = row + 0.5
-    batch["feats"] = feats
-    trimmed = trimmed_leaves(tc.pack(batch, device="cuda"))
+    batch = host_padded()
+    trimmed = {
+        "for GPU receivers": trimmed_leaves(tc.pack(batch, device="cuda")),
+        "for CPU receivers": trimmed_leaves(tc.pack(batch)),
+    }
     report: dict[str, Any] = {"trimmed_leaves": trimmed}
-    expect(trimmed == ["['audio']", "['feats']"], f"trimmed: {trimmed}", report)
+    for who, paths in trimmed.items():
+        expect(paths == ["['audio']", "['feats']"], f"{who}, trimmed: {paths}", report)
     for device in (None, "cpu"):
         where = f"device={device!r}"
         for _ in range(2):  # the first, then one into reused memory

@@ -63,8 +63,9 @@ Part B, two gloo ranks sharing the GPU (a FileStore; a new process group per che
   ``prefetch=2``), the next payloads of the group (the loader's and a ``tc.broadcast``'s)
   are posted in the same order on both ranks (review N-1). The group's payloads take the
   device path on the GPU (``CudaTap``) and hop between the ranks through gloo.
-- T18b: the trimmed audio batch over gloo to a receiver with ``device="cuda"``: bit for
-  bit, no host sync on the receiver (SKIP while ``tc.broadcast`` has no ``trim=``).
+- T18b: the trimmed audio batch, with a trimmed ndarray, over gloo to a receiver with
+  ``device="cuda"``: bit for bit, no host sync on the receiver (SKIP while
+  ``tc.broadcast`` has no ``trim=``).
 - T6: a CUDA graph captured on the main thread after every ``next()`` while the loader
   prefetches (the source sleeps 20 ms per batch), 20 steps at ``prefetch`` 1 and 2: no
   capture error, the lane not broken, every batch right. T6b: the same with batch sizes
@@ -1484,15 +1485,25 @@ def t15_order_after_a_refusal(rank: int) -> dict[str, Any]:
     return report
 
 
+def with_feats(batch: dict[str, Any], seed: int) -> dict[str, Any]:
+    """``batch`` and a padded ndarray of features (it travels trimmed, in the host block,
+    and is re-padded on the host)."""
+    feats = np.full((8, 1500, 16), -23.025850929940457, dtype=np.float32)
+    for row in range(8):
+        feats[row, : 150 * row + seed] = row + seed / 8
+    return {**batch, "feats": feats}
+
+
 def t18b_trimmed_over_gloo(rank: int) -> dict[str, Any]:
-    """The trimmed audio batch from a CPU source over gloo to ``device="cuda"``: bit for
-    bit on both ranks, and no host sync on the receiver's threads."""
+    """The trimmed audio batch, with a trimmed ndarray, from a CPU source over gloo to
+    ``device="cuda"``: bit for bit on both ranks, and no host sync on the receiver's
+    threads."""
     if not accepts(tc.broadcast, "trim"):
         raise Skipped("tc.broadcast has no trim= keyword yet: nothing to check")
     report: dict[str, Any] = {}
 
     def send(seed: int) -> Any:
-        batch = padded_audio("cpu", seed) if rank == 0 else None
+        batch = with_feats(padded_audio("cpu", seed), seed) if rank == 0 else None
         return tc.broadcast(batch, 0, device="cuda", timeout=TIMEOUT_S, trim=True)
 
     send(99)  # warm: the group, the pools
@@ -1504,7 +1515,7 @@ def t18b_trimmed_over_gloo(rank: int) -> dict[str, Any]:
     total = syncs.count
     if accepts(tc.BroadcastingDataLoader, "trim"):
         loader = tc.BroadcastingDataLoader(
-            Source(4, lambda s: padded_audio("cpu", s)) if rank == 0 else None,
+            Source(4, lambda s: with_feats(padded_audio("cpu", s), s)) if rank == 0 else None,
             group=dist.group.WORLD,
             src=0,
             prefetch=2,
@@ -1519,7 +1530,7 @@ def t18b_trimmed_over_gloo(rank: int) -> dict[str, Any]:
     else:
         report["loader"] = "BroadcastingDataLoader has no trim= keyword yet: not checked"
     for i, out in enumerate(outs):
-        same(padded_audio("cpu", i % 4), out, f"batch {i}")
+        same(with_feats(padded_audio("cpu", i % 4), i % 4), out, f"batch {i}")
         expect(out["audio"].is_cuda, f"batch {i}: audio on {out['audio'].device}", report)
     if rank == 1:  # the receiver's path; the source may read its batch to trim it
         expect(total == 0, f"{total} host syncs on the receiver", report)

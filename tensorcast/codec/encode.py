@@ -357,13 +357,20 @@ class Encoder:
 def _find_trims(
     leaves: list[BufferLeaf], candidates: list[int], receiver: str | None
 ) -> dict[int, _trim.Trim] | None:
-    """The side tables of the ``candidates`` that trimming pays for, by leaf index."""
+    """The side tables of the ``candidates`` that trimming pays for, by leaf index.
+
+    A tensor on a GPU is sent whole: deciding its trim reads it back to the host, 2 to
+    8 host syncs a leaf and a batch, each one draining the device's queue (and refused
+    inside a CUDA graph capture), which the bytes saved on NVLink do not repay. Host
+    leaves (an ndarray beside a GPU batch too) are decided as ever."""
     if receiver is None:
         first = next((leaf[3] for leaf in leaves if leaf[0] == "tensor"), None)
         receiver = "device" if first is not None and first.device.type == "cuda" else "host"
     trims = {}
     for i in candidates:
         kind, code, shape, leaf = leaves[i]
+        if kind == "tensor" and not leaf.is_cpu:
+            continue  # deciding a device leaf's trim would sync the host: it travels whole
         try:
             if not _trim.probe(leaf, receiver=receiver):
                 continue

@@ -338,7 +338,8 @@ def scan(leaf: Any) -> Runs:
     whole leaf) find each row's last chunk that is not all its last element; that one
     chunk per row is then gathered and compared element by element. The small results
     are worked on the host, in numpy, whose ops cost a fraction of torch's: a leaf on a
-    GPU syncs twice, on the encoding side.
+    GPU would cost 2 to 8 host syncs with :func:`probe`, so the encoder sends such a
+    leaf whole (``codec.encode``).
 
     A non-contiguous leaf is copied first; pass a contiguous one to :func:`scan` and
     :func:`compact_into` to copy it once.

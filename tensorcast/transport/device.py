@@ -17,7 +17,10 @@ the caller queued before and overlaps whatever it queues after.
 The batch is handed out with an event: the caller's current stream waits on it,
 whichever thread did what before, and the buffer is recorded on that stream (it comes
 from the caching allocator, so ``record_stream`` works: a consumer that reads on a side
-stream and drops the batch cannot have it overwritten).
+stream and drops the batch cannot have it overwritten), and so is each trimmed leaf
+rebuilt on the device. A leaf rebuilt on the host (a trimmed ndarray, or a tree asked
+for with ``device="cpu"``) is not: ``record_stream`` takes device memory only, and host
+memory written on the caller's thread is the caller's at once.
 
 What a part reads of the device's memory that is not its own (the source's CUDA batch)
 is recorded on the transfer stream when posted and not held: the caller may drop it at
@@ -34,8 +37,10 @@ a ``tensorcast.broadcast`` are such points).
 A payload that does not complete within the channel's timeout breaks the lane: the
 lane's worker looks at a posted part only once its deadline has passed, so in steady
 state it makes no CUDA call at all (a part not seen done keeps it, asleep and holding no
-device memory, until then: asking the device at another time could fall inside a CUDA
-graph capture on the caller's thread).
+device memory, until then). Its CUDA calls can still fall inside a CUDA graph capture on
+the caller's thread (the last part of a one-off broadcast is seen done only at its
+deadline), so the worker takes the thread-local capture mode (:func:`apart_from_captures`):
+a global-mode capture elsewhere does not count them against it.
 
 The lane's thread makes each part (``transport.staging``: pinned staging, the host block
 of the leaves that are not tensors, the payload's collective bound); the caller's thread
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import datetime
 import threading
 import time
@@ -58,7 +64,18 @@ import torch
 if TYPE_CHECKING:
     from tensorcast.transport.lane import Lane
 
-__all__ = ["CudaStreams", "DevicePart", "Inflight", "Streams", "hand_out", "post", "streams_for"]
+__all__ = [
+    "CudaStreams",
+    "DevicePart",
+    "Inflight",
+    "Streams",
+    "apart_from_captures",
+    "hand_out",
+    "post",
+    "streams_for",
+]
+
+_CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
 
 
 class Streams(Protocol):
@@ -131,6 +148,21 @@ class CudaStreams:
 
     def done(self, event: Any) -> bool:
         return bool(event.query())
+
+
+def apart_from_captures() -> bool:
+    """Let the calling thread's CUDA calls ignore graph captures on other threads (the
+    thread-local capture mode, which PyTorch's NCCL watchdog also takes for its event
+    queries). A lane's worker makes a few at moments of its own (a deadline's event
+    query, pinned staging, a ``ready`` event): under a global-mode capture on the
+    caller's thread, the default, each would invalidate it. Through the driver's
+    ``cuThreadExchangeStreamCaptureMode``; False where the driver cannot be reached."""
+    try:
+        exchange = ctypes.CDLL("libcuda.so.1").cuThreadExchangeStreamCaptureMode
+    except (OSError, AttributeError):
+        return False
+    mode = ctypes.c_int(_CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+    return bool(exchange(ctypes.byref(mode)) == 0)
 
 
 _streams: dict[torch.device, CudaStreams] = {}
@@ -337,8 +369,10 @@ class DevicePart:
         except Exception as e:  # a refusal of this step: a bad CRC, bad values
             self._error = e
             self._tree = None
-        else:
-            self._outputs = tuple(repad.out for repad in later)
+        else:  # record_stream takes the device's own memory only: a host output (a
+            # trimmed ndarray, a tree asked for on the CPU) is the caller's at once
+            kind = self.streams.device.type
+            self._outputs = tuple(r.out for r in later if r.out.device.type == kind)
         self._build = None  # type: ignore[assignment]
 
     def take(self) -> Any:

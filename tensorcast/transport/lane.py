@@ -43,7 +43,7 @@ import torch
 from tensorcast._errors import PeerError, TensorcastError, UnsupportedLeafError
 from tensorcast.transport import exits as _exits
 from tensorcast.transport import interrupts as _interrupts
-from tensorcast.transport.device import Inflight
+from tensorcast.transport.device import Inflight, apart_from_captures
 
 __all__ = ["Job", "Lane"]
 
@@ -367,6 +367,7 @@ class Lane:
         me = threading.current_thread()
         if self._cuda_device is not None:
             torch.cuda.set_device(self._cuda_device)
+            apart_from_captures()  # NOTE [ Device work at next() ]
         if self._device_group:
             torch.set_num_threads(
                 1

@@ -57,6 +57,11 @@ class FakeStreams:
         buffers: every buffer :meth:`empty` made, weakly (which ones something holds).
         handed: every tensor handed over, weakly, and whether on the transfer stream
             (inside :meth:`transfer`: a tensor the work reads, recorded there).
+
+    What CUDA refuses, these refuse: :meth:`hand_over` of a tensor off the streams'
+    device. A subclass whose ``device`` is ``meta`` (and whose :meth:`empty` makes
+    ``meta`` memory) is a device the host cannot read: a copy back from it, a host sync
+    on a GPU, raises there, so a test that runs through it counts none.
     """
 
     device = torch.device("cpu")
@@ -120,7 +125,13 @@ class FakeStreams:
         self.log("wait")
 
     def hand_over(self, tensor: torch.Tensor) -> None:
+        """As CUDA's ``record_stream``, which takes the device's own memory only: a
+        tensor on another device (the host, for streams of ``meta``) raises."""
         self.log("hand_over")
+        if tensor.device.type != self.device.type:
+            raise NotImplementedError(
+                f"record_stream of a tensor on {tensor.device}: the streams are {self.device}'s"
+            )
         self.handed.append((weakref.ref(tensor), self.in_transfer))
 
     def done(self, event: Any) -> bool:

@@ -105,7 +105,8 @@ def _broadcast_options(root: int, timeout: datetime.timedelta | None = None) -> 
     opts = dist.BroadcastOptions()
     opts.rootRank = root
     opts.rootTensor = 0
-    opts.asyncOp = True
+    if hasattr(opts, "asyncOp"):  # older bindings lack it: their collectives are async
+        opts.asyncOp = True
     if timeout is not None:  # else the group's own, from when the collective starts
         opts.timeout = timeout
     return opts

@@ -11,8 +11,11 @@
 # last part writes OUTDIR/summary.txt. Without CUDA it prints the plan and exits 77.
 # What each check would catch: docs/reliability.md, "GPU checks".
 #
-# Exit status: 0 when every part ended cleanly and no check failed, 1 otherwise, 77 when
-# there is no CUDA device (nothing run), 2 on a usage error.
+# Exit status: 0 when every part ended cleanly and no check failed, 1 otherwise (python3
+# cannot import torch included), 77 when torch imports and sees no CUDA device (nothing
+# run), 2 on a usage error. An environment step that fails otherwise, or runs out of its
+# time (a cold `import torch` of CUDA wheels and CUDA's start-up can take tens of
+# seconds), does not end the run: the parts have limits of their own.
 set -u
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
@@ -23,12 +26,12 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Each part's hard limit (seconds, the kill's grace included); A, B and C are the
 # figures of gpu_stream_check.PART_TIMEOUT_S (tests/gpu/test_device_run_plan.py checks it).
 PARTS=(env A B C overlap summary)
-declare -A LIMIT=([env]=20 [A]=75 [B]=145 [C]=165 [overlap]=60 [summary]=15)
+declare -A LIMIT=([env]=40 [A]=65 [B]=140 [C]=170 [overlap]=55 [summary]=10)
 declare -A WHAT=(
-  [env]="python, torch, numpy and pytest versions, the CUDA device, NCCL, nvidia-smi -L -> env.json"
+  [env]="python, torch, numpy and pytest versions, the CUDA device, NCCL, nvidia-smi (compute mode) -> env.json"
   [A]="gpu_stream_check.py --parts A, one process, no group: R1 R2 R3 R4 R5 R6 T1 T2 T3 T18a"
   [B]="gpu_stream_check.py --parts B, two gloo ranks sharing the GPU: R7 T4 T5 T5b T7 T15 T18b T6 T6b"
-  [C]="gpu_stream_check.py --parts C, an NCCL group of one: R8 T8 T9 T10 T11 T16 T13a T13b T13c T14 T19 T20 T21 T22 T12 T12s T6c"
+  [C]="gpu_stream_check.py --parts C, an NCCL group of one: R8 T8 T9 T10 T11 T23 T16 T13a T13b T13c T14 T19 T20 T21 T22 T12 T12s T12p T24 T6c"
   [overlap]="bench_gpu_overlap.py --steps 30: the share of the upload hidden under a step, H2D against a plain pinned copy -> overlap.json"
   [summary]="summary.txt: every check PASS / FAIL / SKIP, the overlap share, H2D against a plain pinned copy"
 )
@@ -57,9 +60,12 @@ STARTED=$SECONDS
 
 # -- env: what the machine is; whether there is a CUDA device at all ---------------------
 if command -v nvidia-smi > /dev/null 2>&1; then
-  timeout -k 1 4 nvidia-smi -L > "$OUT/nvidia-smi.txt" 2>&1
+  timeout -k 1 3 nvidia-smi -L > "$OUT/nvidia-smi.txt" 2>&1
+  timeout -k 1 3 nvidia-smi --query-gpu=index,compute_mode --format=csv,noheader \
+    > "$OUT/compute-mode.txt" 2>&1
 fi
-timeout -k 2 $((LIMIT[env] - 7)) "$PY" - "$OUT" > "$OUT/env.log" 2>&1 <<'PYTHON'
+# exit 0: a device; 3: torch imports and sees none; 4: no torch; anything else: go on
+timeout -k 2 $((LIMIT[env] - 10)) "$PY" - "$OUT" > "$OUT/env.log" 2>&1 <<'PYTHON'
 import json
 import platform
 import sys
@@ -70,6 +76,10 @@ env = {"python": platform.python_version(), "executable": sys.executable}
 smi = out / "nvidia-smi.txt"
 if smi.exists():
     env["nvidia_smi"] = [x for x in smi.read_text(errors="replace").splitlines() if x.strip()]
+modes = out / "compute-mode.txt"
+if modes.exists():  # EXCLUSIVE_PROCESS: one CUDA context at a time on the GPU
+    first = modes.read_text(errors="replace").strip().splitlines()[:1]
+    env["compute_mode"] = first[0].split(",")[-1].strip() if first else None
 for name in ("numpy", "pytest"):
     try:
         env[name] = __import__(name).__version__
@@ -79,6 +89,7 @@ try:
     import torch
 except Exception as e:
     env["error"] = f"{sys.executable} cannot import torch: {type(e).__name__}: {e}"
+    env["cuda_available"] = None
 else:
     env.update(torch=torch.__version__, cuda=torch.version.cuda)
     env["cuda_available"] = torch.cuda.is_available()
@@ -96,16 +107,15 @@ else:
         env["error"] = f"torch {torch.__version__} has {built}"
 (out / "env.json").write_text(json.dumps(env, indent=1) + "\n")
 print(json.dumps(env, indent=1))
-sys.exit(0 if env.get("cuda_available") else 3)
+sys.exit({True: 0, False: 3, None: 4}[env["cuda_available"]])
 PYTHON
 rc=$?
-if [[ $rc -ne 0 ]]; then
+why=$(sed -n 's/^ *"error": "\(.*\)",\{0,1\}$/\1/p' "$OUT/env.json" 2> /dev/null | head -n 1)
+if [[ $rc -eq 3 || $rc -eq 4 ]]; then
   if [[ $rc -eq 3 ]]; then
-    why=$(sed -n 's/^ *"error": "\(.*\)",\{0,1\}$/\1/p' "$OUT/env.json" | head -n 1)
     echo "needs a CUDA device: ${why:-none visible}; nothing was run"
   else
-    echo "the environment check failed (rc=$rc); nothing was run. Its output:"
-    tail -n 20 "$OUT/env.log"
+    echo "needs torch: ${why:-$PY cannot import it}; nothing was run (PYTHON= picks another python)"
   fi
   plan | tee "$OUT/plan.txt"
   [[ $rc -eq 3 ]] && exit 77
@@ -113,6 +123,9 @@ if [[ $rc -ne 0 ]]; then
 fi
 plan | tee "$OUT/plan.txt"
 cat "$OUT/env.log"
+if [[ $rc -ne 0 ]]; then  # each part finds out for itself, under its own limit
+  echo "the environment step did not finish cleanly (rc=$rc, limit $((LIMIT[env] - 10)) s); on to the parts"
+fi
 
 # -- the parts -------------------------------------------------------------------------
 FAILED=()

@@ -42,8 +42,9 @@ Part A, one process, no process group:
   memory bounded by the size classes (checked only where torch can reset the peak of its
   host memory statistics; reported elsewhere).
 - T18a: a padded (B, T) float32 audio batch whose rows end in runs of zeros, packed with
-  ``trim=True`` onto the GPU: smaller than untrimmed, unpacked bit for bit with no host
-  sync (SKIP while ``tc.pack`` has no ``trim=``).
+  ``trim=True`` onto the GPU: from the CPU, smaller than ``trim=False``; from the GPU (a
+  2-D CUDA source leaf), packed with no host sync, so whole; both unpacked bit for bit
+  with no host sync (SKIP while ``tc.pack`` has no ``trim=``).
 
 Part B, two gloo ranks sharing the GPU (a FileStore; a new process group per check):
 
@@ -62,8 +63,9 @@ Part B, two gloo ranks sharing the GPU (a FileStore; a new process group per che
   ``prefetch=2``), the next payloads of the group (the loader's and a ``tc.broadcast``'s)
   are posted in the same order on both ranks (review N-1). The group's payloads take the
   device path on the GPU (``CudaTap``) and hop between the ranks through gloo.
-- T18b: the trimmed audio batch over gloo to a receiver with ``device="cuda"``: bit for
-  bit, no host sync on the receiver (SKIP while ``tc.broadcast`` has no ``trim=``).
+- T18b: the trimmed audio batch, with a trimmed ndarray, over gloo to a receiver with
+  ``device="cuda"``: bit for bit, no host sync on the receiver (SKIP while
+  ``tc.broadcast`` has no ``trim=``).
 - T6: a CUDA graph captured on the main thread after every ``next()`` while the loader
   prefetches (the source sleeps 20 ms per batch), 20 steps at ``prefetch`` 1 and 2: no
   capture error, the lane not broken, every batch right. T6b: the same with batch sizes
@@ -106,6 +108,10 @@ Part C, an NCCL group of one (``init_process_group("nccl", world_size=1, device_
   step's, a late read of a dropped tree still that step's, every payload posted by a
   consumer thread. T12s: no host sync on the receiver's consumer thread or its lane's
   worker, counted up to its last step (review S6).
+- T24: a one-off ``tc.broadcast`` with a 1 s timeout, its part not done at its hand-out:
+  a graph captured on the main thread from before its deadline, when the lane's worker
+  queries its event, to after it; the capture does not fail, the lane stays whole
+  (review G-8).
 - T6c: a CUDA graph captured on the main thread while the source's lane worker makes a
   frame (the two meet by events, so the frame is made during the capture): of a CUDA
   batch (the worker records its ``ready`` event), and of a CPU batch of a new size
@@ -164,7 +170,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SKIPPED = 77
 #: each part's hard limit, its processes' start-up and its verdicts included (the same
 #: figures as ``device_run.sh``'s plan; ``tests/gpu/test_device_run_plan.py`` checks it)
-PART_TIMEOUT_S = {"A": 75, "B": 145, "C": 165}
+PART_TIMEOUT_S = {"A": 65, "B": 140, "C": 170}
 #: what a part's driver keeps of its limit for itself: importing torch, killing, verdicts
 DRIVER_MARGIN_S = 15
 #: what each part runs, for the plan
@@ -184,7 +190,7 @@ CHECKS: dict[str, dict[str, str]] = {
         "T1": "a dropped CUDA tree read late on a side stream is not overwritten",
         "T2": "host syncs of pack / unpack",
         "T3": "pinned staging reuse is bounded",
-        "T18a": "a trimmed audio batch round-trips on the GPU, no sync to unpack",
+        "T18a": "trim=True onto the GPU: a CPU batch trimmed, a CUDA one whole, no sync",
     },
     "B": {
         "R7": "gloo ranks sharing the GPU: CUDA batches of every dtype",
@@ -202,7 +208,8 @@ CHECKS: dict[str, dict[str, str]] = {
         "T8": "a broadcast is independent of the default stream and returns at once",
         "T9": "the source's own tree is not overwritten under a side-stream read",
         "T10": "a CPU Packed broadcasts to CUDA leaves",
-        "T11": "host syncs per broadcast; verify=True refuses a CUDA batch",
+        "T11": "host syncs per broadcast (none for a 2-D CUDA leaf); verify=True refuses CUDA",
+        "T23": "a trimmed ndarray, and device='cpu', on NCCL: host outputs not handed over",
         "T16": "memory back to its baseline after del of a broadcast tree (N-2)",
         "T13a": "no thread left after destroy_process_group",
         "T13b": "no 'destroyed without shutdown' warning",
@@ -214,6 +221,8 @@ CHECKS: dict[str, dict[str, str]] = {
         "T22": "a deadline break whose abort blocks still fails the queued job (N-6)",
         "T12": "sender / receiver on real lanes over CUDA-stream payloads",
         "T12s": "no host sync on the NCCL-style receiver's threads",
+        "T12p": "T12 with a trimmed (B, T) leaf saying its step: re-pad order, hand-over",
+        "T24": "capture across a one-off broadcast's deadline (the worker's event query)",
         "T6c": "capture while the source's worker makes a frame (ready event, staging)",
     },
 }
@@ -592,6 +601,32 @@ def trimmed_leaves(packed: Any) -> list[str]:
     return [leaf.path for leaf in schema.leaves if getattr(leaf, "trimmed", None)]
 
 
+def padded_step(step: int) -> dict[str, Any]:
+    """A padded (B, T) float32 batch whose samples say its step: each row holds ``step``
+    up to a length that depends on the step too, and +0.0 after, so it travels trimmed
+    and is re-padded on the receiving side."""
+    rows, length = 8, 1 << 16
+    audio = torch.zeros(rows, length)
+    for row in range(rows):
+        audio[row, : length * (row + 1) // (rows + 1) + 131 * (step % 7)] = float(step)
+    return {"audio": audio, "step": step}
+
+
+def wrong_padded(snaps: list[tuple[int, torch.Tensor]]) -> list[tuple[int, str]]:
+    """The snapshots of ``padded_step`` leaves (taken on the device, read now) that are
+    not their step's leaf, prefixes and padding."""
+    wrong = []
+    for step, snap in snaps:
+        want = padded_step(step)["audio"]
+        got = snap.cpu()
+        if not torch.equal(got, want):
+            rows = sorted({int(r) for r in (got != want).nonzero()[:, 0].tolist()})
+            wrong.append(
+                (step, f"rows {rows[:4]}, values {sorted(set(got.unique().tolist()))[:4]}")
+            )
+    return wrong
+
+
 def capture_kwargs() -> dict[str, Any]:
     """``torch.cuda.graph``'s capture mode, named: ``"global"``, torch's default, under
     which another thread's potentially unsafe CUDA call during the capture is an error."""
@@ -879,40 +914,43 @@ def t3_pinned_staging(dev: torch.device) -> dict[str, Any]:
 
 
 def t18a_trimmed_on_the_gpu() -> dict[str, Any]:
-    """``trim=True`` (a colleague's feature): packed onto the GPU, the trimmed batch is
-    smaller, and unpacks bit for bit with no host sync, from a CPU and a CUDA source."""
+    """``trim=True`` packed onto the GPU. From a CPU source: smaller than ``trim=False``,
+    unpacked bit for bit with no host sync. From a CUDA source (a 2-D CUDA leaf): packed
+    with no host sync at all, so whole (deciding its trim would read it back), and
+    unpacked bit for bit with no host sync."""
     if not accepts(tc.pack, "trim"):
         raise Skipped("tc.pack has no trim= keyword yet: nothing to check")
     report: dict[str, Any] = {}
     for source in ("cpu", "cuda"):
         batch = padded_audio(source)
-        try:
-            with SyncCount() as packing:
-                trimmed = tc.pack(batch, device="cuda", trim=True)
-        except TypeError as e:
-            if "trim" in str(e):
-                raise Skipped(f"tc.pack refuses trim=: {e}", report) from e
-            raise
-        plain = tc.pack(batch, device="cuda")
-        tc.unpack(trimmed)  # warm: first-call allocations
+        tc.pack(batch, device="cuda", trim=True)  # warm: first-call allocations
+        with SyncCount() as packing:
+            trimmed = tc.pack(batch, device="cuda", trim=True)
+        plain = tc.pack(batch, device="cuda", trim=False)
+        tc.unpack(trimmed)
         with SyncCount() as unpacking:
             out = tc.unpack(trimmed)
         report[f"{source} source"] = {
-            "nbytes": {"untrimmed": plain.nbytes, "trimmed": trimmed.nbytes},
+            "nbytes": {"untrimmed": plain.nbytes, "trim=True": trimmed.nbytes},
             "trimmed_leaves": trimmed_leaves(trimmed),
-            "pack_syncs": packing.count,  # reading where the zeros start may sync: reported
+            "pack_syncs": packing.count,
+            "pack_sync_sites": packing.sites,
             "unpack_syncs": unpacking.count,
             "unpack_sync_sites": unpacking.sites,
         }
         expect(
             out["audio"].is_cuda, f"{source}: the audio leaf is on {out['audio'].device}", report
         )
-        same(batch, out, f"{source} source, trimmed")
-        expect(
-            trimmed.nbytes < plain.nbytes,
-            f"{source}: trimmed {trimmed.nbytes} bytes, untrimmed {plain.nbytes}: nothing trimmed",
-            report,
-        )
+        same(batch, out, f"{source} source, trim=True")
+        if source == "cpu":
+            expect(
+                trimmed.nbytes < plain.nbytes,
+                f"cpu: trim=True {trimmed.nbytes} bytes, trim=False {plain.nbytes}: not trimmed",
+                report,
+            )
+        else:
+            expect(packing.count == 0, f"cuda: {packing.count} syncs to pack", report)
+            expect(not trimmed_leaves(trimmed), "cuda: a CUDA leaf was trimmed", report)
         expect(unpacking.count == 0, f"{source}: {unpacking.count} syncs to unpack", report)
     return report
 
@@ -1190,6 +1228,13 @@ def t6_graph_capture(rank: int, *, steady: bool) -> dict[str, Any]:
         size = SIZE_CLASSES[step % len(SIZE_CLASSES)]
         return {"x": torch.full((size,), step % 256, dtype=torch.uint8), "step": step}
 
+    pinned: list[int] = []  # the staging buffers allocated: a miss of the pool each
+    real_host = CudaStreams.host
+
+    def host(streams: CudaStreams, nbytes: int) -> torch.Tensor:
+        pinned.append(nbytes)
+        return real_host(streams, nbytes)
+
     for prefetch in (1, 2):
         loader = tc.BroadcastingDataLoader(
             Source(20, make, sleep_s=0.02) if rank == 0 else None,
@@ -1202,6 +1247,8 @@ def t6_graph_capture(rank: int, *, steady: bool) -> dict[str, Any]:
         errors: list[str] = []
         snaps = []
         allocs_before = host_allocs()
+        del pinned[:]
+        CudaStreams.host = host  # type: ignore[method-assign]
         try:
             for step, batch in enumerate(loader):
                 snaps.append((step, batch["x"][:4096].clone()))
@@ -1217,6 +1264,8 @@ def t6_graph_capture(rank: int, *, steady: bool) -> dict[str, Any]:
                     errors.append(f"step {step}: capture: {e}")
         except Exception as e:
             errors.append(f"the pass: {type(e).__name__}: {e}")
+        finally:
+            CudaStreams.host = real_host  # type: ignore[method-assign]
         torch.cuda.synchronize()
         broken = _lane().broken
         allocs_after = host_allocs()
@@ -1228,12 +1277,20 @@ def t6_graph_capture(rank: int, *, steady: bool) -> dict[str, Any]:
                 None if allocs_before is None or allocs_after is None
                 else allocs_after - allocs_before
             ),
+            "staging_allocated": len(pinned),
         }  # fmt: skip
         expect(not errors, f"prefetch {prefetch}: {errors[:3]}", report)
         expect(broken is None, f"prefetch {prefetch}: the lane broke: {broken!r}", report)
         expect(len(snaps) == 20, f"prefetch {prefetch}: {len(snaps)} steps", report)
         bad = wrong_steps(snaps)
         expect(not bad, f"prefetch {prefetch}: wrong batches {bad}", report)
+        if not steady:  # else the capture met no allocation: nothing tested
+            expect(
+                len(pinned) >= len(snaps) // 2,
+                f"prefetch {prefetch}: pinned staging missed {len(pinned)} times in "
+                f"{len(snaps)} batches",
+                report,
+            )
     return report
 
 
@@ -1428,15 +1485,25 @@ def t15_order_after_a_refusal(rank: int) -> dict[str, Any]:
     return report
 
 
+def with_feats(batch: dict[str, Any], seed: int) -> dict[str, Any]:
+    """``batch`` and a padded ndarray of features (it travels trimmed, in the host block,
+    and is re-padded on the host)."""
+    feats = np.full((8, 1500, 16), -23.025850929940457, dtype=np.float32)
+    for row in range(8):
+        feats[row, : 150 * row + seed] = row + seed / 8
+    return {**batch, "feats": feats}
+
+
 def t18b_trimmed_over_gloo(rank: int) -> dict[str, Any]:
-    """The trimmed audio batch from a CPU source over gloo to ``device="cuda"``: bit for
-    bit on both ranks, and no host sync on the receiver's threads."""
+    """The trimmed audio batch, with a trimmed ndarray, from a CPU source over gloo to
+    ``device="cuda"``: bit for bit on both ranks, and no host sync on the receiver's
+    threads."""
     if not accepts(tc.broadcast, "trim"):
         raise Skipped("tc.broadcast has no trim= keyword yet: nothing to check")
     report: dict[str, Any] = {}
 
     def send(seed: int) -> Any:
-        batch = padded_audio("cpu", seed) if rank == 0 else None
+        batch = with_feats(padded_audio("cpu", seed), seed) if rank == 0 else None
         return tc.broadcast(batch, 0, device="cuda", timeout=TIMEOUT_S, trim=True)
 
     send(99)  # warm: the group, the pools
@@ -1448,7 +1515,7 @@ def t18b_trimmed_over_gloo(rank: int) -> dict[str, Any]:
     total = syncs.count
     if accepts(tc.BroadcastingDataLoader, "trim"):
         loader = tc.BroadcastingDataLoader(
-            Source(4, lambda s: padded_audio("cpu", s)) if rank == 0 else None,
+            Source(4, lambda s: with_feats(padded_audio("cpu", s), s)) if rank == 0 else None,
             group=dist.group.WORLD,
             src=0,
             prefetch=2,
@@ -1463,7 +1530,7 @@ def t18b_trimmed_over_gloo(rank: int) -> dict[str, Any]:
     else:
         report["loader"] = "BroadcastingDataLoader has no trim= keyword yet: not checked"
     for i, out in enumerate(outs):
-        same(padded_audio("cpu", i % 4), out, f"batch {i}")
+        same(with_feats(padded_audio("cpu", i % 4), i % 4), out, f"batch {i}")
         expect(out["audio"].is_cuda, f"batch {i}: audio on {out['audio'].device}", report)
     if rank == 1:  # the receiver's path; the source may read its batch to trim it
         expect(total == 0, f"{total} host syncs on the receiver", report)
@@ -1527,6 +1594,7 @@ def part_c(rec: Recorder, store_dir: str) -> None:
     rec.run("T9", lambda: t9_own_tree_not_overwritten(sleeper))
     rec.run("T10", t10_cpu_packed)
     rec.run("T11", lambda: t11_syncs_per_broadcast(sleeper))
+    rec.run("T23", t23_trimmed_leaves_rebuilt_on_the_host)
     rec.run("T16", t16_memory_after_a_one_off_broadcast)
     dist.destroy_process_group()
     counts["after_destroy_1"] = _settle()
@@ -1561,7 +1629,12 @@ def part_c(rec: Recorder, store_dir: str) -> None:
     pair: dict[str, Any] = {}
     rec.run("T12", lambda: t12_sender_receiver_on_cuda_streams(sleeper, pair))
     rec.run("T12s", lambda: t12s_receiver_syncs(pair))
+    rec.run("T12p", lambda: t12p_padded_leaf_on_cuda_streams(sleeper))
     # Last: a capture that fails may leave this process unable to go on.
+    rec.run(
+        "T24",
+        _in_nccl_world(store_dir, "world-8", lambda: t24_capture_at_a_one_off_deadline(sleeper)),
+    )
     rec.run("T6c", t6c_capture_while_the_worker_makes_a_frame)
     rec.write({"event": "done", "time": time.time()})
 
@@ -1735,6 +1808,7 @@ def t11_syncs_per_broadcast(sleeper: Sleeper) -> dict[str, Any]:
         return {"a": torch.randn(1 << 16), "feats": np.arange(256, dtype=np.float32)}
 
     per = count("(a) CUDA tensor-only", tensor_only)
+    padded = count("(e) a padded 2-D CUDA leaf (sent whole)", lambda: padded_audio("cuda"))
     count("(b) CUDA + ndarray + 4 KiB str", mixed)
     count("(c) CPU + ndarray", cpu_mixed)
     # How long (b) takes to return when the caller's stream is busy: its non-tensor leaves
@@ -1777,6 +1851,44 @@ def t11_syncs_per_broadcast(sleeper: Sleeper) -> dict[str, Any]:
     expect(lane.broken is None, f"(d) the group broke: {lane.broken!r}", report)
     same(cpu, send(cpu), "(d) after the refused batch")
     expect(per == 0, f"(a) a CUDA tensor-only tree: {per} syncs per broadcast", report)
+    expect(padded == 0, f"(e) a padded 2-D CUDA leaf: {padded} syncs per broadcast", report)
+    return report
+
+
+def host_padded() -> dict[str, Any]:
+    """A CPU batch whose padded tensor and ndarray both trim, for GPU and CPU receivers
+    alike (a CPU receiver's trim must save a third of the leaf and a few hundred KiB)."""
+    g = torch.Generator().manual_seed(23)
+    rows, length = 8, 64_000
+    audio = torch.zeros(rows, length)
+    feats = np.zeros((rows, 4000, 16), dtype=np.float32)
+    for row in range(rows):
+        n = length * (row + 2) // 10
+        audio[row, :n] = torch.randn(n, generator=g)
+        feats[row, : 250 * row] = row + 0.5
+    return {"audio": audio, "feats": feats, "ids": [f"utt-{row}" for row in range(rows)]}
+
+
+def t23_trimmed_leaves_rebuilt_on_the_host() -> dict[str, Any]:
+    """A CPU batch with a padded ndarray (it travels trimmed, in the host block) and a
+    padded tensor, on the NCCL group: to the GPU (the ndarray rebuilt on the host) and
+    with ``device="cpu"`` (every trimmed leaf rebuilt on the host). ``record_stream``
+    takes device memory only: a host output handed to it raises on every rank."""
+    batch = host_padded()
+    trimmed = {
+        "for GPU receivers": trimmed_leaves(tc.pack(batch, device="cuda")),
+        "for CPU receivers": trimmed_leaves(tc.pack(batch)),
+    }
+    report: dict[str, Any] = {"trimmed_leaves": trimmed}
+    for who, paths in trimmed.items():
+        expect(paths == ["['audio']", "['feats']"], f"{who}, trimmed: {paths}", report)
+    for device in (None, "cpu"):
+        where = f"device={device!r}"
+        for _ in range(2):  # the first, then one into reused memory
+            out = tc.broadcast(batch, 0, device=device, timeout=TIMEOUT_S)
+        same(batch, out, where)
+        on = out["audio"].device.type
+        expect(on == (device or "cuda"), f"{where}: the audio leaf is on {on}", report)
     return report
 
 
@@ -1934,10 +2046,8 @@ def t21_groups_apart(sleeper: Sleeper) -> dict[str, Any]:
         for name in "ab"
     ]
     report: dict[str, Any] = {"own_streams": wires[0].streams is not wires[1].streams}
+    lanes = [Lane(f"t21-{i}", w.abort, dev.index, device_group=True) for i, w in enumerate(wires)]
     try:
-        lanes = [
-            Lane(f"t21-{i}", w.abort, dev.index, device_group=True) for i, w in enumerate(wires)
-        ]
         stagings = [
             Staging(Group((0,), w, lane), 0, lambda error: None) for w, lane in zip(wires, lanes)
         ]
@@ -1952,7 +2062,8 @@ def t21_groups_apart(sleeper: Sleeper) -> dict[str, Any]:
         def part(i: int, **work: Any) -> DevicePart:
             src = sources[i]
             fill = lambda buffer: buffer.copy_(src, non_blocking=True)  # noqa: E731
-            return stagings[i].part(n, lambda buffer: buffer, None, TD, fill=fill, **work)
+            build = lambda buffer, later: buffer  # noqa: E731  # as the codec's: later=
+            return stagings[i].part(n, build, None, TD, fill=fill, **work)
 
         a, b = part(0, ready=late), part(1)
         a.post()
@@ -1973,9 +2084,10 @@ def t21_groups_apart(sleeper: Sleeper) -> dict[str, Any]:
             a_done_after_s=None if a_done is None else round(a_done, 3),
         )
         right = [bool((got == v).all()) for got, v in ((got_a, 5), (got_b, 6))]
-        for lane in lanes:
-            lane.inflight.reap()  # done: the workers leave
     finally:
+        for lane in lanes:  # watch no deadline: no event query lands in T6c's capture
+            lane.inflight.clear()
+            lane.wake()
         for wire in wires:
             wire.shutdown()
     expect(report["own_streams"], "both groups have the same transfer stream", report)
@@ -2129,6 +2241,22 @@ def t12_sender_receiver_on_cuda_streams(sleeper: Sleeper, pair: dict[str, Any]) 
     return report
 
 
+def t12p_padded_leaf_on_cuda_streams(sleeper: Sleeper) -> dict[str, Any]:
+    """T12 at ``ahead=2`` with a trimmed (B, T) leaf whose samples say the step: its
+    re-pad must be ordered before the hand-out (a snapshot right after ``take()``) and its
+    memory handed to the consumer's stream (a late read, after a 200 ms sleep, of a tree
+    dropped meanwhile); no host sync on the receiver's threads."""
+    trimmed = trimmed_leaves(tc.pack(padded_step(1), device="cuda"))
+    report: dict[str, Any] = {"trimmed_leaves": trimmed}
+    expect(trimmed == ["['audio']"], f"the padded leaf is not trimmed: {trimmed}", report)
+    pair: dict[str, Any] = {}
+    report["ahead=2"] = _t12_pair(sleeper, 2, report, pair, padded=True)
+    report["syncs"] = pair["ahead=2"]
+    syncs = pair["ahead=2"]["receiver_syncs"]
+    expect(syncs == 0, f"{syncs} host syncs on the receiver's threads", report)
+    return report
+
+
 def t12s_receiver_syncs(pair: dict[str, Any]) -> dict[str, Any]:
     """The NCCL-style receiver's host syncs, counted under ``set_sync_debug_mode("warn")``
     on its consumer thread and its lane's worker, up to the consumer's last step (its own
@@ -2144,11 +2272,18 @@ def t12s_receiver_syncs(pair: dict[str, Any]) -> dict[str, Any]:
 
 
 def _t12_pair(
-    sleeper: Sleeper, ahead: int, report: dict[str, Any], pair: dict[str, Any]
+    sleeper: Sleeper,
+    ahead: int,
+    report: dict[str, Any],
+    pair: dict[str, Any],
+    *,
+    padded: bool = False,
 ) -> dict[str, Any]:
     """One source and one receiver, each a consumer thread that keeps ``ahead`` steps
     submitted to its lane (with 2, it posts the next batch's device work at each step, as
-    a loader at ``prefetch=2`` does). Host syncs are counted throughout, by thread."""
+    a loader at ``prefetch=2`` does). Host syncs are counted throughout, by thread.
+    ``padded``: CPU batches of :func:`padded_step`, trimmed, so that both sides re-pad
+    the leaf on the transfer stream; each side snapshots it whole."""
     dev = torch.device("cuda", torch.cuda.current_device())
     steps = 6
     heads = FakeWire.pair()
@@ -2162,8 +2297,18 @@ def _t12_pair(
     receiver = Receiver(groups[1], 0, rank=1, timeout=TD)
 
     def send(i: int) -> Any:
+        if padded:
+            return sender.send_batch(padded_step(i + 1), None, TD)
         # odd steps: a CUDA batch made on the lane's worker, as a source iterator makes it
         return sender.send_batch(step_batch(i + 1, "cuda" if i % 2 else "cpu"), None, TD)
+
+    def first(tree: Any) -> torch.Tensor:
+        return tree["audio"].clone() if padded else tree["x"][:4096].clone()
+
+    def last(tree: Any) -> torch.Tensor:
+        return tree["audio"].clone() if padded else tree["x"][-4096:].clone()
+
+    wrong = wrong_padded if padded else wrong_steps
 
     def recv(i: int) -> Any:
         return receiver.recv(None, TD)
@@ -2189,11 +2334,11 @@ def _t12_pair(
                 sleeper.sleep(300)  # this thread's default stream, before each step
                 with torch.cuda.stream(side[i % 2]):  # the next step is taken on the other
                     tree = part.take()
-                    snaps.append((i + 1, tree["x"][:4096].clone()))
+                    snaps.append((i + 1, first(tree)))
                     if ahead >= 2 and i + 1 < len(jobs):  # as a loader posts ahead
                         jobs[i + 1].result().post()
                     sleeper.sleep(200)
-                    lates.append((i + 1, tree["x"][-4096:].clone()))
+                    lates.append((i + 1, last(tree)))
                 del tree, part
                 jobs[i] = None
                 if len(jobs) < steps:
@@ -2201,7 +2346,7 @@ def _t12_pair(
             if name == "receiver":
                 receiver_syncs.append(syncs.now(RECEIVER_THREADS))
             torch.cuda.synchronize()
-            out[name] = (wrong_steps(snaps), wrong_steps(lates))
+            out[name] = (wrong(snaps), wrong(lates))
         except BaseException as e:
             out[name] = e
 
@@ -2267,6 +2412,49 @@ def t14_break(sleeper: Sleeper) -> dict[str, Any]:
     expect(broke_s < 10, f"break_ took {broke_s:.1f} s", report)
     expect(raised < 10, f"PeerError after {raised:.1f} s", report)
     expect(drained is not None, "the device did not drain within 20 s of the abort", report)
+    return report
+
+
+def t24_capture_at_a_one_off_deadline(sleeper: Sleeper) -> dict[str, Any]:
+    """A one-off ``tc.broadcast`` whose part is not done at its hand-out stays watched
+    until its deadline (1 s here), when the lane's worker queries its event. A graph is
+    captured on the main thread (torch's default global mode) from before that moment to
+    after it (the host waits inside the capture): it may not fail, and the lane stays
+    whole (the worker's calls ignore other threads' captures)."""
+    static = torch.zeros(1 << 16, device="cuda")
+    warm_for_capture(static)
+    kwargs = capture_kwargs()
+    report: dict[str, Any] = {
+        "capture_error_mode": kwargs.get("capture_error_mode", "torch's default (global)"),
+    }
+    tree = {"x": torch.arange(1 << 22, device="cuda")}
+    tc.broadcast(tree, 0, timeout=1.0)  # the channel, once: its agreement and group
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        sleeper.sleep(300)  # the part waits on it: not done at its hand-out
+        tc.broadcast(tree, 0, timeout=1.0)
+    posted = time.monotonic()
+    lane = _groups.world().group((dist.get_rank(),)).lane
+    report["watched_after_take"] = len(lane.inflight)
+    if not len(lane.inflight):
+        raise Skipped("the part was seen done at its hand-out: no deadline to meet", report)
+    errors: list[str] = []
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, **kwargs):
+            y = static * 1.0001
+            time.sleep(max(0.0, posted + 2.0 - time.monotonic()))  # the deadline: 1 s in
+            y = y * 1.0001
+        graph.replay()
+    except RuntimeError as e:
+        errors.append(str(e)[:300])
+    torch.cuda.synchronize()
+    report.update(errors=errors, broken=repr(lane.broken), watched_after_capture=len(lane.inflight))
+    expect(not errors, f"the capture failed: {errors}", report)
+    expect(lane.broken is None, f"the lane broke: {lane.broken!r}", report)
+    if len(lane.inflight):
+        raise Skipped("the worker had not looked at the deadline by the capture's end", report)
     return report
 
 
@@ -2524,7 +2712,14 @@ def _driver_check(
     }
 
 
-def _describe_device() -> dict[str, Any]:
+def _describe_device(out: Path | None = None) -> dict[str, Any]:
+    """The machine, from ``device_run.sh``'s ``env.json`` in ``out`` when there is one: a
+    driver that asks CUDA itself holds a context while its parts run, and on a GPU in
+    EXCLUSIVE_PROCESS mode every part's process would then fail to get one."""
+    env = _load(out / "env.json") if out is not None else None
+    if isinstance(env, dict) and env.get("device"):
+        keys = ("torch", "cuda", "device", "nccl", "python", "compute_mode")
+        return {key: env.get(key) for key in keys}
     nccl: Any = None
     with contextlib.suppress(Exception):
         version = torch.cuda.nccl.version()
@@ -2706,11 +2901,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             part_c(rec, args.store_dir)
         return 0
-    document: dict[str, Any] = {**_describe_device(), "parts": {}, "checks": []}
-    print(f"tensorcast GPU checks on {document['device']} (torch {document['torch']})", flush=True)
     with tempfile.TemporaryDirectory(prefix="tensorcast-gpu-") as tmp:
         out = Path(args.out) if args.out else Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
+        device = _describe_device(out)
+        document: dict[str, Any] = {**device, "parts": {}, "checks": []}
+        print(f"tensorcast GPU checks on {device['device']} (torch {device['torch']})", flush=True)
         for i, part in enumerate(parts):
             # The first part's clock started with this process (its imports count).
             spent = time.monotonic() - _STARTED if i == 0 else 0.0
@@ -2723,7 +2919,7 @@ def main(argv: list[str] | None = None) -> int:
                 del p["log"]
             document["parts"][part] = outcome
             document["checks"] += verdicts
-            part_doc = {**_describe_device(), "part": part, "outcome": outcome, "checks": verdicts}
+            part_doc = {**device, "part": part, "outcome": outcome, "checks": verdicts}
             (out / f"part-{part}.json").write_text(
                 json.dumps(part_doc, indent=1, default=str) + "\n"
             )

@@ -73,6 +73,25 @@ def test_without_cuda_it_prints_its_plan_and_exits_77(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "plan.txt").read_text().splitlines()[-1] == f"total: {total} s"
 
 
+def test_a_python_without_torch_says_so_and_is_not_a_skip(tmp_path: Path) -> None:
+    """``PYTHON`` without torch (here: without its site-packages) is a failure to report,
+    not the "no GPU here" of exit 77, which would pass for a run with nothing to check."""
+    bare = tmp_path / "python-without-site"
+    bare.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    bare.chmod(0o755)
+    env = {**_no_cuda_env(), "PYTHON": str(bare)}
+    started = time.monotonic()
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, SKIPPED), out
+    assert "needs torch" in out and "cannot import torch" in out, out
+    assert time.monotonic() - started < 30
+    assert _plan(out)[1] <= BUDGET_S
+
+
 def test_plan_only() -> None:
     rc, out, _ = _run("--plan")
     assert rc == 0, out

@@ -429,3 +429,47 @@ def test_a_trimmed_leaf_is_re_padded_on_the_transfer_stream_after_its_payload(
             frame + ["hand_over"] * 2 + frame + ["hand_over"] * 2
         ), ops
         assert streams.threads("repad") == {consumer}
+
+
+def test_a_tree_asked_for_off_the_wire_s_device_hands_over_only_device_memory() -> None:
+    """NCCL with ``device="cpu"``: the tree is built from a copy of the buffer elsewhere,
+    so its trimmed leaves are rebuilt there, and ``record_stream`` (which takes the
+    device's memory only) is made on the buffer alone. Faked the other way round: streams
+    of the host, a tree asked for on ``meta``; a trimmed ndarray is rebuilt on the host."""
+    sender, receiver, sgroup, rgroup = device_pair()
+    meta = torch.device("meta")
+    audio = torch.zeros(4, 40_000)
+    feats = np.zeros((4, 6_000, 8), dtype=np.float32)
+    for row, n in enumerate((40_000, 9_000, 700, 90)):
+        audio[row, :n] = 1.5
+        feats[row, : n // 10] = 0.5
+    tree = {"audio": audio, "feats": feats}
+    from tensorcast import pack, read_header
+
+    assert [leaf.trimmed for leaf in read_header(pack(tree).header).leaves] == [True, True]
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(receiver.recv(meta, TIMEOUT).take()))
+    t.start()
+    own = sender.send_batch(tree, meta, TIMEOUT).take()
+    t.join(10)
+    for out in (own, got[0]):
+        assert out["audio"].device == meta and out["audio"].shape == audio.shape
+        assert out["feats"].tobytes() == feats.tobytes()
+    for group in (sgroup, rgroup):
+        handed = [ref() for ref, _ in group.wire.streams.handed]
+        assert handed and all(h is None or h.device.type == "cpu" for h in handed)
+
+
+def test_the_trim_decision_reads_nothing_of_a_leaf_on_the_device() -> None:
+    """A source's leaf on a GPU is sent whole: deciding its trim would read it back, 2 to
+    8 host syncs a leaf and a batch (``meta`` memory raises where a GPU would sync). A
+    padded ndarray beside it is on the host, and trimmed as ever."""
+    from tensorcast.codec import encode
+
+    audio = torch.empty(8, 16_000, device="meta")  # padded or not: never looked at
+    feats = np.zeros((8, 4_000, 8), dtype=np.float32)
+    feats[:, :100] = 1.0
+    leaves = [("tensor", "f4", audio.shape, audio), ("ndarray", "f4", feats.shape, feats)]
+    for receiver in (None, "device", "host"):
+        trims = encode._find_trims(leaves, [0, 1], receiver)
+        assert trims is not None and list(trims) == [1], receiver

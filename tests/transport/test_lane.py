@@ -293,3 +293,24 @@ def test_at_exit_the_running_job_ends_the_queued_ones_never_run_and_nothing_is_q
     assert "tensorcast: at exit, waiting up to" in out, out  # said after WARN_AFTER_S
     assert "tensorcast-lane" not in out.split("THREADS", 1)[1], out  # the worker was joined
     assert took < 30, out
+
+
+def test_a_device_lane_s_worker_ignores_other_threads_captures(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker of a lane on a GPU takes the thread-local capture mode before any job:
+    its CUDA calls (a deadline's event query, pinned staging) come at moments of its own,
+    and a global-mode graph capture on the caller's thread must not count them."""
+    import torch
+
+    from tensorcast.transport import lane as _lane_module
+
+    taken: list[str] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(
+        _lane_module, "apart_from_captures", lambda: taken.append(threading.current_thread().name)
+    )
+    lane = Lane("cap", lambda: None, 0, idle_exit_s=0.1)
+    job = _queued(lane, lambda: taken.append("job"))
+    job.result()
+    assert taken == ["tensorcast-lane-cap", "job"]

@@ -139,3 +139,16 @@ def test_a_payload_is_waited_for_on_the_stream_whatever_blocking_wait_says(
     monkeypatch.setattr(_wire, "blocking_wait", lambda: "NCCL_BLOCKING_WAIT")
     with pytest.warns(RuntimeWarning, match="NCCL_BLOCKING_WAIT is set.*host"):
         _nccl_wire()
+
+
+def test_broadcast_options_of_older_bindings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Older c10d bindings of ``BroadcastOptions`` define only ``rootRank``, ``rootTensor``
+    and ``timeout``: a wire made there sets what they have and nothing else."""
+
+    class Older:
+        __slots__ = ("rootRank", "rootTensor", "timeout")
+
+    monkeypatch.setattr(_wire.dist, "BroadcastOptions", Older)
+    timeout = datetime.timedelta(seconds=3)
+    opts = _wire._broadcast_options(1, timeout)
+    assert (opts.rootRank, opts.rootTensor, opts.timeout) == (1, 0, timeout)

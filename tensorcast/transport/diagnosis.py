@@ -39,6 +39,7 @@ import threading
 import time
 from typing import Any
 
+from tensorcast.transport import exits as _exits
 from tensorcast.transport.liveness import SLOW_MAX_S, Beat, key
 
 __all__ = ["diagnose", "timed_out"]
@@ -75,7 +76,9 @@ class _Asker:
             except BaseException as e:  # handed to the asking thread
                 box.put((False, e))
 
-        threading.Thread(target=run, name="tensorcast-diagnosis", daemon=True).start()
+        helper = threading.Thread(target=run, name="tensorcast-diagnosis", daemon=True)
+        _exits.asking(helper)  # no store request at exit while this one may hang
+        helper.start()
         try:
             ok, value = box.get(timeout=limit_s or self.limit_s)
         except queue.Empty:

@@ -36,6 +36,7 @@ def batches():
 loader = tc.BroadcastingDataLoader(
     source=batches() if RANK == 0 else None, group=dist.group.WORLD, src=0, timeout=TIMEOUT_S
 )
+print(f"STARTED {time.monotonic():.3f}", flush=True)
 try:
     for batch in loader:
         print(f"rank {RANK}: batch {batch['x']}", flush=True)
@@ -77,6 +78,9 @@ def test_a_rank_whose_store_host_froze_exits_with_code_1(tmp_path: Path) -> None
             p.communicate()
     raised = [float(line.split()[1]) for line in out.splitlines() if line.startswith("PEER_ERROR")]
     assert raised, out[-4000:]
+    started = [float(x.split()[1]) for x in out.splitlines() if x.startswith("STARTED")]
+    # within its timeout, and the diagnosis's bounds on a store that does not answer
+    assert raised[0] - started[0] < TIMEOUT_S + 3 * 2.0 + 5.0, out[-4000:]
     assert "PeerError" in out and "heartbeat cannot be read" in out, out[-4000:]
     assert procs[1].returncode == 1, out[-4000:]
     assert exited - raised[0] < EXITED_WITHIN_S, out[-4000:]

@@ -193,6 +193,9 @@ def main() -> None:
         reshuffled = all(everyone["epoch0"][r] != everyone["epoch1"][r] for r in range(world))
         seen = [i for row in flat for i in everyone["epoch0"][row[0]]]
         disjoint = len(seen) == len(set(seen))
+        # Cuts each validation set yielded over all DP slots. They can exceed the set's size
+        # (8 cuts may read 12): at the end of the data lhotse's sampler gives every DP
+        # slot a batch, filling slots left short with copies of cuts (ids "..._dup0").
         counts = {name: sum(len(everyone[name][row[0]]) for row in flat) for name in val}
         print(f"ranks: {world}, mesh (dp={dp}, cp={args.cp}, tp={args.tp}), {n} training cuts")
         print(f"len(train loader) raises TypeError on every rank: {bool(unsized.item())}")

@@ -17,12 +17,14 @@ not installed.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
 import sys
 import traceback
 import types
+import typing
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,3 +244,57 @@ def test_run_code_reports_the_block_and_line() -> None:
         run_code("docs/x.md:7", "a = 1\nb = a / 0\n")
     frames = traceback.extract_tb(info.value.__traceback__)
     assert (frames[-1].filename, frames[-1].lineno) == ("docs/x.md:7", 2)
+
+
+# -- the README's API table, from the signatures ---------------------------------------------
+
+_CALL = re.compile(r"`((?:tc|loader)\.\w+)\(([^`]*)\)`")
+
+
+def rendered(fn: Any) -> str:
+    """A signature as the README writes it: no annotations, ``*`` before keyword-only
+    parameters, defaults in double quotes, no ``self`` and no ``/``."""
+    out: list[str] = []
+    star = False
+    for p in inspect.signature(fn).parameters.values():
+        if p.name == "self":
+            continue
+        if p.kind is p.KEYWORD_ONLY and not star:
+            out.append("*")
+            star = True
+        text = p.name if p.default is p.empty else f"{p.name}={p.default!r}"
+        out.append(text.replace("'", '"'))
+    return ", ".join(out)
+
+
+def _api_rows() -> dict[str, list[str]]:
+    """The README API table's calls: by name, the parameter lists written there."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = text.split("## API", 1)[1].split("\n## ", 1)[0]
+    calls: dict[str, list[str]] = {}
+    for line in table.splitlines():
+        cell = line.split(" | ")[0]
+        for name, params in _CALL.findall(cell):
+            calls.setdefault(name, []).append(params)
+    return calls
+
+
+def test_the_readme_api_table_says_what_the_signatures_say() -> None:
+    import tensorcast as tc
+
+    calls = _api_rows()
+    public = {n for n in tc.__all__ if callable(getattr(tc, n)) and n[0].islower()}
+    assert {n.removeprefix("tc.") for n in calls if n.startswith("tc.")} >= public | {
+        "BroadcastingDataLoader"
+    }
+    for name, written in calls.items():
+        owner, attr = name.split(".")
+        fn = getattr(tc if owner == "tc" else tc.BroadcastingDataLoader, attr)
+        forms = [rendered(f) for f in typing.get_overloads(fn)] or [rendered(fn)]
+        assert written == forms, f"README's {name}: {written} != the code's {forms}"
+    version = re.search(r"`tc.FORMAT_VERSION` \| [^|]*\((\d+)\)", (ROOT / "README.md").read_text())
+    assert version is not None and int(version[1]) == tc.FORMAT_VERSION
+
+
+def test_the_readme_stays_short() -> None:
+    assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 220

@@ -20,7 +20,12 @@ each method handed it, every iteration, against its source's batch, bit for bit.
 tensorcast's methods run twice where this tensorcast trims padding (issue 34): as they
 are (``trim=True``, the default) and as ``...(trim=False)``, which sends every leaf
 whole, in the same run. The floor stays one broadcast of the whole, padded, batch, so
-trimming shows as a ratio below 1x; ``wire`` gives the bytes each method sent.
+trimming shows as a ratio below 1x; ``wire`` gives the bytes each method sent, and the
+"trim on / off" line says "nothing trimmed" where both ways sent the same bytes.
+
+Each workload's rows are printed as it finishes (flushed: a SLURM log or ``| cat`` shows
+them as the run goes), and ``--json`` is rewritten then with every workload done so far
+(``"complete": false`` until the last): a run stopped midway keeps what it measured.
 """
 
 from __future__ import annotations
@@ -178,23 +183,20 @@ def _iters(args: argparse.Namespace, spec: str) -> tuple[int, int]:
 
 
 def _run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
+    """Every workload in turn; rank 0 prints each one's rows as it finishes (flushed, so
+    a SLURM log or ``| cat`` shows them) and rewrites ``--json`` with what is done so far:
+    a run stopped midway keeps its finished workloads."""
     world = dist.get_world_size()
     tp = args.tp if args.tp is not None else max(1, world // (args.cp * (args.dp or 1)))
     slot, mesh = run.make_slot(args.dp, args.cp, tp)
     names = run.method_names(args.methods)
     plan = [(spec, *_iters(args, spec)) for spec in args.specs]
     total = sum((iters + warmup) * len(names) for _, iters, warmup in plan)
-    progress = report.Progress(total, enabled=dist.get_rank() == 0)
+    first = dist.get_rank() == 0
+    progress = report.Progress(total, enabled=first)
     started = time.monotonic()
-    try:
-        results = [
-            run.run_workload(spec, names, iters, warmup, args.quick, slot, progress)
-            for spec, iters, warmup in plan
-        ]
-    finally:
-        progress.close()
     info = run.where(backend, mesh, slot)
-    return {
+    result: dict[str, Any] = {
         "command": shlex.join(["python", "-m", "tensorcast.bench", *sys.argv[1:]]),
         "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
         "where": (
@@ -204,29 +206,55 @@ def _run(args: argparse.Namespace, backend: str) -> dict[str, Any]:
         **info,
         "quick": args.quick,
         "trim_supported": trim_supported(),  # whether the (trim=False) methods could run
-        "wall_s": time.monotonic() - started,
-        "workloads": results,
+        "complete": False,  # True once every workload ran
+        "wall_s": 0.0,
+        "workloads": [],
     }
+    if first:
+        _say(f"$ {result['command']}   ({result['date']})")
+        _say(f"on {result['where']}; times are the slowest rank's")
+    try:
+        for spec, iters, warmup in plan:
+            done = run.run_workload(spec, names, iters, warmup, args.quick, slot, progress)
+            result["workloads"].append(done)
+            result["wall_s"] = time.monotonic() - started
+            if first:  # the file first: whoever reads the rows finds it written
+                _write_json(result, args)
+                progress.clear()
+                _say(report.text_table({"workloads": [done]}))
+    finally:
+        progress.close()
+    result["complete"] = True
+    return result
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _write_json(result: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json + ".tmp").write_text(json.dumps(result, indent=1))
+        os.replace(args.json + ".tmp", args.json)  # never a half-written file
 
 
 def _print(result: dict[str, Any], args: argparse.Namespace) -> None:
-    print(f"$ {result['command']}   ({result['date']})")
-    print(f"on {result['where']}; times are the slowest rank's")
-    print(report.text_table(result))
-    print(f"\n{report.COLUMNS}")
-    print("\n" + report.markdown_table(result))
+    """What follows the rows (printed as each workload finished): the columns, the table
+    for a README, the files written and what was checked."""
+    _say(f"\n{report.COLUMNS}")
+    _say("\n" + report.markdown_table(result))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        print(f"\nwrote {args.json}")
+        _write_json(result, args)
+        _say(f"\nwrote {args.json}")
     if args.png:
         report.write_png(result, args.png)
-        print(f"wrote {args.png}")
+        _say(f"wrote {args.png}")
     failures = [f for wl in result["workloads"] for f in wl["check_failures"]]
     for f in failures:
-        print(f"CHECK FAILED: {f}", file=sys.stderr)
+        print(f"CHECK FAILED: {f}", file=sys.stderr, flush=True)
     if not failures:
-        print("\n" + report.checked_line(result))
+        _say("\n" + report.checked_line(result))
 
 
 def shadowed() -> str | None:

@@ -18,6 +18,7 @@ __all__ = [
     "markdown_table",
     "rows",
     "text_table",
+    "trim_line",
     "trim_ratios",
     "write_png",
 ]
@@ -32,7 +33,8 @@ columns: median and p90 ms of the slowest rank's time per iteration, GB/s of ten
   wire     the bytes of the buffer a tensorcast method sent per batch (padding trimmed,
            or every leaf whole with trim=False), and the floor's: the batch's tensor bytes;
   trim on / off  a method's median trimmed over its median with trim=False (below 1x:
-           trimming pays), and paired, per iteration;
+           trimming pays), paired, and the spread (p10-p90) of the per-iteration ratios;
+           "nothing trimmed" where both sent the same bytes;
   trim's decision  the source's encode of the batch with trim on less with trim off, timed
            in-process beside the run: what trimming adds where it trims nothing"""
 
@@ -93,11 +95,34 @@ def trim_ratios(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
         trimmed = times.get(whole.removesuffix("(trim=False)"))
         if not trimmed:
             continue
+        each = [t / max(w, 1e-12) for t, w in zip(trimmed, seconds)]
+        low, high = np.percentile(each, [10, 90])
         out[whole.removesuffix("(trim=False)")] = {
             "median": float(np.median(trimmed)) / max(float(np.median(seconds)), 1e-12),
-            "paired": statistics.median(t / max(w, 1e-12) for t, w in zip(trimmed, seconds)),
+            "paired": statistics.median(each),
+            "p10": float(low),  # the spread of the per-iteration ratios
+            "p90": float(high),
         }
     return out
+
+
+def trim_line(wl: dict[str, Any]) -> str | None:
+    """The "trim on / off" line of a workload: per method run both ways, "nothing trimmed"
+    where both sent the same bytes (their ratio is noise), else the ratio of medians,
+    paired, and the spread of the per-iteration ratios (p10-p90)."""
+    ratios = wl.get("trim_over_untrimmed") or {}
+    if not ratios:
+        return None
+    wire = {r["method"]: r.get("wire_bytes") for r in wl["rows"]}
+    said = []
+    for m, r in ratios.items():
+        on, off = wire.get(m), wire.get(f"{m}(trim=False)")
+        if on is not None and on == off:
+            said.append(f"{m} nothing trimmed")
+            continue
+        spread = f", p10-p90 {_x(r['p10'])}-{_x(r['p90'])}" if "p10" in r else ""
+        said.append(f"{m} {_x(r['median'])} (paired {_x(r['paired'])}{spread})")
+    return "  trim on / off: " + ", ".join(said)
 
 
 def checked_line(report: dict[str, Any]) -> str:
@@ -138,12 +163,9 @@ def text_table(report: dict[str, Any]) -> str:
                 f"{r['gbps']:>8.3f} {_x(r['x_floor']):>8} {_x(r['x_floor_paired']):>7} "
                 f"{_wire(r.get('wire_bytes')):>9}"
             )
-        ratios = wl.get("trim_over_untrimmed") or {}
-        if ratios:
-            said = ", ".join(
-                f"{m} {_x(r['median'])} (paired {_x(r['paired'])})" for m, r in ratios.items()
-            )
-            lines.append(f"  trim on / off: {said}")
+        trim = trim_line(wl)
+        if trim is not None:
+            lines.append(trim)
         decision = wl.get("trim_decision_ms")
         if decision:
             floor = next((r["median_ms"] for r in wl["rows"] if r["method"] == "floor"), None)
@@ -201,10 +223,14 @@ class Progress:
         self.stream.write(f"\r[{bar}] {100 * self.done // self.total:3d}% {what:<40.40}")
         self.stream.flush()
 
-    def close(self) -> None:
+    def clear(self) -> None:
+        """Clear the bar's line (before other output; the next advance draws it again)."""
         if self.enabled:
             self.stream.write("\r" + " " * 80 + "\r")
             self.stream.flush()
+
+    def close(self) -> None:
+        self.clear()
 
 
 def write_png(report: dict[str, Any], path: str) -> None:

@@ -23,6 +23,13 @@ differ between processes, and at interpreter exit no thread can start. Hence:
   after different batches queued different steps: the channel's next frame then carries
   another pass or step than a receiver expects (``DesyncError``), or none comes (the
   receiver's timeout, with its diagnosis).
+- A new pass, at its first ``next()`` and before it calls ``iter(source)``, waits on the
+  source rank (locally, queuing nothing) for the steps the passes before it queued:
+  they call ``next()`` on the old iterator, and a source that restarts itself at
+  ``iter()`` (a lhotse sampler returns itself, a ``DataLoader`` with persistent workers
+  resets its one iterator) would hand them the new epoch's first batches, or fail
+  (torch's ``Invalid iterator state``). Their batches are dropped as before; their
+  failures are the old pass's, not raised here.
 - ``load_state_dict()`` refuses while a pass of its loader is open (started, not ended,
   its iterator alive after a ``gc.collect()``, so that every rank decides alike), and
   waits, queuing nothing, for the steps its dropped passes queued: they pull from the
@@ -69,15 +76,17 @@ class Ledger:
 
     def finish_queued(self) -> BaseException | None:
         """Wait for the steps queued so far (a local wait: nothing is queued); the error
-        of the last one, if it failed."""
+        of the last one, if it failed. An interrupt leaves the wait owed to the retry."""
         job = self.tail() if self.tail is not None else None
-        self.tail = None
         if job is None:
+            self.tail = None
             return None
         try:
             job.result()
         except Exception as e:
+            self.tail = None
             return e
+        self.tail = None
         return None
 
 
@@ -148,6 +157,10 @@ class Pass:
             and steps.source_iter is None
             and steps.start_error is None
         ):
+            # The steps a dropped pass queued draw from the same source: done first, or
+            # a source that restarts itself at iter() (a lhotse sampler, persistent workers)
+            # would lose the new pass's first batches to them (NOTE [ Where a pass ends ]).
+            self._ledger.finish_queued()
             # On the caller's thread, as a plain loop would call it; a failure (an interrupt
             # included) is announced to the receivers by the first step.
             try:

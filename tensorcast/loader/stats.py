@@ -216,7 +216,7 @@ class Recorder:
         with self._lock:
             s = self._window(self._rows.last(n), n)
         logger.info(
-            "tensorcast loader: step %d: data stall %.2f ms median, %.2f ms p90, %.2f ms max "
+            "loader step %d: data stall %.2f ms median, %.2f ms p90, %.2f ms max "
             "(%.1f%% of the step); next(source) %.2f ms, transfer %.2f ms median; last %d steps",
             self._steps, s.stall.median * 1e3, s.stall.p90 * 1e3, s.stall.max * 1e3,
             100 * s.stall_share, s.source.median * 1e3, s.transfer.median * 1e3, s.steps,

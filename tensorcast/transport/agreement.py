@@ -31,7 +31,6 @@ store and its host (:func:`store_failed`), never torch's raw ``DistNetworkError`
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
 import hashlib
@@ -45,11 +44,12 @@ from typing import Any
 
 from tensorcast._errors import DesyncError, PeerError, TensorcastError
 
-__all__ = ["EXITED", "Agreement", "mark_exit", "ranks_name", "store_failed"]
+__all__ = ["EXITED", "Agreement", "ranks_name", "store_failed"]
 
 log = logging.getLogger("tensorcast")
 
-#: set in the default store (no prefix) by a process that exits with the group up
+#: set in the default store (no prefix) by a process that exits with the group up (NOTE
+#: [ Interpreter exit ] in ``transport.exits``, step 3)
 EXITED = "tensorcast/exited/"
 
 _POLL_FIRST_S = 0.005  # a wait's first pause between two checks; each next one doubles
@@ -428,20 +428,3 @@ def _differences(mine: dict[str, Any], theirs: dict[str, Any], me: int, other: i
         for k in keys
         if mine.get(k) != theirs.get(k)
     )
-
-
-def mark_exit() -> None:
-    """At exit, with the default group still up: say in the store that this process is
-    gone, so that ranks waiting for it to set something up can tell it from a late one."""
-    try:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"{EXITED}{dist.get_rank()}", "exited")
-    except Exception:  # at exit, a store that is gone is no one's problem
-        return
-
-
-atexit.register(mark_exit)

@@ -39,11 +39,23 @@ import threading
 import time
 from typing import Any
 
+from tensorcast.transport import exits as _exits
 from tensorcast.transport.liveness import SLOW_MAX_S, Beat, key
 
-__all__ = ["diagnose", "timed_out"]
+__all__ = ["diagnose", "failed_after", "timed_out"]
 
 _CLOSED = ("connection reset", "connection closed", "broken pipe", "connection refused")
+
+
+def failed_after(error: BaseException, waited_s: float, timeout_s: float) -> str:
+    """How a wait for a peer ended, for its message: what happened and after how long
+    (a closed connection fails in a second, not after the timeout)."""
+    if timed_out(error):
+        return f"timed out after {waited_s:.1f} s (the timeout: {timeout_s:g} s)"
+    return (
+        f"failed after {waited_s:.1f} s, its connection closed (the timeout, {timeout_s:g} s, "
+        f"did not run out)"
+    )
 
 
 class _Silent(Exception):
@@ -75,7 +87,9 @@ class _Asker:
             except BaseException as e:  # handed to the asking thread
                 box.put((False, e))
 
-        threading.Thread(target=run, name="tensorcast-diagnosis", daemon=True).start()
+        helper = threading.Thread(target=run, name="tensorcast-diagnosis", daemon=True)
+        _exits.asking(helper)  # no store request at exit while this one may hang
+        helper.start()
         try:
             ok, value = box.get(timeout=limit_s or self.limit_s)
         except queue.Empty:

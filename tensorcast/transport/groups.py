@@ -74,13 +74,23 @@ _WATCH_S = 0.5  # how often a world with groups looks whether its default group 
 
 
 def world() -> World:
-    """tensorcast's state for the current default process group (made on first use)."""
+    """tensorcast's state for the current default process group (made on first use).
+
+    Making one closes, here and now, the worlds of earlier default groups that are still
+    open (their watch looks every ``_WATCH_S``): after a re-initialisation, what tensorcast
+    opened for the destroyed group is closed before it opens anything for the new one
+    (NOTE [ A destroyed default group ])."""
     default = dist.distributed_c10d._get_default_group()
     with _lock:
         state = _worlds.get(default)
-        if state is None:
-            state = _worlds[default] = World(default)
-        return state
+        if state is not None:
+            return state
+        stale = [w for w in _worlds.values() if w.closed is None]
+        state = _worlds[default] = World(default)
+    for old in stale:
+        if not old.current():
+            old.close(_DESTROYED)
+    return state
 
 
 @contextlib.contextmanager
@@ -316,7 +326,9 @@ def _worker_device(device: torch.device | None) -> int | None:
 # finaliser of ours closes anything, as one could run while a lane's lock is held. The
 # heartbeat asks the same question (``World.current``) at every wake and stops. Closing
 # never talks to another rank, and an in-flight job ends at its own timeout, as on torch's
-# own groups. The watch sleeps on an event, so that interpreter exit stops it at once
+# own groups. The first use of tensorcast under a new default group closes the worlds of
+# earlier ones still open, without waiting for their watch (``world()``): a program that
+# re-initialises at once holds no more of tensorcast's sockets than one generation's. The watch sleeps on an event, so that interpreter exit stops it at once
 # (NOTE [ Interpreter exit ] in ``transport.exits``).
 _DESTROYED = (
     "its default process group was destroyed (destroy_process_group), so tensorcast's groups "

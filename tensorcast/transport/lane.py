@@ -98,6 +98,8 @@ class Job(Generic[T]):
             self._waited.acquire()  # let go at once: every later waiter sees done
             self._waited.release()
         if self._error is not None:
+            if type(self._error) is _exits.Withdrawn:  # at exit: NOTE [ Interpreter exit ]
+                raise _exits.refusal(self._error)
             raise self._error
         return self._value  # type: ignore[no-any-return]
 
@@ -200,11 +202,11 @@ class Lane:
             self._cond.notify_all()
             worker = self._worker
         self.inflight.clear()  # no deadline keeps the worker
-        error = RuntimeError(f"the interpreter exited before this job ran ({self.name})")
+        error = _exits.Withdrawn(f"the interpreter exited before this job ran ({self.name})")
         for job in withdrawn:
             job._withdrawn(error)
         what = f"the transfer in flight on tensorcast's group over ranks {self.name}"
-        return _exits.Waiter(worker, self._exit_wait_s, what)
+        return _exits.Waiter(worker, self._exit_wait_s, what, "the process group's timeout")
 
     def _start_worker(self) -> None:  # under the lock
         self._cond.notify()

@@ -25,6 +25,7 @@ import torch
 from tensorcast._errors import DesyncError, HeaderError, PeerError, SourceError, TensorcastError
 from tensorcast.codec import Decoded, Repad, Reuses, decode
 from tensorcast.transport.device import DevicePart
+from tensorcast.transport.diagnosis import failed_after
 from tensorcast.transport.frame import (
     PREFIX_SIZE,
     Cut,
@@ -208,6 +209,7 @@ class Receiver:
         promised = self._cutter.promised
         posted: Posted | None = None
         buffer: torch.Tensor | None = None
+        started = time.perf_counter()
         try:
             if promised:  # the source posts it with the first message
                 buffer = self._pool.take(promised, wire.device)
@@ -217,10 +219,11 @@ class Receiver:
             head.wait(timeout)
             self.first_at = time.perf_counter()
         except RuntimeError as e:  # from the collective: the source died or timed out
+            waited = time.perf_counter() - started
             why = self._diagnose((self.id, pass_index, step), e, timeout.total_seconds())
             raise PeerError(
                 f"waiting for the source rank {self.src} on ranks {list(self.group.ranks)} "
-                f"failed after up to {timeout.total_seconds():g} s: {why} "
+                f"{failed_after(e, waited, timeout.total_seconds())}: {why} "
                 f"({type(e).__name__}: {e})"
             ) from e
         prefix = Prefix.unpack(first.mem, first.capacity)

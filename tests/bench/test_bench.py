@@ -8,7 +8,12 @@ import io
 import json
 import os
 import pickle
+import queue
+import signal
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +24,7 @@ import tensorcast as tc
 from tensorcast.bench import __main__ as bench_main
 from tensorcast.bench import load_batch, save_batch
 from tensorcast.bench.batches import digest, user_batch
-from tensorcast.bench.report import Progress
+from tensorcast.bench.report import Progress, rows, trim_line, trim_ratios
 from tensorcast.bench.run import method_names
 from tensorcast.bench.timing import METHODS, UNTRIMMED, trim_supported
 from tensorcast.bench.workloads import WORKLOADS, make_workload
@@ -276,3 +281,76 @@ def test_quick_workloads_keep_their_structure() -> None:
     gpt = make_workload("gpt", quick=True)
     assert set(gpt) == {"tokens", "labels", "loss_mask", "attention_mask", "position_ids"}
     assert torch.equal(gpt["tokens"][:, 1:], gpt["labels"][:, :-1])
+
+
+#: A batch function that waits for the test's word: the run cannot end before the test
+#: has read the first workload's rows, whatever the machine's speed.
+WAITING_MODULE = """
+import os, time
+import torch
+
+def held_batch():
+    give_up = time.monotonic() + 150  # a failed test leaves no rank behind for long
+    while not os.path.exists(os.environ["BENCH_GO"]) and time.monotonic() < give_up:
+        time.sleep(0.05)
+    return {"x": torch.arange(64)}
+"""
+
+
+@pytest.mark.dist
+def test_rows_are_printed_and_the_json_written_as_each_workload_finishes(tmp_path: Path) -> None:
+    """Under ``| cat`` (a pipe, as a SLURM log): the first workload's rows, and a JSON of
+    it, are out while the run still waits on the second workload."""
+    (tmp_path / "held.py").write_text(WAITING_MODULE)
+    go, out_json = tmp_path / "go", tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    python_path = [str(tmp_path), str(ROOT), env.get("PYTHONPATH", "")]
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", BENCH_GO=str(go))
+    env["PYTHONPATH"] = os.pathsep.join(python_path)
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            "2", "-m", "tensorcast.bench", "--quick", "--iters", "1", "--warmup", "0",
+            "--workloads", "gpt", "--methods", "tc.broadcast", "--batch", "held:held_batch",
+            "--json", str(out_json), "--timeout", "120"]  # fmt: skip
+    proc = subprocess.Popen(
+        args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout or ()], daemon=True)
+    reader.start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not any(x.strip().startswith("floor ") for x in seen):  # gpt's last row
+            seen.append(lines.get(timeout=max(0.1, deadline - time.monotonic())))
+        assert proc.poll() is None  # held: the second workload has not loaded
+        partial = json.loads(out_json.read_text())
+        assert not partial["complete"] and [w["workload"] for w in partial["workloads"]] == ["gpt"]
+        go.touch()
+        assert proc.wait(timeout=TIMEOUT) == 0, "".join(seen)
+    except queue.Empty:
+        pytest.fail(f"no rows while the run went on:\n{''.join(seen)[-4000:]}")
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # torchrun ends its ranks (they run in sessions of their own)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        reader.join(10)  # at the pipe's end
+        if proc.stdout is not None:
+            proc.stdout.close()
+    report = json.loads(out_json.read_text())
+    assert report["complete"] and len(report["workloads"]) == 2
+
+
+def test_the_trim_line_says_nothing_trimmed_where_the_bytes_are_equal() -> None:
+    times = {"tc.loader": [1.0, 1.2, 0.9], "tc.loader(trim=False)": [1.1, 1.0, 1.0]}
+    times |= {"tc.broadcast": [0.5, 0.6, 0.5], "tc.broadcast(trim=False)": [1.0, 1.0, 1.0]}
+    wire = {"tc.loader": 100, "tc.loader(trim=False)": 100}
+    wire |= {"tc.broadcast": 60, "tc.broadcast(trim=False)": 100}
+    wl = {"rows": rows(times, 100, wire), "trim_over_untrimmed": trim_ratios(times)}
+    line = trim_line(wl)
+    assert line is not None and "tc.loader nothing trimmed" in line, line
+    assert "tc.broadcast 0.50x (paired 0.50x, p10-p90 0.50x-0.58x)" in line, line

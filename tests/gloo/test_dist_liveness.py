@@ -52,7 +52,9 @@ def _gil_at_2(i: int) -> None:
 
 def _reason(message: str) -> str:
     """The diagnosis part of a receiver's PeerError."""
-    found = re.search(r"failed after up to [\d.]+ s: (.*?\(seen by rank \d+\))", message)
+    found = re.search(
+        r"(?:timed out|failed) after [\d.]+ s[^:]*: (.*?\(seen by rank \d+\))", message
+    )
     assert found, message
     return found.group(1)
 

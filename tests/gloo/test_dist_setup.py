@@ -281,6 +281,8 @@ def _rounds(
             got = tc.broadcast_batch({"y": torch.ones(2)} if rank == 0 else None, mesh)
             assert torch.equal(got["y"], torch.ones(2))
             assert tc.broadcast({"z": 3} if rank == 0 else None, 0) == {"z": 3}
+        gc.collect()
+        in_use = _fds()  # this round's groups open; the earlier rounds' closed by now
         dist.barrier()
         del mesh
         dist.destroy_process_group()
@@ -288,7 +290,7 @@ def _rounds(
         while _tensorcast_threads() and time.monotonic() < deadline:
             time.sleep(0.05)
         gc.collect()
-        seen.append((_fds(), _os_threads(), _tensorcast_threads()))
+        seen.append((_fds(), _os_threads(), _tensorcast_threads(), in_use))
     return seen
 
 
@@ -301,12 +303,18 @@ def test_a_destroyed_default_group_leaves_nothing_running(
     many more fds and OS threads per round as with torch alone, whether the program keeps
     the mesh (which keeps the destroyed default group's object alive) or only its loaders
     (today, with the mesh kept: a heartbeat per round still writing to a destroyed
-    group's store, and 5 fds more per round)."""
+    group's store, and 5 fds more per round). While a round's loaders are in use, the
+    earlier rounds' groups are closed already."""
     torch_alone = pool2.run(_rounds, str(tmp_path), 6, False, keep_mesh, timeout=CALL_TIMEOUT)
     with_tc = pool2.run(_rounds, str(tmp_path), 6, True, keep_mesh, timeout=CALL_TIMEOUT)
     for rank in range(2):
         alone, used = torch_alone[rank], with_tc[rank]
-        assert all(not names for _, _, names in used), (rank, used)
+        assert all(not names for _, _, names, _ in used), (rank, used)
+        # while a round's loaders are in use, tensorcast holds that round's groups only:
+        # the first use under a new default group closed the earlier ones (not left to
+        # their watch), so the fds over torch's own stay the same round after round
+        over = [u[3] - a[3] for u, a in zip(used, alone)]
+        assert max(over) - min(over) <= 2, (rank, over)
         for i, what in ((0, "fds"), (1, "OS threads")):
             # the most either held after a round, from its first round's count: torch's
             # own counts move by a few as its objects of earlier rounds are freed

@@ -82,7 +82,7 @@ def test_log_every_logs_every_k_steps(caplog: pytest.LogCaptureFixture) -> None:
         list(loader)
     lines = [r.getMessage() for r in caplog.records if r.name == "tensorcast"]
     assert len(lines) == 2, lines
-    assert lines[0].startswith("tensorcast loader: step 3: data stall")
+    assert lines[0].startswith("loader step 3: data stall")
     assert "last 3 steps" in lines[1]
 
 

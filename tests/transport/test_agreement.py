@@ -239,8 +239,11 @@ rank = int(sys.argv[1])
 store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), is_master=False)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=60))
+first = tc.BroadcastingDataLoader([{"n": 1}] if rank == 0 else None, group=dist.group.WORLD,
+                                  src=0, timeout=4)  # tensorcast has a lane to stop at exit
+assert [b["n"] for b in first] == [1]
 if rank == 0:
-    raise RuntimeError("this rank failed before building its loader")
+    raise RuntimeError("this rank failed before building its second loader")
 try:
     tc.BroadcastingDataLoader(None, group=dist.group.WORLD, src=0, timeout=4)
 except tc.DesyncError as e:
@@ -249,9 +252,10 @@ except tc.DesyncError as e:
 
 
 def test_a_rank_whose_process_exited_is_named_as_gone() -> None:
-    """Two real processes: rank 0 raises before it builds the loader, rank 1 builds it.
-    Rank 1 says every second who it waits for, and then that rank 0's process exited
-    (its process left the mark on its way out), within the loader's timeout."""
+    """Two real processes build a loader; then rank 0 raises before it builds a second,
+    rank 1 builds it. Rank 1 says every second who it waits for, and then that rank 0's
+    process exited (its exit hook, registered with its first loader, left the mark),
+    within the loader's timeout."""
     server = _server()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     ranks = [

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from stalls import hold_gil
 
-from tensorcast.transport.diagnosis import diagnose
+from tensorcast.transport.diagnosis import diagnose, failed_after
 from tensorcast.transport.liveness import SLOW_MAX_S, Beat, Heartbeat, Schedule
 
 
@@ -195,3 +195,12 @@ def test_a_key_that_is_not_a_beat_is_named_not_raised() -> None:
     store.set("alive/0", "not a beat")
     text = diagnose(store, 0, rank=1, frame=(1, 0, 0), timeout_s=2.0, timed_out=True)
     assert "does not read as one" in text and "the same tensorcast" in text, text
+
+
+def test_a_wait_that_failed_says_how_and_after_how_long() -> None:
+    """A closed connection fails in about a second: the message says so, not the timeout."""
+    closed = RuntimeError("[../gloo/transport/tcp/pair.cc:598] Connection closed by peer")
+    said = failed_after(closed, 1.04, 1800.0)
+    assert said.startswith("failed after 1.0 s, its connection closed"), said
+    late = RuntimeError("Timed out waiting 1800000ms for recv operation to complete")
+    assert failed_after(late, 1800.2, 1800.0).startswith("timed out after 1800.2 s"), said

@@ -314,7 +314,7 @@ def test_a_destroyed_default_group_leaves_nothing_running(
         # the first use under a new default group closed the earlier ones (not left to
         # their watch), so the fds over torch's own stay the same round after round
         over = [u[3] - a[3] for u, a in zip(used, alone)]
-        assert max(over) - min(over) <= 2, (rank, over)
+        assert max(over[1:]) - min(over[1:]) <= 2, (rank, over)  # the first round may be measured before it holds its groups
         for i, what in ((0, "fds"), (1, "OS threads")):
             # the most either held after a round, from its first round's count: torch's
             # own counts move by a few as its objects of earlier rounds are freed

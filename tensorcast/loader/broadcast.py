@@ -22,12 +22,20 @@ import torch.distributed as dist
 from tensorcast._errors import SourceError
 from tensorcast.loader import mesh as _mesh
 from tensorcast.loader.args import distributed, output_device, to_timedelta
-from tensorcast.transport import groups as _groups
-from tensorcast.transport.agreement import ranks_name
-from tensorcast.transport.device import DevicePart, hand_out
-from tensorcast.transport.groups import Role, World, open_role
-from tensorcast.transport.receiver import CLOSE, END
-from tensorcast.transport.sender import Sender
+from tensorcast.transport import (
+    CLOSE,
+    END,
+    DevicePart,
+    Role,
+    Sender,
+    World,
+    hand_out,
+    open_role,
+    ranks_name,
+)
+from tensorcast.transport import (
+    world as _world,
+)
 
 __all__ = ["broadcast", "broadcast_batch"]
 
@@ -131,7 +139,7 @@ def _broadcast_role(group: Any, src: int, setup: datetime.timedelta | None = Non
     ):
         return hit  # type: ignore[no-any-return]
     ranks = _mesh.group_ranks(group, src)
-    world = _groups.world()
+    world = _world()
     key = (ranks, src)
     with _lock:
         roles = _roles.setdefault(world, {})
@@ -181,7 +189,7 @@ def broadcast_batch(
     if not _mesh.spanning_axes(device_mesh, names, what="tensorcast.broadcast_batch", stacklevel=2):
         return batch
     dev = output_device(device)
-    world = _groups.world()
+    world = _world()
     with _lock:
         cache: dict[tuple[str, ...], tuple[Any, Role]] = device_mesh.__dict__.setdefault(_ATTR, {})
         hit = cache.get(names)

@@ -42,8 +42,8 @@ import torch
 
 from tensorcast._errors import PeerError, TensorcastError, UnsupportedLeafError
 from tensorcast.transport import exits as _exits
-from tensorcast.transport import interrupts as _interrupts
 from tensorcast.transport.device import Inflight
+from tensorcast.transport.interrupts import points as _interrupts
 
 __all__ = ["Job", "Lane"]
 

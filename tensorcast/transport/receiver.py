@@ -231,7 +231,7 @@ class Receiver:
             return _Incoming(prefix, cut, header)
         decoded = decode(header)  # validated before its sizes allocate anything
         n = prefix.payload_len
-        if decoded.structure.nbytes != n:
+        if decoded.nbytes != n:
             raise HeaderError(
                 f"the header describes a {decoded.nbytes}-byte buffer but the frame carries "
                 f"{n} bytes"

@@ -320,11 +320,7 @@ class Encoder:
             layout = self._layout = lay_out(leaves, kinds, tokens, self._align, not loose)
         if self._trim if trim is None else trim:
             # unknown receivers: the looser floor's candidates, then decided by the batch
-            # worked out once per structure; steady state reads it without a call
-            who = receiver or "device"
-            candidates = layout.trim_candidates.get(who)
-            if candidates is None:
-                candidates = layout.candidates(who)
+            candidates = layout.candidates(receiver or "device")
             if candidates:
                 trims = _find_trims(leaves, candidates, receiver)
                 if trims:

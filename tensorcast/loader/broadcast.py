@@ -39,8 +39,7 @@ from tensorcast.transport import (
 
 __all__ = ["broadcast", "broadcast_batch"]
 
-_AVAILABLE = dist.is_available()  # fixed by how torch was built
-_ATTR = "_tensorcast_channels"  # on a mesh: its roles by axes
+_ATTR = "_tensorcast_roles"  # on a mesh: its roles by axes
 _lock = threading.Lock()
 # The roles of ``tensorcast.broadcast`` by (group ranks, source), per default group's state.
 _roles: weakref.WeakKeyDictionary[World, dict[tuple[tuple[int, ...], int], Role]] = (
@@ -88,7 +87,7 @@ def broadcast(
         DesyncError: the ranks disagree on ``src`` the first time it is used.
         PeerError: a peer died or did not answer within the timeout.
     """
-    if not (_AVAILABLE and dist.is_initialized()):  # inline: no call on a tiny batch's path
+    if not distributed():
         raise RuntimeError(
             "tensorcast.broadcast needs torch.distributed: call "
             "torch.distributed.init_process_group() first (tensorcast.broadcast_batch and "

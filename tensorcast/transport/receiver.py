@@ -26,6 +26,7 @@ from tensorcast._errors import DesyncError, HeaderError, PeerError, SourceError,
 from tensorcast.codec import Decoded, KeepsViews, Repad, decode
 from tensorcast.transport.device import DevicePart
 from tensorcast.transport.frame import (
+    DEFAULT_TIMEOUT,
     PREFIX_SIZE,
     Cut,
     Cutter,
@@ -46,7 +47,6 @@ __all__ = ["CLOSE", "END", "Close", "End", "Receiver"]
 
 _CRC = int(Flags.CRC)
 _PROMISED = int(Flags.PROMISED)
-_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default process group timeout
 
 
 class End:
@@ -128,7 +128,7 @@ class Receiver:
         self.stamp = Stamp()
         #: frames counted, every pass together (NOTE [ A frame is atomic ]); never goes back
         self.frames = 0
-        self.timeout = timeout or _DEFAULT_TIMEOUT
+        self.timeout = timeout or DEFAULT_TIMEOUT
         self._root = group.local(src)
         self._diagnose = diagnose
         self._messages = FramePool()  # first messages

@@ -103,6 +103,10 @@ def _trace(fn: Any) -> tuple[Any, list[str], list[list[str]]]:
 
 def _broadcasts(rank: int, kind: str) -> Any:
     tree = _tree(kind)
+    if kind == "padded" and not any(
+        leaf.trimmed for leaf in tc.read_header(tc.pack(tree).header).leaves
+    ):
+        raise SystemExit("the padded tree is not trimmed: its trace would not show trimming")
     for _ in range(5):
         tc.broadcast(tree if rank == 0 else None, src=0)
     return lambda: tc.broadcast(tree if rank == 0 else None, src=0)

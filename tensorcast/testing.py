@@ -23,12 +23,13 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from tensorcast.transport import interrupts as _interrupts
+from tensorcast.transport import interrupts
+from tensorcast.transport.interrupts import points as _interrupts
 
 __all__ = ["POINTS", "Armed", "interrupt_at"]
 
 #: every point where an interrupt can land, in the order a pass reaches them
-POINTS = _interrupts.POINTS
+POINTS = interrupts.POINTS
 
 
 class Armed:

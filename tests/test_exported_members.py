@@ -95,3 +95,13 @@ def test_public_dataclasses_are_frozen() -> None:
     for cls in (tensorcast.Packed, tensorcast.Schema, tensorcast.LeafSpec):
         assert dataclasses.is_dataclass(cls), cls
         assert cls.__dataclass_params__.frozen, cls  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("face", ["tensorcast.codec", "tensorcast.transport"])
+def test_a_layers_face_lists_what_it_exports(face: str) -> None:
+    """What the layers above may import of a layer (``make lint`` checks they import
+    nothing else) is its ``__all__``, each name there."""
+    module = importlib.import_module(face)
+    assert len(set(module.__all__)) == len(module.__all__)
+    for name in module.__all__:
+        assert getattr(module, name) is not None, name

@@ -116,6 +116,20 @@ def assert_same(got: Any, want: Any, where: str = "batch") -> None:
             assert a == b, f"{where}: {a!r:.200} != {b!r:.200}"
 
 
+def batch_past_4_gib() -> dict[str, Any]:
+    """A batch over 4 GiB of stride-0 tensors, so nothing is allocated: a leaf that
+    crosses 2 GiB, one of 4 GiB that ends past 6 GiB, and leaves after them."""
+    u8 = torch.zeros(1, dtype=torch.uint8)
+    f32 = torch.zeros(1, dtype=torch.float32)
+    return {
+        "head": torch.ones(3, dtype=torch.int8),
+        "g2": u8.expand((1 << 31) + 3),  # crosses 2 GiB
+        "g4": f32.expand(1 << 30),  # 4 GiB on its own, ends past 6 GiB
+        "tail": torch.ones(5, dtype=torch.float64),
+        "text": "y" * 5000,
+    }
+
+
 def buffer_range(packed: tc.Packed) -> tuple[int, int]:
     start = packed.buffer.data_ptr()
     return start, start + packed.nbytes

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorcast.codec import trim as _trim
+from tensorcast.codec import padding_bytes
 
 __all__ = ["WORKLOADS", "make_workload", "next_step", "padding_share"]
 
@@ -225,11 +225,9 @@ def _padded_gpt(
 
 def padding_share(batch: dict[str, Any]) -> float:
     """The share of a workload's tensor bytes that is padding: the trailing runs of its
-    tensors' rows that trimming would drop (``tensorcast.codec.trim``)."""
+    tensors' rows that trimming would drop (``tensorcast.codec.padding_bytes``)."""
     tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
-    runs = sum(
-        sum(_trim.side_table(_trim.scan(t)).runs) * t.itemsize for t in tensors if t.dim() >= 2
-    )
+    runs = sum(padding_bytes(t) for t in tensors if t.dim() >= 2)
     return runs / sum(t.nbytes for t in tensors)
 
 

@@ -22,7 +22,8 @@ grammar ] below is the grammar of its tokens and values.
 transport or the loader, and they import this face alone, never an inner module (``make
 lint`` checks both): an :class:`Encoder` and the :class:`Encoded` batches it makes on the
 source, :func:`decode` and the :class:`Decoded` header it returns on the receivers
-(and a :class:`Repad`, a trimmed leaf's re-pad the transport runs where it pays).
+(and a :class:`Repad`, a trimmed leaf's re-pad the transport runs where it pays); and,
+for the bench, :func:`padding_bytes`, what trimming a leaf would drop.
 """
 
 # NOTE [ The token and value grammar ]
@@ -64,6 +65,7 @@ from tensorcast.codec.build import Decoded
 from tensorcast.codec.encode import Encoded, Encoder, check_trim
 from tensorcast.codec.packed import Packed, resolve_device, unpack
 from tensorcast.codec.schema import FORMAT_VERSION, MAX_HEADER_BYTES, PREFIX_BYTES, decode
+from tensorcast.codec.trim import padding_bytes
 from tensorcast.codec.views import Repad, Reuses
 
 __all__ = [
@@ -78,6 +80,7 @@ __all__ = [
     "Reuses",
     "check_trim",
     "decode",
+    "padding_bytes",
     "resolve_device",
     "unpack",
 ]

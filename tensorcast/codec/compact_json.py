@@ -25,7 +25,7 @@ scan: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(
 def values_encoder() -> Callable[[list[Any]], str]:
     """:data:`dumps` for the small values, which are encoded on every step: the C encoder
     made once instead of per call (``JSONEncoder.encode`` builds one each time, a cost a
-    small batch's step feels; see ``docs/design.md``, section 6). Checked against ``dumps`` here; any
+    small batch's step feels; see ``docs/design.md``, "A small frame's path runs cold"). Checked against ``dumps`` here; any
     Python without it, or with another signature, gets ``dumps`` itself."""
     make = getattr(json.encoder, "c_make_encoder", None)
     if make is None:

@@ -66,6 +66,11 @@ class Encoded:
         # flatten checked that every tensor shares the first one's device
         return next((leaf[3].device for leaf in self.leaves if leaf[0] == "tensor"), _CPU)
 
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The batch's tensor leaves, in leaf order: what writing the batch reads."""
+        return tuple(leaf[3] for leaf in self.leaves if leaf[0] == "tensor")
+
     def write(
         self, buffer: torch.Tensor, views: list[torch.Tensor] | None = None, *, others: bool = True
     ) -> list[torch.Tensor]:
@@ -148,11 +153,6 @@ class Encoded:
         with torch.no_grad():  # copies of leaves that require grad stay out of autograd
             tensor_views = self.write(buffer, views=spec.kept_views(buffer, reuse))
         return self._tree(self._leaf_values(buffer, tensor_views, reuse, later))
-
-    def view_tree(self, buffer: torch.Tensor) -> Any:
-        """The tree of a buffer this batch was written into (a copy of one, elsewhere)."""
-        spec = self.layout.read_spec()
-        return self._tree(leaf_views(spec, len(self.leaves), buffer, trims=self.trims))
 
     def host_block(self, out: torch.Tensor) -> torch.Tensor:
         """The bytes of the leaves that are not tensors (numpy arrays, bytes, str), alone,
@@ -341,11 +341,7 @@ class Encoder:
             layout = self._layout = lay_out(leaves, kinds, tokens, self._align, not loose)
         if self._trim if trim is None else check_trim(trim):
             # unknown receivers: the looser floor's candidates, then decided by the batch
-            # worked out once per structure; steady state reads it without a call
-            who = receiver or "device"
-            candidates = layout.trim_candidates.get(who)
-            if candidates is None:
-                candidates = layout.candidates(who)
+            candidates = layout.candidates(receiver or "device")
             if candidates:
                 trims = _find_trims(leaves, candidates, receiver)
                 if trims:

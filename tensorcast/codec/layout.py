@@ -37,6 +37,7 @@ class Layout:
     worked out for it) and encodes its values alone."""
 
     __slots__ = (
+        "_candidates",
         "_consts",
         "_gaps",
         "_last",
@@ -50,7 +51,6 @@ class Layout:
         "structure_bytes",
         "table",
         "tokens",
-        "trim_candidates",
         "trimmed",
         "write_spec",
     )
@@ -84,7 +84,7 @@ class Layout:
         #: the views leaves are written through (bool leaves as bytes): every layout is
         #: written, so it is made with the layout
         self.write_spec = ViewSpec(table, bool_as_bytes=True, trimmed=trimmed)
-        self.trim_candidates: dict[str, list[int]] = {}  # receiver -> leaves worth a probe
+        self._candidates: dict[str, list[int]] = {}  # receiver -> leaves worth a probe
         self._read_spec: ViewSpec | None = None
         self._program: Program | None = None
         self._consts: tuple[list[Any], list[Any]] | None = None  # values -> consts, last used
@@ -129,10 +129,10 @@ class Layout:
         """The leaves a trim could pay for where ``receiver`` says the receivers rebuild
         (``codec.trim.decide``): arrays of 2 or more dims whose bytes clear the floor.
         Worked out once per structure, so a batch of small leaves probes none."""
-        found = self.trim_candidates.get(receiver)
+        found = self._candidates.get(receiver)
         if found is None:
             least = _trim.MIN_SAVED_BYTES if receiver == "device" else _trim.HOST_MIN_SAVED_BYTES
-            found = self.trim_candidates[receiver] = [
+            found = self._candidates[receiver] = [
                 i
                 for i, (kind, code, shape, _off, n) in enumerate(self.table)
                 if kind in ("tensor", "ndarray") and len(shape) >= 2 and n >= least

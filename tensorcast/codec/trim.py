@@ -84,6 +84,7 @@ __all__ = [
     "decide",
     "find",
     "min_run",
+    "padding_bytes",
     "probe",
     "readable",
     "scan",
@@ -412,6 +413,12 @@ def side_table(runs: Runs, *, min_elements: int | None = None) -> Trim:
         index[counted] = inverse.reshape(-1)
         which = tuple(index.tolist())
     return Trim(runs.row_len, runs.itemsize, tuple(lengths.tolist()), palette, which)
+
+
+def padding_bytes(leaf: Any) -> int:
+    """The bytes of ``leaf``'s rows that a trim would drop: every run that counts
+    (:func:`side_table`), whether or not trimming the leaf would pay (:func:`decide`)."""
+    return sum(side_table(scan(leaf)).runs) * leaf.itemsize
 
 
 def decide(runs: Runs, *, receiver: str = "host") -> Trim | None:

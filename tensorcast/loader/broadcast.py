@@ -23,17 +23,24 @@ from tensorcast._errors import SourceError
 from tensorcast.codec import check_trim
 from tensorcast.loader import mesh as _mesh
 from tensorcast.loader.args import distributed, output_device, to_timedelta
-from tensorcast.transport import groups as _groups
-from tensorcast.transport.agreement import ranks_name
-from tensorcast.transport.device import DevicePart, hand_out
-from tensorcast.transport.groups import Role, World, open_role
-from tensorcast.transport.receiver import CLOSE, END
-from tensorcast.transport.sender import Sender
+from tensorcast.transport import (
+    CLOSE,
+    END,
+    DevicePart,
+    Role,
+    Sender,
+    World,
+    hand_out,
+    open_role,
+    ranks_name,
+)
+from tensorcast.transport import (
+    world as _world,
+)
 
 __all__ = ["broadcast", "broadcast_batch"]
 
-_AVAILABLE = dist.is_available()  # fixed by how torch was built
-_ATTR = "_tensorcast_channels"  # on a mesh: its roles by axes
+_ATTR = "_tensorcast_roles"  # on a mesh: its roles by axes
 _lock = threading.Lock()
 # The roles of ``tensorcast.broadcast`` by (group ranks, source), per default group's state.
 _roles: weakref.WeakKeyDictionary[World, dict[tuple[tuple[int, ...], int], Role]] = (
@@ -83,7 +90,7 @@ def broadcast(
         TypeError: ``trim`` is not a bool.
     """
     check_trim(trim)
-    if not (_AVAILABLE and dist.is_initialized()):  # inline: no call on a tiny batch's path
+    if not distributed():
         raise RuntimeError(
             "tensorcast.broadcast needs torch.distributed: call "
             "torch.distributed.init_process_group() first (tensorcast.broadcast_batch and "
@@ -134,7 +141,7 @@ def _broadcast_role(group: Any, src: int, setup: datetime.timedelta | None = Non
     ):
         return hit  # type: ignore[no-any-return]
     ranks = _mesh.group_ranks(group, src)
-    world = _groups.world()
+    world = _world()
     key = (ranks, src)
     with _lock:
         roles = _roles.setdefault(world, {})
@@ -185,7 +192,7 @@ def broadcast_batch(
     if not _mesh.spanning_axes(device_mesh, names, what="tensorcast.broadcast_batch", stacklevel=2):
         return batch
     dev = output_device(device)
-    world = _groups.world()
+    world = _world()
     with _lock:
         cache: dict[tuple[str, ...], tuple[Any, Role]] = device_mesh.__dict__.setdefault(_ATTR, {})
         hit = cache.get(names)

@@ -38,9 +38,7 @@ from tensorcast.loader.args import output_device, to_timedelta, unpack_if_packed
 from tensorcast.loader.passes import Ledger, Pass
 from tensorcast.loader.stats import WINDOW, LoaderStats, Recorder, timed
 from tensorcast.loader.steps import stateful
-from tensorcast.transport.agreement import ranks_name
-from tensorcast.transport.groups import Role, open_role
-from tensorcast.transport.sender import Packing
+from tensorcast.transport import Packing, Role, open_role, ranks_name
 
 __all__ = ["BroadcastingDataLoader"]
 

@@ -37,9 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorcast.transport.agreement import ranks_name
-from tensorcast.transport.groups import Role, open_role
-from tensorcast.transport.sender import Packing
+from tensorcast.transport import Packing, Role, open_role, ranks_name
 
 try:
     from torch.distributed.device_mesh import DeviceMesh as _DeviceMesh

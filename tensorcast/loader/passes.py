@@ -52,10 +52,8 @@ from typing import Any
 
 from tensorcast.loader.stats import Recorder
 from tensorcast.loader.steps import End, Failure, Item, SourceSteps, steps_for
-from tensorcast.transport import interrupts as _interrupts
-from tensorcast.transport.device import DevicePart, hand_out, post
-from tensorcast.transport.groups import Role
-from tensorcast.transport.lane import Job
+from tensorcast.transport import DevicePart, Job, Role, hand_out, post
+from tensorcast.transport import interrupt_points as _interrupts
 
 __all__ = ["Ledger", "Pass"]
 

@@ -48,11 +48,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from tensorcast._errors import DesyncError, SourceError
-from tensorcast.transport import interrupts as _interrupts
-from tensorcast.transport.frame import Stamp
-from tensorcast.transport.groups import Role
-from tensorcast.transport.receiver import CLOSE, END, End, Receiver
-from tensorcast.transport.sender import Sender
+from tensorcast.transport import CLOSE, END, End, Receiver, Role, Sender, Stamp
+from tensorcast.transport import interrupt_points as _interrupts
 
 __all__ = [
     "END",

@@ -19,4 +19,44 @@ messages, the views they keep, rebuilt trimmed leaves), ``liveness`` and
 next() ]), made by ``staging`` on the lane's thread. ``docs/design.md``, "One
 batch, top to bottom", follows one batch through them. This package imports the codec,
 never the loader (``make lint`` checks it).
+
+The names below are the transport's face: what the entry points (``tensorcast.loader``)
+use of it, and all they may import (``make lint`` checks that too). Opening a role
+(:func:`open_role`, on the :class:`World` that :func:`world` returns, each channel named
+by :func:`ranks_name`), the roles themselves (:class:`Sender` with its :class:`Packing`,
+:class:`Receiver`, which returns :data:`END` or :data:`CLOSE` besides batches, and the
+:class:`Stamp` of each frame), a step's :class:`Job` on the lane, the device side of a
+batch (:class:`DevicePart`, :func:`post`, :func:`hand_out`), and the interrupt points'
+seam (:data:`interrupt_points`, NOTE [ Interrupts ]).
 """
+
+from __future__ import annotations
+
+from tensorcast.transport.agreement import ranks_name
+from tensorcast.transport.device import DevicePart, hand_out, post
+from tensorcast.transport.frame import Stamp
+from tensorcast.transport.groups import Role, World, open_role, world
+from tensorcast.transport.interrupts import points as interrupt_points
+from tensorcast.transport.lane import Job
+from tensorcast.transport.receiver import CLOSE, END, End, Receiver
+from tensorcast.transport.sender import Packing, Sender
+
+__all__ = [
+    "CLOSE",
+    "END",
+    "DevicePart",
+    "End",
+    "Job",
+    "Packing",
+    "Receiver",
+    "Role",
+    "Sender",
+    "Stamp",
+    "World",
+    "hand_out",
+    "interrupt_points",
+    "open_role",
+    "post",
+    "ranks_name",
+    "world",
+]

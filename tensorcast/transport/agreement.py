@@ -15,7 +15,7 @@ one DP slot fails every slot, and a late or paused rank reads why the others gav
 Waits poll with ``check``, never a blocking ``wait`` that can time out (c10d logs every
 one that does). Cost per rank: a constant plus its group's size, plus polls that grow
 with the wait, never with the world. Why, and the cost in all: ``docs/design.md``,
-section 3. Keys::
+"Agreement before anything collective". Keys::
 
     agree/<scope>/<seq>/<rank>   round one: the rank's setup and what it tells
     agree/<scope>/<seq>/first    round one: the scope's first rank's setup (a mesh's)

@@ -21,11 +21,12 @@ that receivers drop. ``need`` starts at 2 and doubles, up to 16, each time a pro
 not kept. Source and receivers apply the rule to the same frames in the same order, and
 the prefix's ``Flags.PROMISED`` makes a rank whose rule disagrees fail loudly. Host
 payloads only; ``TENSORCAST_PROMISES=0`` turns it off (the setup agreement checks that
-every rank agrees). Why and what it costs: ``docs/design.md``, section 7.
+every rank agrees). Why and what it costs: ``docs/design.md``, "Promised payloads".
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 import struct
@@ -40,6 +41,7 @@ from tensorcast import codec
 from tensorcast._errors import HeaderError
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "FRAMES_VERSION",
     "INITIAL_CAPACITY",
     "MAX_CAPACITY",
@@ -68,6 +70,9 @@ MAX_ERROR_BYTES = 64 << 10
 #: header format's own limit on its body, with the header's framing.
 MAX_HEADER_BYTES = codec.PREFIX_BYTES + codec.MAX_HEADER_BYTES
 PAYLOAD_ALIGN = 64
+#: How long either role waits on its peers for a frame when not told: torch's default
+#: process group timeout.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 _MAGIC = b"TCFR"
 #: The prefix's fields, in the order ``_STRUCT`` packs them (see docs/format.md).
 PREFIX_FIELDS = (

@@ -42,16 +42,16 @@ On CPython 3.11+ a handler runs only at a function's start, a call's return or a
 back edge; the steps above leave no such point between a batch leaving the pass and
 ``next()`` returning it (see ``Pass._hand_out``).
 
-:data:`hook` is the seam that tests reach these points through:
-``tensorcast.testing.interrupt_at`` sets it; unset (the default) each point costs one
-attribute read.
+:data:`points` is the seam that tests reach these points through:
+``tensorcast.testing.interrupt_at`` sets its ``hook``; unset (the default) each point
+costs one attribute read, and no call (a call would be a place for a handler to land).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["POINTS", "hook"]
+__all__ = ["POINTS", "Points", "points"]
 
 POINTS = (
     "next.start",
@@ -66,5 +66,16 @@ POINTS = (
     "broadcast.wait",
 )
 
-#: called with a point's name where one is reached, on the thread that reaches it
-hook: Callable[[str], None] | None = None
+
+class Points:
+    """The points' one seam, an object so that the layers above read it through the
+    transport's face: ``hook``, if set, is called with a point's name where one is
+    reached, on the thread that reaches it."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self) -> None:
+        self.hook: Callable[[str], None] | None = None
+
+
+points = Points()

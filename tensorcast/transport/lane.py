@@ -42,8 +42,8 @@ import torch
 
 from tensorcast._errors import PeerError, TensorcastError, UnsupportedLeafError
 from tensorcast.transport import exits as _exits
-from tensorcast.transport import interrupts as _interrupts
 from tensorcast.transport.device import Inflight, apart_from_captures
+from tensorcast.transport.interrupts import points as _interrupts
 
 __all__ = ["Job", "Lane"]
 
@@ -288,7 +288,7 @@ class Lane:
         the worker (:meth:`Job.result` waits for it either way).
 
         Inline, the job runs on the caller's thread, with no hop to the worker and back
-        (``docs/design.md``, section 5). ``frames_taken()``, the count of frames its role
+        (``docs/design.md``, "One ordered lane per group"). ``frames_taken()``, the count of frames its role
         has taken (NOTE [ A frame is atomic ]), is read first: a job whose count moved and
         whose result an interrupt then took breaks the lane (:meth:`break_if_lost`). A job
         that an interrupt kept from running is freed for the worker (:meth:`settle`).

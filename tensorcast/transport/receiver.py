@@ -27,6 +27,7 @@ from tensorcast.codec import Decoded, Repad, Reuses, decode
 from tensorcast.transport.device import DevicePart
 from tensorcast.transport.diagnosis import failed_after
 from tensorcast.transport.frame import (
+    DEFAULT_TIMEOUT,
     PREFIX_SIZE,
     Cut,
     Cutter,
@@ -47,7 +48,6 @@ __all__ = ["CLOSE", "END", "Close", "End", "Receiver"]
 
 _CRC = int(Flags.CRC)
 _PROMISED = int(Flags.PROMISED)
-_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default process group timeout
 
 
 class End:
@@ -129,7 +129,7 @@ class Receiver:
         self.stamp = Stamp()
         #: frames counted, every pass together (NOTE [ A frame is atomic ]); never goes back
         self.frames = 0
-        self.timeout = timeout or _DEFAULT_TIMEOUT
+        self.timeout = timeout or DEFAULT_TIMEOUT
         self._root = group.local(src)
         self._diagnose = diagnose
         # what this role hands out, reused under NOTE [ Memory handed out ]
@@ -236,7 +236,7 @@ class Receiver:
             return _Incoming(prefix, cut, header)
         decoded = decode(header)  # validated before its sizes allocate anything
         n = prefix.payload_len
-        if decoded.structure.nbytes != n:
+        if decoded.nbytes != n:
             raise HeaderError(
                 f"the header describes a {decoded.nbytes}-byte buffer but the frame carries "
                 f"{n} bytes"

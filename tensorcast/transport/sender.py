@@ -50,6 +50,7 @@ import torch
 from tensorcast._errors import PeerError
 from tensorcast.codec import Decoded, Encoded, Encoder, Packed, Repad, decode
 from tensorcast.transport.frame import (
+    DEFAULT_TIMEOUT,
     MAX_ERROR_BYTES,
     PREFIX_SIZE,
     Cut,
@@ -68,7 +69,6 @@ __all__ = ["Outgoing", "Packing", "Sender"]
 
 # A pre-packed buffer up to this size is copied into a pooled one (see Sender._prepacked).
 _COPY_BELOW = 1 << 20
-_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default process group timeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +162,7 @@ class Sender:
         self.stamp = Stamp()
         #: frames counted, every pass together (NOTE [ A frame is atomic ]); never goes back
         self.frames = 0
-        self.timeout = timeout or _DEFAULT_TIMEOUT
+        self.timeout = timeout or DEFAULT_TIMEOUT
         self.pulling = pulling if pulling is not None else contextlib.nullcontext()
         self._root = group.local(src)
         self._verify = verify

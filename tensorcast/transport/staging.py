@@ -102,7 +102,7 @@ class Staging:
                 encoded.upload_others(buffer, block)
 
         ready = streams.record()  # the batch was made on this thread's stream
-        reads = tuple(leaf[3] for leaf in encoded.leaves if leaf[0] == "tensor")
+        reads = encoded.tensors
         work: dict[str, Any] = {"fill": write, "kept": block, "reads": reads, "ready": ready}
         return self.part(n, own, device, timeout, **work), None, block
 

@@ -15,6 +15,8 @@ the same interface the real wires implement, and pass it in instead of patching 
     source_wire, receiver_wire = FakeWire.pair()
     sender = Sender(Group((0, 1), source_wire, Lane("0-1", source_wire.abort)), 0)
 
+or, for the two roles of one channel on such a pair, :func:`fake_roles`.
+
 Messages are matched as gloo matches them: heads (a send and its receive) in their
 order, payloads (broadcasts) in theirs. The source is group rank 0; its messages go at
 once, and a receiver's arrives when it is waited for (run the receiver in a thread, as
@@ -30,11 +32,16 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-__all__ = ["CountingStore", "DeviceTap", "FakeEvent", "FakeStreams", "FakeWire"]
+if TYPE_CHECKING:
+    from tensorcast.transport.receiver import Receiver
+    from tensorcast.transport.sender import Sender
+    from tensorcast.transport.wire import Wire
+
+__all__ = ["CountingStore", "DeviceTap", "FakeEvent", "FakeStreams", "FakeWire", "fake_roles"]
 
 
 class FakeEvent:
@@ -280,3 +287,35 @@ class CountingStore:
             return method(*args, **kwargs)
 
         return counted
+
+
+def fake_roles(
+    channel_id: int = 0,
+    *,
+    streams: bool = False,
+    idle_exit_s: float | None = None,
+    **sender: Any,
+) -> tuple[Sender, Receiver]:
+    """The source's role and a receiver's of one channel over a :meth:`FakeWire.pair`
+    (with :class:`FakeStreams` if ``streams``), each on a group and a lane of its own
+    (``idle_exit_s``: how soon an idle worker leaves; the lane's default if None).
+    ``sender``: keywords for the :class:`~tensorcast.transport.sender.Sender`. Each end's
+    wire is ``role.group.wire``, its lane ``role.group.lane``."""
+    from tensorcast.transport.groups import Group
+    from tensorcast.transport.lane import Lane
+    from tensorcast.transport.receiver import Receiver
+    from tensorcast.transport.sender import Sender
+
+    def group(fake: FakeWire) -> Group:
+        # A Wire but for its streams' type (FakeStreams, which records what it is asked).
+        wire = cast("Wire", fake)
+        name = f"fake{fake.rank}"
+        if idle_exit_s is None:
+            return Group((0, 1), wire, Lane(name, wire.abort))
+        return Group((0, 1), wire, Lane(name, wire.abort, idle_exit_s=idle_exit_s))
+
+    groups = [group(w) for w in FakeWire.pair(streams=streams)]
+    return (
+        Sender(groups[0], 0, channel_id, **sender),
+        Receiver(groups[1], 0, rank=1, channel_id=channel_id),
+    )

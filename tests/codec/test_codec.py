@@ -21,6 +21,7 @@ import pytest
 import torch
 from trees import (
     assert_same,
+    batch_past_4_gib,
     bits_float,
     float_bits,
     is_view_into,
@@ -34,6 +35,8 @@ from tensorcast.codec.build import _CONTAINER_TAGS
 from tensorcast.codec.dtypes import NUMPY_CODES, TORCH_CODES
 from tensorcast.codec.encode import encode
 from tensorcast.codec.flatten import flatten
+from tensorcast.codec.schema import decode
+from tensorcast.codec.views import ViewSpec, leaf_views
 
 # --------------------------------------------------------------------------- helpers
 
@@ -791,3 +794,32 @@ def test_mutation_while_packing_is_detected_locally() -> None:
             tc.pack(mutated_batch())
     finally:
         remove_hooks()
+
+
+def test_offsets_past_2_and_4_gib_are_exact() -> None:
+    """The layout of a batch over 4 GiB: offsets and sizes are exact ints, aligned, in
+    order, and receivers' views land at those offsets (a meta buffer: nothing allocated).
+    Its frame: ``tests/transport/test_frame.py``."""
+    plan = encode(batch_past_4_gib())
+    schema = tc.read_header(plan.header)
+    want, end = [], 0
+    for path, n in (
+        ("['head']", 3),
+        ("['g2']", (1 << 31) + 3),
+        ("['g4']", 4 << 30),
+        ("['tail']", 40),
+        ("['text']", 5000),
+    ):
+        off = (end + 63) // 64 * 64
+        want.append((path, off, n))
+        end = off + n
+    assert [(s.path, s.offset, s.nbytes) for s in schema.leaves] == want
+    assert schema.nbytes == plan.nbytes == end > 6 << 30
+    # The receiver side: views into a buffer of that size, on the meta device (tensor
+    # leaves only: a str leaf is copied out, and a meta buffer has no bytes).
+    buffer = torch.empty(schema.nbytes, dtype=torch.uint8, device="meta")
+    table = decode(plan.header).structure.leaves[:4]
+    leaves = leaf_views(ViewSpec(table), len(table), buffer)
+    for spec, view in zip(schema.leaves[:4], leaves, strict=True):
+        assert view.storage_offset() * view.element_size() == spec.offset
+        assert view.numel() * view.element_size() == spec.nbytes

@@ -1,4 +1,5 @@
-"""Multi-process tests of ``BroadcastingDataLoader``: every item of the contract's section 3.
+"""Multi-process tests of ``BroadcastingDataLoader``: every item of the contract's
+"BroadcastingDataLoader" section.
 
 Each rank function checks one item for prefetch 0 and prefetch >= 1 on the same group, so
 the number of pool calls (and group set-ups) stays small. Every rank builds the expected

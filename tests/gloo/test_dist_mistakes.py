@@ -1,7 +1,7 @@
 """Set-up mistakes on real gloo groups: never a silent no-op, a silent skip or a bare error.
 
 - A mesh without dim names is a ``TypeError``; axes that miss a mesh with a TP-like dim of
-  size > 1 stay a no-op with one ``UserWarning`` per process (contract section 2), for
+  size > 1 stay a no-op with one ``UserWarning`` per process (the contract, "Broadcast"), for
   ``is_dp_source_rank``, ``broadcast_batch`` and ``BroadcastingDataLoader``.
 - A loader built before ``init_process_group`` raises at ``iter()`` (contract 3.1).
 - A resume taken from a sampler under DataLoader workers warns that it will skip batches,

@@ -1,5 +1,5 @@
 """Trimmed leaves on real gloo groups: padding never travels, and every rank gets the batch
-bit for bit (``../shared/CONTRACT.md`` sections 1-3, issue 34).
+bit for bit (``../shared/CONTRACT.md``: "Codec", "Broadcast", "BroadcastingDataLoader", issue 34).
 
 The law, checked by hypothesis on 2 and 4 ranks, with ``trim`` on and off::
 

@@ -19,11 +19,8 @@ from trees import assert_same
 from tensorcast import DesyncError, HeaderError, SourceError
 from tensorcast.loader.passes import Ledger, Pass
 from tensorcast.loader.stats import Recorder
-from tensorcast.transport.groups import Group
-from tensorcast.transport.lane import Lane
-from tensorcast.transport.receiver import Receiver
-from tensorcast.transport.sender import Sender
-from tensorcast.transport.testing import FakeWire
+from tensorcast.transport import Receiver, Sender
+from tensorcast.transport.testing import FakeWire, fake_roles
 
 
 def batch(i: int) -> dict[str, Any]:
@@ -49,9 +46,7 @@ class Counter:
 
 
 def roles() -> tuple[Sender, Receiver]:
-    wires = FakeWire.pair()
-    groups = [Group((0, 1), w, Lane(f"pass{w.rank}", w.abort, idle_exit_s=0.2)) for w in wires]
-    return Sender(groups[0], 0, 5), Receiver(groups[1], 0, rank=1, channel_id=5)
+    return fake_roles(5, idle_exit_s=0.2)
 
 
 def passes(source: Any, prefetch: int, index: int = 1) -> tuple[Pass, Pass, Ledger]:
@@ -129,16 +124,16 @@ def test_a_batch_refused_on_one_rank_skips_no_post_its_peers_make() -> None:
     to the receiver: at every ``next()``, the refused one included, both ranks have posted
     the same payloads (this batch's and the next one's, NOTE [ Device work at next() ]),
     so the group's next payload pairs with the same one on every rank, whoever posts it."""
-    wires = FakeWire.pair(streams=True)
-    groups = [Group((0, 1), w, Lane(f"ahead{w.rank}", w.abort, idle_exit_s=0.2)) for w in wires]
+    sender, receiver = fake_roles(5, streams=True, idle_exit_s=0.2, verify=True)
+    wires = [sender.group.wire, receiver.group.wire]
 
     def make(role: Any, source: Any) -> Pass:
         return Pass(
             role, 1, source=source, prefetch=2, device=None, ledger=Ledger(), stats=Recorder()
         )
 
-    source_pass = make(Sender(groups[0], 0, 5, verify=True), Counter(6))
-    receiver_pass = make(Receiver(groups[1], 0, rank=1, channel_id=5), None)
+    source_pass = make(sender, Counter(6))
+    receiver_pass = make(receiver, None)
 
     def posted(wire: FakeWire) -> int:
         assert wire.streams is not None
@@ -160,7 +155,7 @@ def test_a_batch_refused_on_one_rank_skips_no_post_its_peers_make() -> None:
     assert receiver_posts == source_posts == [2, 3, 4, 5, 6, 6]
     with pytest.raises(StopIteration):
         next(receiver_pass)
-    assert groups[1].lane.broken is None
+    assert receiver.group.lane.broken is None
 
 
 def _make(role: Any, source: Any, prefetch: int, index: int, ledger: Ledger | None = None) -> Pass:

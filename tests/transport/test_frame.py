@@ -9,14 +9,12 @@ import itertools
 from typing import Any
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from trees import batch_past_4_gib
 
 import tensorcast as tc
-from tensorcast.codec import schema as _schema
-from tensorcast.codec.encode import encode
-from tensorcast.codec.views import ViewSpec, leaf_views
+from tensorcast.codec import Encoder
 from tensorcast.transport import frame as _frame
 from tensorcast.transport.frame import (
     FRAMES_VERSION,
@@ -392,54 +390,24 @@ def test_prefix_unpack_of_any_fields_returns_or_raises_header_error(
         assert prefix.payload_len == 0
 
 
-def test_offsets_past_2_and_4_gib_are_exact() -> None:
-    """The layout of a batch over 4 GiB: offsets and sizes are exact ints, aligned, in
-    order, and receivers' views land at those offsets. Stride-0 tensors and a meta buffer
-    keep it from allocating anything."""
-    u8 = torch.zeros(1, dtype=torch.uint8)
-    f32 = torch.zeros(1, dtype=torch.float32)
-    tree = {
-        "head": torch.ones(3, dtype=torch.int8),
-        "g2": u8.expand((1 << 31) + 3),  # crosses 2 GiB
-        "g4": f32.expand(1 << 30),  # 4 GiB on its own, ends past 6 GiB
-        "tail": torch.ones(5, dtype=torch.float64),
-        "text": "y" * 5000,
-    }
-    plan = encode(tree)
-    schema = tc.read_header(plan.header)
-    want, end = [], 0
-    for path, n in (
-        ("['head']", 3),
-        ("['g2']", (1 << 31) + 3),
-        ("['g4']", 4 << 30),
-        ("['tail']", 40),
-        ("['text']", 5000),
-    ):
-        off = (end + 63) // 64 * 64
-        want.append((path, off, n))
-        end = off + n
-    assert [(s.path, s.offset, s.nbytes) for s in schema.leaves] == want
-    assert schema.nbytes == plan.nbytes == end > 6 << 30
-    # The receiver side: views into a buffer of that size, on the meta device (tensor
-    # leaves only: a str leaf is copied out, and a meta buffer has no bytes).
-    buffer = torch.empty(schema.nbytes, dtype=torch.uint8, device="meta")
-    table = _schema.decode(plan.header).structure.leaves[:4]
-    leaves = leaf_views(ViewSpec(table), len(table), buffer)
-    for spec, view in zip(schema.leaves[:4], leaves, strict=True):
-        assert view.storage_offset() * view.element_size() == spec.offset
-        assert view.numel() * view.element_size() == spec.nbytes
-    # The frame prefix carries such sizes without truncation...
+def test_a_frame_of_a_batch_past_4_gib_carries_its_sizes_exact() -> None:
+    """The frame of a batch over 4 GiB (its layout: ``tests/codec``, the same name): the
+    prefix carries its sizes without truncation. Stride-0 tensors keep it from allocating
+    anything."""
+    plan = Encoder().encode(batch_past_4_gib())
+    n = plan.nbytes
+    assert n > 6 << 30
     capacity = INITIAL_CAPACITY
-    cut = cut_frame(capacity, len(plan.header), schema.nbytes, host_payloads=True)
+    cut = cut_frame(capacity, len(plan.header), n, host_payloads=True)
     prefix = Prefix(
-        Kind.DATA, cut.flags, 1, 2, 3, len(plan.header), schema.nbytes,
+        Kind.DATA, cut.flags, 1, 2, 3, len(plan.header), n,
         cut.next_capacity, 0xFFFFFFFF,
     )  # fmt: skip
     first = bytearray(capacity)
     write(prefix, first)
     assert Prefix.unpack(first, capacity) == prefix
     # ... and the plan sends the payload whole, in one message of its own after the first.
-    assert cut.separate_payload and not cut.inline and cut.payload_len == schema.nbytes
+    assert cut.separate_payload and not cut.inline and cut.payload_len == n
     assert capacity <= cut.next_capacity <= MAX_CAPACITY
 
 

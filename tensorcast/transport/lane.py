@@ -166,6 +166,7 @@ class Lane:
         self._inline: int | None = None  # the thread running a job inline
         self._worker_id: int | None = None
         self.broken: BaseException | None = None
+        self._abort_began = False  # set by the abort's own thread
         #: jobs queued or started so far: only the caller's thread adds one (tests read it)
         self.submitted = 0
         _exits.register(self)
@@ -344,21 +345,42 @@ class Lane:
         """Mark the lane broken after a failure in the middle of a frame (first cause
         wins), then abort its group off this thread, waiting ``abort_wait_s`` at most
         (NOTE [ One ordered lane ])."""
-        if self.broken is not None:
+        if self.broken is None:
+            self.broken = cause
+        self._abort_once()
+
+    def _abort_once(self) -> None:
+        """Abort the broken lane's group on a thread of its own unless an abort has begun,
+        and wait for it ``abort_wait_s`` at most. An interrupt inside ``Thread.start()`` can
+        leave a thread that never runs its target: the abort says itself that it began, and
+        until it has, every ``check()`` starts it again (aborting twice is harmless). The
+        wait is a plain lock's, as a job's is (see ``Job``)."""
+        if self._abort_began:
             return
-        self.broken = cause
-        name = f"tensorcast-abort-{self.name}"
-        aborting = threading.Thread(target=_abort, args=(self._abort,), name=name, daemon=True)
+        done = threading.Lock()
+        done.acquire()
+
+        def run() -> None:
+            self._abort_began = True
+            try:
+                _abort(self._abort)
+            finally:
+                done.release()
+
+        aborting = threading.Thread(target=run, name=f"tensorcast-abort-{self.name}", daemon=True)
         try:
             aborting.start()
         except RuntimeError:  # no thread starts any more (the interpreter is exiting)
-            _abort(self._abort)
+            run()
             return
-        aborting.join(self._abort_wait_s)
+        if done.acquire(timeout=self._abort_wait_s):
+            done.release()
 
     def check(self) -> None:
-        """Raise ``PeerError`` if the lane is broken."""
+        """Raise ``PeerError`` if the lane is broken (and abort its group, if no abort has
+        begun yet)."""
         if self.broken is not None:
+            self._abort_once()
             raise PeerError(
                 f"tensorcast's channel on ranks {self.name} failed earlier and cannot be "
                 f"trusted any more ({type(self.broken).__name__}: {self.broken}); "

@@ -128,6 +128,33 @@ def test_a_broken_lane_aborts_once_and_refuses_every_later_check() -> None:
         lane.check()
 
 
+def test_an_abort_lost_to_an_interrupted_thread_start_runs_at_the_next_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A handler that raises inside ``Thread.start()`` just after the new thread was made
+    leaves a thread that dies before its target (``del _limbo[self]`` fails in it): the
+    group was never aborted, and peers blocked on it would wait out their timeout. The
+    next check of the broken lane aborts it, once."""
+    lane, aborted = _lane()
+    real_start = threading.Thread.start
+
+    def lost(self: threading.Thread) -> None:
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        raise KeyboardInterrupt  # as a signal handler would, with no thread left running
+
+    monkeypatch.setattr(threading.Thread, "start", lost)
+    with pytest.raises(KeyboardInterrupt):
+        lane.break_(RuntimeError("peer gone"))
+    assert aborted == [] and lane.broken is not None
+    with pytest.raises(PeerError, match="peer gone"):
+        lane.check()
+    assert aborted == ["abort"]
+    with pytest.raises(PeerError, match="peer gone"):
+        lane.check()
+    lane.break_(RuntimeError("second cause"))
+    assert aborted == ["abort"]
+
+
 def test_a_job_left_queued_by_an_interrupted_thread_start_runs_once_settled(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -17,6 +17,7 @@ A rank function may tear the process group down; the next call initialises a new
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import gc
 import multiprocessing as mp
@@ -112,7 +113,11 @@ def _worker(rank: int, world: int, tasks: Any, results: Any) -> None:
         task = tasks.get()
         if task is None:
             break
-        call_id, fn, args, kwargs, store_path, pg_timeout = task
+        call_id, fn, args, kwargs, store_path, pg_timeout, timeout = task
+        # A rank still running just before the parent gives up writes every thread's
+        # stack, which the parent's report of the hang then shows.
+        stacks = open(_stacks_path(store_path, rank), "w")  # noqa: SIM115
+        faulthandler.dump_traceback_later(max(timeout - 1.0, 0.5), file=stacks)
         try:
             if not dist.is_initialized():
                 _init(rank, world, store_path, pg_timeout)
@@ -122,8 +127,24 @@ def _worker(rank: int, world: int, tasks: Any, results: Any) -> None:
             results.put(
                 (call_id, rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
             )
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            stacks.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _stacks_path(store_path: str, rank: int) -> str:
+    return f"{store_path}-stacks-{rank}"
+
+
+def _read_stacks(path: str) -> str:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return "(no stacks written)"
+    return text or "(no stacks written)"
 
 
 class RankPool:
@@ -186,7 +207,7 @@ class RankPool:
         call_id = uuid.uuid4().hex
         store_path = os.path.join(self._dir, f"store-{call_id}")
         for q in self._tasks:
-            q.put((call_id, fn, args, kwargs, store_path, self.pg_timeout))
+            q.put((call_id, fn, args, kwargs, store_path, self.pg_timeout, timeout))
         got: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + timeout
         while len(got) < self.world_size and time.monotonic() < deadline:
@@ -209,6 +230,7 @@ class RankPool:
             for r in range(self.world_size):
                 if r in hung:
                     lines.append(f"--- rank {r}: no result within {timeout}s (hung)")
+                    lines.append(_read_stacks(_stacks_path(store_path, r)))
                 else:
                     ok, v = got[r]
                     lines.append(f"--- rank {r}: {'ok' if ok else 'FAILED'}\n{v if not ok else ''}")

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,6 +59,7 @@ from tensorcast.transport.frame import (
     crc32,
 )
 from tensorcast.transport.pool import BufferPool, FirstMessage, FramePool
+from tensorcast.transport.shm import MIN_PAYLOAD, Ref, Writer
 from tensorcast.transport.staging import Staging
 
 if TYPE_CHECKING:
@@ -114,6 +115,7 @@ class Outgoing:
     header: torch.Tensor | None  # the spilled header, when it did not fit
     payload: torch.Tensor | None  # the payload, when it travels on its own
     host_leaves: torch.Tensor | None = None  # a device frame's host block (``Decoded``)
+    ref: Ref | None = None  # the shared-memory slot that holds the payload
     # the own tree's re-pads of trimmed leaves, run while the frame's largest message is
     # in flight (NOTE [ The own tree's re-pads ])
     later: list[Repad] = field(default_factory=list)
@@ -138,6 +140,7 @@ class Sender:
         pulling: the context in which the source is in ``next(source)`` (its heartbeat
             says so, see ``transport.liveness``).
         packing: how batches are packed (default: ``tc.pack``'s defaults).
+        shm: the arena of the shared-memory lane (``transport.shm``), None for none.
     """
 
     is_source = True
@@ -153,6 +156,7 @@ class Sender:
         promises: bool = False,
         pulling: contextlib.AbstractContextManager[Any] | None = None,
         packing: Packing | None = None,
+        shm: Writer | None = None,
     ) -> None:
         self.group = group
         self.src = self.rank = src
@@ -174,6 +178,7 @@ class Sender:
         # reuses the last batch's layout while the structure repeats
         self._encoder = (packing or Packing()).encoder()
         self._cutter = Cutter(group, promises=promises)  # frames as they are sent
+        self._shm = shm if self._streams is None else None
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -249,14 +254,20 @@ class Sender:
             coded.check_buffer(batch.buffer)
             header = batch.header
         else:
+            if self._shm is not None and self._shm.last_used:
+                trim = False  # receivers read the arena: trimming saves nothing there
             coded = self._encoder.encode(batch, trim=trim, receiver=_kind(device or self._device))
             header = coded.header
         n = coded.nbytes
         # Frames are cut in the order they are sent: a frame is sent in the job that
         # writes it (an ERROR frame in place of one that failed to write).
         cut = self._cutter.cut(len(header), n)
-        message = self._message(cut)
         wait = timeout or self.timeout
+        if self._shm is not None and not cut.inline and n >= MIN_PAYLOAD:
+            slot = self._shm.take(n)
+            if slot is not None:
+                return self._in_slot(batch, coded, header, slot, device, wait)
+        message = self._message(cut)
         if self._streams is not None:
             if isinstance(coded, Decoded):
                 part, staging, block = self._parts.prepacked(batch, coded, device, wait)
@@ -270,6 +281,35 @@ class Sender:
         out = self._finish(message, cut, Kind.DATA, header, payload, n)
         out.later.extend(later)
         return out, own
+
+    def _in_slot(
+        self,
+        batch: Any,
+        coded: Decoded | Encoded,
+        header: bytes,
+        slot: tuple[Ref, torch.Tensor],
+        device: torch.device | None,
+        wait: datetime.timedelta,
+    ) -> tuple[Outgoing, Any]:
+        """A frame whose payload is written into a shared-memory slot, and this rank's
+        tree: views of the slot, released by the rule its readers follow."""
+        ref, payload = slot
+        cut = self._cutter.cut(len(header), coded.nbytes, shm=True)
+        message = self._message(cut)
+        ref.pack_into(message.mem, cut.payload_at)
+        later: list[Repad] = []
+        outputs = self._pool.outputs
+        if isinstance(coded, Encoded):
+            own = coded.write_tree(payload, None, outputs, later)
+        else:
+            payload.copy_(batch.buffer)
+            own = coded.rebuild(payload, outputs=outputs, later=later)
+        if device is not None and device != payload.device:
+            own = self._parts.upload(payload, device, coded, wait)
+            later.clear()
+        out = self._finish(message, cut, Kind.DATA, header, payload, coded.nbytes)
+        out.later.extend(later)
+        return replace(out, ref=ref), own
 
     def _control(self, kind: Kind, text: bytes) -> Outgoing:
         self.group.lane.check()
@@ -292,6 +332,8 @@ class Sender:
         head_end = PREFIX_SIZE + (0 if cut.spill else cut.header_len)
         if cut.inline:
             start, end = cut.payload_at, cut.payload_at + cut.payload_len
+        elif cut.shm:  # the slot's Ref
+            start, end = cut.payload_at, cut.capacity
         else:
             start = end = cut.capacity
         host = message.host
@@ -372,6 +414,8 @@ class Sender:
                 message.mem, out.kind, out.cut, out.header_len, out.crc, self.id,
                 stamp.pass_index, step,
             )  # fmt: skip
+            if out.ref is not None and self._shm is not None:
+                self._shm.sent(out.ref)
             # Receivers posted a promised payload with the first message.
             promised = None if out.promised is None else wire.payload(out.promised, root, wait)
             head = wire.head(message.buffer, root, wait)
@@ -391,11 +435,16 @@ class Sender:
                 _run(out.later)
                 posted.wait(wait)
         except RuntimeError as e:  # from the collective: a peer died or timed out
-            self.group.lane.break_(e)
+            self._broke(e)
             raise self._peer_error(e, wait) from e
         except BaseException as e:  # e.g. a signal handler's: raised as it is
-            self.group.lane.break_(e)
+            self._broke(e)
             raise
+
+    def _broke(self, error: BaseException) -> None:
+        self.group.lane.break_(error)
+        if self._shm is not None:  # no frame follows: nothing may stay in /dev/shm
+            self._shm.close()
 
 
 def _on_host(

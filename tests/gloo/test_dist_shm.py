@@ -4,6 +4,7 @@ leaves ``/dev/shm`` as it was."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +31,24 @@ def shm_left_as_it_was() -> Iterator[None]:
     assert _mine() <= before, f"left in {SHM_DIR}: {sorted(_mine() - before)}"
 
 
+@contextlib.contextmanager
+def lane(limit: int = 1 << 30, host: str | None = None) -> Iterator[None]:
+    """The lane on in this rank (the pool turns it off: ``rankpool._ENV``), within ``limit``
+    bytes, on the host ``host`` (None: the real one)."""
+    saved = {k: os.environ.get(k) for k in ("TENSORCAST_SHM_LIMIT", "TENSORCAST_HOST_ID")}
+    os.environ["TENSORCAST_SHM_LIMIT"] = str(limit)
+    if host is not None:
+        os.environ["TENSORCAST_HOST_ID"] = host
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _batch(step: int, n: int = _BIG) -> dict[str, Any]:
     return {"x": torch.arange(n, dtype=torch.float32) + step, "step": step}
 
@@ -42,7 +61,7 @@ def _rank_one_host(rank: int, world: int, tap: WireTap, shm: bool | None) -> dic
         moved[0] += tensor.numel()
 
     kept = []
-    with tap.hook("payload", before=count):
+    with lane(), tap.hook("payload", before=count):
         loader = tc.BroadcastingDataLoader(
             [_batch(i) for i in range(6)] if rank == 0 else None,
             group=dist.group.WORLD, src=0, shm=shm, timeout=20,

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,3 +86,136 @@ def test_the_lane_keeps_payloads_off_the_wire(pool2: Any, shm: bool | None) -> N
         else:
             assert r["wire"] >= 6 * 4 * _BIG
             assert r["stats"].shm_bytes == 0
+
+
+def _loader(rank: int, n: int, **kw: Any) -> tc.BroadcastingDataLoader:
+    source = [_batch(i) for i in range(n)] if rank == 0 else None
+    return tc.BroadcastingDataLoader(source, group=dist.group.WORLD, src=0, **kw)
+
+
+def _rank_keeps_and_shares(rank: int, world: int) -> list[str]:
+    """A receiver that keeps every batch, or moves it into shared memory as a
+    ``torch.multiprocessing`` queue does, never sees it change."""
+    kept, shared = [], []
+    with lane():
+        for i, batch in enumerate(_loader(rank, 10, timeout=20)):
+            if i % 2:
+                batch["x"].share_memory_()  # what putting it on a queue does
+                shared.append(batch)
+            else:
+                kept.append(batch)
+    bad = [b["step"] for b in kept + shared if not torch.equal(b["x"], _batch(b["step"])["x"])]
+    return [f"step {s} changed" for s in bad]
+
+
+def test_kept_or_shared_batches_never_change(pool2: Any) -> None:
+    assert pool2.run(_rank_keeps_and_shares, timeout=60) == [[], []]
+
+
+_KILL_TIMEOUT = 5.0
+
+
+def _rank_dies(rank: int, world: int, victim: int) -> dict[str, Any]:
+    """Every rank iterates an endless lane; ``victim`` SIGKILLs itself mid-pass."""
+
+    def endless() -> Iterator[dict[str, Any]]:
+        step = 0
+        while True:
+            yield _batch(step % 3)
+            step += 1
+
+    received, last = 0, time.monotonic()
+    with lane():
+        loader = tc.BroadcastingDataLoader(
+            endless() if rank == 0 else None, group=dist.group.WORLD, src=0,
+            timeout=_KILL_TIMEOUT,
+        )  # fmt: skip
+        try:
+            for batch in loader:
+                assert torch.equal(batch["x"], _batch(received % 3)["x"])
+                received += 1
+                last = time.monotonic()
+                if rank == victim and received == 4:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if received > 10_000:
+                    raise AssertionError("the loader kept going after a peer died")
+        except tc.TensorcastError as e:
+            return {"error": type(e).__name__, "waited": time.monotonic() - last}
+    raise AssertionError("the pass ended without an error")
+
+
+@pytest.mark.parametrize("victim", [0, 3], ids=["writer", "reader"])
+def test_a_killed_writer_or_reader_fails_the_others_and_leaves_nothing(
+    pool4: Any, victim: int
+) -> None:
+    results = pool4.run(_rank_dies, victim, timeout=60, allow_death=True)
+    for r, res in enumerate(results):
+        if r != victim:
+            assert res["error"] == "PeerError", (r, res)
+            assert res["waited"] < _KILL_TIMEOUT + 10, (r, res)
+
+
+def _rank_small_cap(rank: int, world: int) -> list[str]:
+    with lane(limit=1 << 20), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = _loader(rank, 4, timeout=20)
+        steps = [b["step"] for b in loader]
+    assert steps == [0, 1, 2, 3]
+    assert loader.stats().shm_bytes == 0
+    return [str(w.message) for w in caught if "tensorcast" in str(w.message)]
+
+
+def test_a_small_cap_falls_back_to_the_wire_with_one_warning(pool2: Any) -> None:
+    source, receiver = pool2.run(_rank_small_cap, timeout=60)
+    assert len(source) == 1 and "--shm-size" in source[0] and "TENSORCAST_SHM_LIMIT" in source[0]
+    assert receiver == []
+
+
+def _rank_two_groups(rank: int, world: int) -> list[int]:
+    """Two channels on one host: each its own arena (its segments' names), bytes intact."""
+    with lane():
+        one = _loader(rank, 3, timeout=20)
+        two = _loader(rank, 3, timeout=20)
+        steps = []
+        for a, b in zip(one, two):
+            a_x, b_x = a["x"], b["x"]
+            assert a_x.data_ptr() != b_x.data_ptr()
+            assert torch.equal(a_x, b_x)
+            steps.append(a["step"])
+        assert one.stats().shm_bytes > 0 and two.stats().shm_bytes > 0
+    return steps
+
+
+def test_two_channels_on_one_host_do_not_share_slots(pool2: Any) -> None:
+    assert pool2.run(_rank_two_groups, timeout=60) == [[0, 1, 2]] * 2
+
+
+def _rank_required(rank: int, world: int) -> str:
+    with lane(host=f"host-{rank}"):
+        try:
+            _loader(rank, 2, timeout=20, shm=True)
+        except ValueError as e:
+            return str(e)
+    return "no error"
+
+
+def test_shm_true_where_it_cannot_be_raises_at_setup_saying_why(pool2: Any) -> None:
+    for message in pool2.run(_rank_required, timeout=60):
+        assert "shm=True" in message and "not on the source rank 0's host" in message
+
+
+def _rank_two_hosts(rank: int, world: int) -> tuple[list[int], int, int]:
+    """2 simulated hosts x 2 ranks: every rank gets every batch bit for bit."""
+    with lane(host=f"host-{rank // 2}"):
+        loader = _loader(rank, 4, timeout=20)
+        steps = []
+        for batch in loader:
+            assert torch.equal(batch["x"], _batch(batch["step"])["x"])
+            steps.append(batch["step"])
+    stats = loader.stats()
+    return steps, stats.shm_bytes, stats.wire_bytes
+
+
+def test_two_hosts_of_two_ranks_get_bit_identical_batches(pool4: Any) -> None:
+    for steps, _, wire in pool4.run(_rank_two_hosts, timeout=60):
+        assert steps == [0, 1, 2, 3] and wire > 0

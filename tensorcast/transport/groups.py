@@ -441,8 +441,7 @@ def open_role(
         setup_timeout: bounds the agreement and the group's creation (None: ``timeout``).
         first: a mesh's first rank and number of ranks (see :meth:`Agreement.agree`).
         verify, packing: the sender's (``Sender``); receivers need not agree on packing.
-        shm: the shared-memory lane (``transport.shm``): None where every rank shares the
-            source's host, False never, True required.
+        shm: the shared-memory lane (``transport.shm``): None automatic, False, True.
 
     Returns:
         The role, and every rank's ``extra``.
@@ -451,36 +450,25 @@ def open_role(
         DesyncError: the ranks disagree, or one did not come within the timeout.
         ValueError: ``shm=True`` where the lane cannot be (on every rank, saying why).
     """
-    state = world()
-    promises = promises_enabled()
+    state, promises, wait = world(), promises_enabled(), setup_timeout or timeout
     versions = {"format": codec.FORMAT_VERSION, "frames": FRAMES_VERSION, "promises": promises}
-    wait = setup_timeout or timeout
-    told = {**(extra or {}), **_shm.told(state.rank == src)} if shm is not False else extra
+    told, setup = _shm.told(state.rank == src, extra, shm), {**setup, **versions, "shm": shm}
     channel_id, extras = state.agreement.agree(
-        scope, group, what, {**setup, **versions, "shm": shm}, told, first=first, timeout=wait
+        scope, group, what, setup, told, first=first, timeout=wait
     )
-    made = state.group(tuple(sorted(group)), wait)
-    timeout = timeout or state.timeout
-    why = _shm.why_not(shm, group, src, extras, made.wire.streams is None)
-    if why is not None and shm:
-        raise ValueError(f"{what}: shm=True, but the shared-memory lane cannot be used: {why}")
-    on_host = why is None and [r for r in sorted(group) if r != src]
-    token = extras[src].get("shm_token", "")
+    made, timeout = state.group(tuple(sorted(group)), wait), timeout or state.timeout
+    arena = _shm.arena(shm, group, src, state.rank, extras, made.wire.streams is None, what)
     if state.rank == src:
         state.heartbeat.start(timeout.total_seconds())
         pulling = state.heartbeat.busy("next(source)", channel_id)
-        sender = Sender(
+        return Sender(
             made, src, channel_id, timeout=timeout, verify=verify, promises=promises,
-            pulling=pulling, packing=packing,
-            shm=_shm.Writer(token, len(on_host), _shm.limit()) if on_host else None,
-        )  # fmt: skip
-        return sender, extras
-    receiver = Receiver(
+            pulling=pulling, packing=packing, shm=_shm.writer(arena),
+        ), extras  # fmt: skip
+    return Receiver(
         made, src, rank=state.rank, channel_id=channel_id, timeout=timeout, promises=promises,
-        diagnose=functools.partial(_why, state.reach, src, state.rank),
-        shm=_shm.Reader(token, on_host.index(state.rank)) if on_host else None,
-    )  # fmt: skip
-    return receiver, extras
+        diagnose=functools.partial(_why, state.reach, src, state.rank), shm=_shm.reader(arena),
+    ), extras  # fmt: skip
 
 
 def _why(

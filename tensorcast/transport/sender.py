@@ -263,10 +263,9 @@ class Sender:
         # writes it (an ERROR frame in place of one that failed to write).
         cut = self._cutter.cut(len(header), n)
         wait = timeout or self.timeout
-        if self._shm is not None and not cut.inline and n >= MIN_PAYLOAD:
-            slot = self._shm.take(n)
-            if slot is not None:
-                return self._in_slot(batch, coded, header, slot, device, wait)
+        slot = self._shm.take(n) if self._shm and not cut.inline and n >= MIN_PAYLOAD else None
+        if slot is not None:  # the payload goes into shared memory, its Ref on the wire
+            cut = self._cutter.cut(len(header), n, shm=True)
         message = self._message(cut)
         if self._streams is not None:
             if isinstance(coded, Decoded):
@@ -274,55 +273,22 @@ class Sender:
             else:
                 part, staging, block = self._parts.packed(coded, device, wait)
             return self._finish(message, cut, Kind.DATA, header, staging, n, block), part
-        payload, own, later = _on_host(batch, coded, message, cut, self._pool, self._device)
+        if slot is not None:
+            slot[0].pack_into(message.mem, cut.payload_at)
+            payload, own, later = _in_slot(batch, coded, slot[1], self._pool)
+        else:
+            payload, own, later = _on_host(batch, coded, message, cut, self._pool, self._device)
         if device is not None and device != payload.device:
             own = self._parts.upload(payload, device, coded, wait)
             later.clear()  # the host tree is not handed out
         out = self._finish(message, cut, Kind.DATA, header, payload, n)
         out.later.extend(later)
-        return out, own
-
-    def _in_slot(
-        self,
-        batch: Any,
-        coded: Decoded | Encoded,
-        header: bytes,
-        slot: tuple[Ref, torch.Tensor],
-        device: torch.device | None,
-        wait: datetime.timedelta,
-    ) -> tuple[Outgoing, Any]:
-        """A frame whose payload is written into a shared-memory slot, and this rank's
-        tree: views of the slot, released by the rule its readers follow."""
-        ref, payload = slot
-        cut = self._cutter.cut(len(header), coded.nbytes, shm=True)
-        message = self._message(cut)
-        ref.pack_into(message.mem, cut.payload_at)
-        later: list[Repad] = []
-        outputs = self._pool.outputs
-        if isinstance(coded, Encoded):
-            own = coded.write_tree(payload, None, outputs, later)
-        else:
-            payload.copy_(batch.buffer)
-            own = coded.rebuild(payload, outputs=outputs, later=later)
-        if device is not None and device != payload.device:
-            own = self._parts.upload(payload, device, coded, wait)
-            later.clear()
-        out = self._finish(message, cut, Kind.DATA, header, payload, coded.nbytes)
-        out.later.extend(later)
-        return replace(out, ref=ref), own
+        return (out if slot is None else replace(out, ref=slot[0])), own
 
     def _control(self, kind: Kind, text: bytes) -> Outgoing:
         self.group.lane.check()
         cut = self._cutter.cut(len(text), 0)
         return self._finish(self._message(cut), cut, kind, text, None)
-
-    @staticmethod
-    def _no_staging() -> torch.Tensor:
-        raise ValueError(
-            "verify=True on an NCCL group needs the payload's CRC32 on the host, and a "
-            "batch already on the GPU has no host copy: pass CPU batches (they are staged "
-            "through pinned memory anyway), or verify=False"
-        )
 
     def _message(self, cut: Cut) -> FirstMessage:
         """A first message for ``cut``, every byte zero but where the frame writes: no
@@ -361,7 +327,7 @@ class Sender:
         ``payload`` is its host staging, or None, and travels later)."""
         crc: int | None = None
         if self._verify and (payload is not None or nbytes):
-            crc = crc32(payload if payload is not None else self._no_staging())
+            crc = crc32(payload if payload is not None else _no_staging())
         spilled: torch.Tensor | None = None
         if cut.spill:
             spilled = torch.frombuffer(bytearray(header), dtype=torch.uint8)
@@ -481,6 +447,27 @@ def _on_host(
     elif buffer.is_inference():
         buffer = buffer.clone()  # this rank's tree must not be made of inference tensors
     return buffer, coded.rebuild(buffer, outputs=outputs, later=later), later
+
+
+def _no_staging() -> torch.Tensor:
+    raise ValueError(
+        "verify=True on an NCCL group needs the payload's CRC32 on the host, and a "
+        "batch already on the GPU has no host copy: pass CPU batches (they are staged "
+        "through pinned memory anyway), or verify=False"
+    )
+
+
+def _in_slot(
+    batch: Any, coded: Decoded | Encoded, payload: torch.Tensor, pool: BufferPool
+) -> tuple[torch.Tensor, Any, list[Repad]]:
+    """A payload written into a shared-memory slot (``payload``, the slot's bytes), this
+    rank's tree of views of it (released by the rule its readers follow, ``transport.shm``)
+    and the tree's re-pads left to run."""
+    later: list[Repad] = []
+    if isinstance(coded, Encoded):
+        return payload, coded.write_tree(payload, None, pool.outputs, later), later
+    payload.copy_(batch.buffer)
+    return payload, coded.rebuild(payload, outputs=pool.outputs, later=later), later
 
 
 def _run(later: list[Repad]) -> None:

@@ -250,14 +250,15 @@ class _Slot:
 
 
 class Writer:
-    """A source's arena for one channel: up to :data:`MAX_SLOTS` slots within ``cap`` bytes.
+    """A source's arena for one channel: up to :data:`MAX_SLOTS` slots, within ``cap`` bytes
+    for every arena this process writes together.
 
-    Used by the channel's lane jobs one after another: no lock.
+        Used by the channel's lane jobs one after another: no lock.
 
-    Args:
-        token: the segments' common prefix (:func:`new_token`).
-        readers: the receivers on this host, each with its index in ``[0, readers)``.
-        cap: the bytes the arena may take (:func:`limit`).
+        Args:
+            token: the segments' common prefix (:func:`new_token`).
+            readers: the receivers on this host, each with its index in ``[0, readers)``.
+            cap: the bytes this process's arenas may take together (:func:`limit`).
     """
 
     def __init__(self, token: str, readers: int, cap: int) -> None:
@@ -270,6 +271,7 @@ class Writer:
         #: whether the last payload offered went into a slot (the encoder trims otherwise)
         self.last_used = False
         self._cleanup = weakref.finalize(self, _unlink_all, self._slots)
+        _writers.add(self)
 
     @property
     def nbytes(self) -> int:
@@ -323,7 +325,9 @@ class Writer:
         capacity = _capacity(nbytes)
         size = _data_at(self.readers) + capacity
         old = self._slots[at]
-        room = self.cap - self.nbytes + (old.mapping.mm.size() if old is not None else 0)
+        # the cap is the process's: every arena it writes counts
+        taken = sum(w.nbytes for w in list(_writers))
+        room = self.cap - taken + (old.mapping.mm.size() if old is not None else 0)
         if size > room:
             if size > self.cap and not self._warned:
                 self._warned = True
@@ -389,6 +393,10 @@ class Writer:
         for slot in self._slots:
             if slot is not None:
                 self._retire(slot)
+
+
+#: every arena this process writes (their bytes count against one cap)
+_writers: weakref.WeakSet[Writer] = weakref.WeakSet()
 
 
 def _unlink_all(slots: list[_Slot | None]) -> None:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -115,7 +115,7 @@ class Outgoing:
     header: torch.Tensor | None  # the spilled header, when it did not fit
     payload: torch.Tensor | None  # the payload, when it travels on its own
     host_leaves: torch.Tensor | None = None  # a device frame's host block (``Decoded``)
-    ref: Ref | None = None  # the shared-memory slot that holds the payload
+    ref: Ref | None = None  # the shared-memory slot that holds the payload, if one does
     # the own tree's re-pads of trimmed leaves, run while the frame's largest message is
     # in flight (NOTE [ The own tree's re-pads ])
     later: list[Repad] = field(default_factory=list)
@@ -281,9 +281,10 @@ class Sender:
         if device is not None and device != payload.device:
             own = self._parts.upload(payload, device, coded, wait)
             later.clear()  # the host tree is not handed out
-        out = self._finish(message, cut, Kind.DATA, header, payload, n)
+        ref = None if slot is None else slot[0]
+        out = self._finish(message, cut, Kind.DATA, header, payload, n, ref=ref)
         out.later.extend(later)
-        return (out if slot is None else replace(out, ref=slot[0])), own
+        return out, own
 
     def _control(self, kind: Kind, text: bytes) -> Outgoing:
         self.group.lane.check()
@@ -322,6 +323,7 @@ class Sender:
         payload: torch.Tensor | None,
         nbytes: int = 0,
         block: torch.Tensor | None = None,
+        ref: Ref | None = None,
     ) -> Outgoing:
         """Write the header (the payload is in place already; on a device wire
         ``payload`` is its host staging, or None, and travels later)."""
@@ -342,7 +344,7 @@ class Sender:
             promised = torch.zeros(cut.promised, dtype=torch.uint8, device=self._device)
         host_leaves = block if block is not None and block.numel() else None
         return Outgoing(
-            kind, cut, message, len(header), crc, promised, spilled, separate, host_leaves
+            kind, cut, message, len(header), crc, promised, spilled, separate, host_leaves, ref
         )
 
     # -- phase 2: the collectives --------------------------------------------------------

@@ -96,19 +96,26 @@ def _loader(rank: int, n: int, **kw: Any) -> tc.BroadcastingDataLoader:
 def _rank_keeps_and_shares(rank: int, world: int) -> list[str]:
     """A receiver that keeps every batch, or moves it into shared memory as a
     ``torch.multiprocessing`` queue does, never sees it change."""
-    kept, shared = [], []
+    import torch.multiprocessing as tmp
+
+    queue = tmp.get_context("spawn").Queue()
+    kept, queued = [], []
     with lane():
         for i, batch in enumerate(_loader(rank, 10, timeout=20)):
-            if i % 2:
-                batch["x"].share_memory_()  # what putting it on a queue does
-                shared.append(batch)
+            if i % 2:  # into another process's reach: the queue moves it to shared memory
+                queue.put((batch["step"], batch["x"]))
+                queued.append(i)
             else:
                 kept.append(batch)
-    bad = [b["step"] for b in kept + shared if not torch.equal(b["x"], _batch(b["step"])["x"])]
+    bad = [b["step"] for b in kept if not torch.equal(b["x"], _batch(b["step"])["x"])]
+    for _ in queued:
+        step, x = queue.get(timeout=20)
+        if not torch.equal(x, _batch(step)["x"]):
+            bad.append(step)
     return [f"step {s} changed" for s in bad]
 
 
-def test_kept_or_shared_batches_never_change(pool2: Any) -> None:
+def test_kept_or_queued_batches_never_change(pool2: Any) -> None:
     assert pool2.run(_rank_keeps_and_shares, timeout=60) == [[], []]
 
 

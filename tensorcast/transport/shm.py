@@ -186,8 +186,8 @@ def released(storage: torch.UntypedStorage, base: int, address: int) -> bool:
 
 
 def _fence(lock: threading.Lock) -> None:
-    """A full barrier between a reader's earlier loads and its next store (NOTE [
-    Shared-memory slots ])."""
+    """A full barrier between a reader's earlier loads and its next store (see
+    NOTE [ Shared-memory slots ])."""
     with lock:
         pass
     with lock:
@@ -253,12 +253,12 @@ class Writer:
     """A source's arena for one channel: up to :data:`MAX_SLOTS` slots, within ``cap`` bytes
     for every arena this process writes together.
 
-        Used by the channel's lane jobs one after another: no lock.
+    Used by the channel's lane jobs one after another: no lock.
 
-        Args:
-            token: the segments' common prefix (:func:`new_token`).
-            readers: the receivers on this host, each with its index in ``[0, readers)``.
-            cap: the bytes this process's arenas may take together (:func:`limit`).
+    Args:
+        token: the segments' common prefix (:func:`new_token`).
+        readers: the receivers on this host, each with its index in ``[0, readers)``.
+        cap: the bytes this process's arenas may take together (:func:`limit`).
     """
 
     def __init__(self, token: str, readers: int, cap: int) -> None:

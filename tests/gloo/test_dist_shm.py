@@ -182,7 +182,7 @@ def _rank_two_groups(rank: int, world: int) -> list[int]:
     """Two channels on one host: each its own arena (its segments' names), bytes intact."""
     with lane():
         one = _loader(rank, 3, timeout=20)
-        two = _loader(rank, 3, timeout=20)
+        two = _loader(rank, 3, timeout=20, verify=True)  # the CRC32 of the slot's bytes
         steps = []
         for a, b in zip(one, two):
             a_x, b_x = a["x"], b["x"]

@@ -152,3 +152,13 @@ def test_a_frame_in_shared_memory_carries_its_ref_in_the_first_message() -> None
     assert SHM_REF_BYTES == shm.REF_SIZE
     spilled = cut_frame(4096, 4096 - 40, 1 << 20, host_payloads=True, shm=True)
     assert spilled.spill
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0])
+def test_shm_is_none_true_or_false(bad: object) -> None:
+    import tensorcast as tc
+
+    with pytest.raises(TypeError, match="shm must be None"):
+        tc.BroadcastingDataLoader([1], shm=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="shm must be None"):
+        tc.broadcast_batch({}, None, shm=bad)  # type: ignore[arg-type]

@@ -270,7 +270,7 @@ class Writer:
         self._warned = False
         #: whether the last payload offered went into a slot (the encoder trims otherwise)
         self.last_used = False
-        self._cleanup = weakref.finalize(self, _unlink_all, self._slots)
+        self._cleanup = weakref.finalize(self, _unlink_all, self._slots, os.getpid())
         _writers.add(self)
 
     @property
@@ -399,7 +399,9 @@ class Writer:
 _writers: weakref.WeakSet[Writer] = weakref.WeakSet()
 
 
-def _unlink_all(slots: list[_Slot | None]) -> None:
+def _unlink_all(slots: list[_Slot | None], pid: int) -> None:
+    if os.getpid() != pid:  # a forked child (a DataLoader worker) leaves its parent's alone
+        return
     for slot in slots:
         if slot is not None and not slot.unlinked:
             _unlink(slot.path)

@@ -162,3 +162,17 @@ def test_shm_is_none_true_or_false(bad: object) -> None:
         tc.BroadcastingDataLoader([1], shm=bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="shm must be None"):
         tc.broadcast_batch({}, None, shm=bad)  # type: ignore[arg-type]
+
+
+def test_a_forked_child_leaves_its_parents_segments() -> None:
+    token = new_token()
+    writer = Writer(token, 1, 1 << 24)
+    _send(writer, b"f" * 5000)
+    pid = os.fork()  # as a DataLoader worker is made
+    if pid == 0:
+        writer._cleanup()  # what its exit would run
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert any(n.startswith(token) for n in _mine())
+    writer.close()
+    assert not any(n.startswith(token) for n in _mine())

@@ -261,9 +261,10 @@ class Sender:
             coded.check_buffer(batch.buffer)
             header = batch.header
         else:
-            if self._shm is not None and self._shm.last_used and self._relay is None:
-                trim = False  # every receiver reads the arena: trimming saves nothing
-            coded = self._encoder.encode(batch, trim=trim, receiver=_kind(device or self._device))
+            kind, shm = _kind(device or self._device), self._shm
+            if kind == "host" and shm and shm.last_used and self._relay is None:
+                trim = False  # every receiver reads the arena on the host: trimming saves nothing
+            coded = self._encoder.encode(batch, trim=trim, receiver=kind)
             header = coded.header
         n = coded.nbytes
         # Frames are cut in the order they are sent: a frame is sent in the job that

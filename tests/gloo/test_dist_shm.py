@@ -254,3 +254,34 @@ def test_several_hosts_take_the_payload_once_per_remote_host(pool4: Any, layout:
             assert r["shm"] == 0 and r["wire"] >= nbytes, (rank, r)
         else:  # on the source's host, or following its host's leader: an arena
             assert r["wire"] == 0 and r["shm"] >= nbytes, (rank, r)
+
+
+_ROWS, _SAMPLES = 8, 120_000  # 3.8 MB of audio, half of 7 rows padding: trimmed on a wire
+
+
+def _rank_trims(rank: int, world: int, hosts: list[int]) -> int:
+    """The payload bytes of 4 padded batches, on ranks of the simulated hosts ``hosts``."""
+
+    def padded(step: int) -> dict[str, Any]:
+        audio = torch.full((_ROWS, _SAMPLES), float(step + 1))
+        audio[1:, _SAMPLES // 2 :] = 0.0
+        return {"audio": audio}
+
+    with lane(host=f"host-{hosts[rank]}"):
+        source = [padded(i) for i in range(4)] if rank == 0 else None
+        loader = tc.BroadcastingDataLoader(source, group=dist.group.WORLD, src=0, timeout=20)
+        for i, batch in enumerate(loader):
+            assert torch.equal(batch["audio"], padded(i)["audio"])
+    return loader.stats().bytes
+
+
+def test_trimming_is_skipped_only_where_every_receiver_reads_the_arena(
+    pool2: Any, pool4: Any
+) -> None:
+    whole = _ROWS * _SAMPLES * 4
+    # one host: the first batch is trimmed, then every receiver reads the source's slot
+    for nbytes in pool2.run(_rank_trims, [0, 0], timeout=60):
+        assert 3 * whole < nbytes < 4 * whole
+    # two hosts: the wire carries every payload to the other host, trimmed
+    for nbytes in pool4.run(_rank_trims, [0, 0, 1, 1], timeout=60):
+        assert nbytes < 4 * 0.7 * whole

@@ -150,8 +150,7 @@ class Lane:
         self.name = name
         self._exit_wait_s = exit_wait_s
         self._idle_exit_s = idle_exit_s
-        self._abort_wait_s = abort_wait_s
-        self._abort = abort
+        self._abort = _Abort(abort, f"tensorcast-abort-{name}", abort_wait_s)
         self._cuda_device = cuda_device
         self._device_group = device_group
         #: device work posted by the caller's thread, watched here until its deadline
@@ -166,7 +165,6 @@ class Lane:
         self._inline: int | None = None  # the thread running a job inline
         self._worker_id: int | None = None
         self.broken: BaseException | None = None
-        self._abort_began = False  # set by the abort's own thread
         #: jobs queued or started so far: only the caller's thread adds one (tests read it)
         self.submitted = 0
         _exits.register(self)
@@ -347,40 +345,13 @@ class Lane:
         (NOTE [ One ordered lane ])."""
         if self.broken is None:
             self.broken = cause
-        self._abort_once()
-
-    def _abort_once(self) -> None:
-        """Abort the broken lane's group on a thread of its own unless an abort has begun,
-        and wait for it ``abort_wait_s`` at most. An interrupt inside ``Thread.start()`` can
-        leave a thread that never runs its target: the abort says itself that it began, and
-        until it has, every ``check()`` starts it again (aborting twice is harmless). The
-        wait is a plain lock's, as a job's is (see ``Job``)."""
-        if self._abort_began:
-            return
-        done = threading.Lock()
-        done.acquire()
-
-        def run() -> None:
-            self._abort_began = True
-            try:
-                _abort(self._abort)
-            finally:
-                done.release()
-
-        aborting = threading.Thread(target=run, name=f"tensorcast-abort-{self.name}", daemon=True)
-        try:
-            aborting.start()
-        except RuntimeError:  # no thread starts any more (the interpreter is exiting)
-            run()
-            return
-        if done.acquire(timeout=self._abort_wait_s):
-            done.release()
+        self._abort.once()
 
     def check(self) -> None:
         """Raise ``PeerError`` if the lane is broken (and abort its group, if no abort has
         begun yet)."""
         if self.broken is not None:
-            self._abort_once()
+            self._abort.once()
             raise PeerError(
                 f"tensorcast's channel on ranks {self.name} failed earlier and cannot be "
                 f"trusted any more ({type(self.broken).__name__}: {self.broken}); "
@@ -443,11 +414,42 @@ class Lane:
         )
 
 
-def _abort(abort: Callable[[], None]) -> None:
-    """Abort a broken lane's group: one that cannot is broken all the same, and the cause
-    is what to report."""
-    with contextlib.suppress(RuntimeError):
-        abort()
+class _Abort:
+    """A broken lane's abort of its group: on a thread of its own, waited for a bounded
+    time (NOTE [ One ordered lane ]), begun once. An interrupt inside ``Thread.start()``
+    can leave a thread that never runs its target: the abort says itself that it began,
+    and until it has, every :meth:`once` starts it again (aborting twice is harmless)."""
+
+    def __init__(self, abort: Callable[[], None], name: str, wait_s: float) -> None:
+        self._abort = abort
+        self._name = name
+        self._wait_s = wait_s
+        self._began = False  # set by the abort's own thread
+
+    def once(self) -> None:
+        """Abort unless an abort has begun; wait for it ``wait_s`` at most (on a plain
+        lock, as a job's wait is: see ``Job``)."""
+        if self._began:
+            return
+        done = threading.Lock()
+        done.acquire()
+
+        def run() -> None:
+            self._began = True
+            try:
+                with contextlib.suppress(RuntimeError):  # one that cannot is broken all the same
+                    self._abort()
+            finally:
+                done.release()
+
+        aborting = threading.Thread(target=run, name=self._name, daemon=True)
+        try:
+            aborting.start()
+        except RuntimeError:  # no thread starts any more (the interpreter is exiting)
+            run()
+            return
+        if done.acquire(timeout=self._wait_s):
+            done.release()
 
 
 def _own(error: BaseException) -> bool:

@@ -23,10 +23,11 @@ import torch
 from tensorcast.codec import schema as _schema
 from tensorcast.codec import trim as _trim
 from tensorcast.codec.build import compile_tokens, run
+from tensorcast.codec.decode import leaf_views
 from tensorcast.codec.flatten import BufferLeaf, flatten
 from tensorcast.codec.layout import DEFAULT_ALIGN, KIND, Layout, lay_out
 from tensorcast.codec.paths import render_path
-from tensorcast.codec.views import Repad, Reuses, leaf_views, untrimmed
+from tensorcast.codec.views import Repad, Reuses, untrimmed
 
 __all__ = ["Encoded", "Encoder", "check_trim", "encode"]
 

@@ -1,15 +1,15 @@
 """A buffer seen as one layout's leaves: typed tensor views, host arrays, bytes, str.
 
 A :class:`ViewSpec` is worked out once per distinct leaf table; a receiver's rebuild
-(``codec.build.Decoded``) and the sender's write (``codec.encode``) both go through one.
-A trimmed leaf is no view: :func:`leaf_views` rebuilds it from its stored bytes
+(``codec.decode.leaf_views``) and the sender's write (``codec.encode``) both go through one.
+A trimmed leaf is no view: :func:`untrimmed` rebuilds it from its stored bytes
 (``codec.untrim``), into memory a :class:`Reuses` hands out when there is one.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable, Mapping, Sequence, Set
+from collections.abc import Callable, Hashable, Sequence, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -23,14 +23,7 @@ from tensorcast.codec.dtypes import CODE_ITEMSIZE, numpy_dtype, torch_dtype
 if TYPE_CHECKING:
     from tensorcast.codec.trim import Trim
 
-__all__ = [
-    "Repad",
-    "Reuses",
-    "ViewSpec",
-    "host_block",
-    "leaf_views",
-    "untrimmed",
-]
+__all__ = ["MAX_ITEMSIZE", "Repad", "Reuses", "ViewSpec", "untrimmed"]
 
 
 class Reuses(Protocol):
@@ -53,7 +46,7 @@ class Reuses(Protocol):
         ...
 
 
-_MAX_ITEMSIZE = max(CODE_ITEMSIZE.values())
+MAX_ITEMSIZE = max(CODE_ITEMSIZE.values())
 
 _strides_cache: dict[tuple[int, ...], tuple[int, ...]] = {}
 
@@ -133,7 +126,7 @@ class ViewSpec:
             self.host_spans.append((row[3], row[4], pos))
             if k >= len(self.others):
                 self.host_trimmed[i] = (pos, row[4])
-            pos = (pos + row[4] + _MAX_ITEMSIZE - 1) // _MAX_ITEMSIZE * _MAX_ITEMSIZE
+            pos = (pos + row[4] + MAX_ITEMSIZE - 1) // MAX_ITEMSIZE * MAX_ITEMSIZE
         self.host_nbytes = pos
 
     def placed(self, tensors: list[Any], count: int) -> list[Any]:
@@ -164,75 +157,6 @@ class ViewSpec:
         if reuse is None:
             return self.tensor_views(buffer)
         return reuse.views(buffer, (self, buffer.storage_offset()), self.tensor_views)
-
-
-def host_block(spec: ViewSpec, buffer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Copy the bytes of the leaves that are not tensors from a host ``buffer`` into
-    ``out`` (at least ``spec.host_nbytes`` bytes), as :func:`leaf_views` reads them."""
-    src, dst = buffer.numpy(), out.numpy()
-    for off, n, pos in spec.host_spans:
-        dst[pos : pos + n] = src[off : off + n]
-    return out[: spec.host_nbytes]
-
-
-def leaf_views(
-    spec: ViewSpec,
-    count: int,
-    buffer: torch.Tensor,
-    reuse: Reuses | None = None,
-    host: torch.Tensor | None = None,
-    trims: Mapping[int, Trim] | None = None,
-    later: list[Repad] | None = None,
-) -> list[Any]:
-    """The ``count`` buffer leaves ``spec`` describes, as views into ``buffer`` (fresh
-    tensors on views ``reuse`` keeps, when it came from there).
-
-    The leaves that are not tensors (numpy arrays, bytes, str) come from ``host`` when
-    given: a host block of their bytes alone (``spec.host_spans``), which a buffer on a
-    GPU travels with, so that they need no copy back from the device; so do the stored
-    bytes of trimmed ndarray leaves, which are rebuilt on the host.
-
-    Trimmed leaves (``trims``, by leaf index) are rebuilt from their stored bytes on
-    ``buffer``'s device (arrays on the CPU), into ``reuse``'s memory when given; with
-    ``later``, their memory is taken now and their re-pads appended to it, to be run
-    before the tree is read (see :func:`untrimmed`).
-    """
-    if buffer.storage_offset() % _MAX_ITEMSIZE:
-        buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
-    tensors = spec.kept_views(buffer, reuse)
-    if not spec.others and not spec.trimmed:
-        return tensors
-    values = spec.placed(tensors, count)
-    if spec.trimmed:
-        if trims is None:
-            raise ValueError("a layout with trimmed leaves needs their side tables")
-        for i, (kind, code, shape, off, n) in spec.trimmed:
-            if host is not None and i in spec.host_trimmed:  # an ndarray: from the host
-                pos, _ = spec.host_trimmed[i]
-                stored = host[pos : pos + n]
-            else:
-                stored = buffer[off : off + n]
-            values[i] = untrimmed(kind, code, shape, stored, trims[i], reuse, i, later)
-    if not spec.others:
-        return values
-    if host is not None:
-        block = host.numpy()
-        for (i, (kind, code, shape, _off, n)), (_, _, pos) in zip(spec.others, spec.host_spans):
-            values[i] = _other(kind, code, shape, block[pos : pos + n])
-        return values
-    host_view: np.ndarray | None = None
-    on_cpu = buffer.device.type == "cpu"
-    for i, (kind, code, shape, off, n) in spec.others:
-        if on_cpu:
-            if host_view is None:
-                # One holder view for all host leaves: it keeps the storage's use count up
-                # while any array views it, so a pooled buffer is not reused under them.
-                host_view = buffer[:].numpy()
-            piece = host_view[off : off + n]
-        else:
-            piece = buffer[off : off + n].cpu().numpy()  # a copy back from the device
-        values[i] = _other(kind, code, shape, piece)
-    return values
 
 
 def untrimmed(
@@ -293,15 +217,3 @@ class Repad:
 
     def __call__(self) -> None:
         self.run()
-
-
-def _other(kind: str, code: str, shape: Any, piece: np.ndarray) -> Any:
-    """A leaf that is not a tensor, from its bytes."""
-    if kind == "ndarray":
-        return piece.view(numpy_dtype(code)).reshape(shape)
-    if kind == "bytes":
-        return piece.tobytes()
-    try:
-        return piece.tobytes().decode("utf-8", "surrogatepass")
-    except UnicodeDecodeError as e:
-        raise HeaderError(f"a str leaf holds invalid UTF-8: {e}") from None

@@ -47,8 +47,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tensorcast import codec as _codec
 from tensorcast._errors import PeerError
-from tensorcast.codec import Decoded, Encoded, Encoder, Packed, Repad, decode
+from tensorcast.codec import Decoded, Encoded, Encoder, Packed, Repad
 from tensorcast.transport.frame import (
     DEFAULT_TIMEOUT,
     MAX_ERROR_BYTES,
@@ -248,7 +249,7 @@ class Sender:
             lane.check()
         coded: Decoded | Encoded
         if isinstance(batch, Packed):
-            coded = decode(batch.header)
+            coded = _codec.decode(batch.header)
             coded.check_buffer(batch.buffer)
             header = batch.header
         else:

@@ -32,11 +32,11 @@ from trees import (
 import tensorcast as tc
 import tensorcast.codec
 from tensorcast.codec.build import _CONTAINER_TAGS
+from tensorcast.codec.decode import decode, leaf_views
 from tensorcast.codec.dtypes import NUMPY_CODES, TORCH_CODES
 from tensorcast.codec.encode import encode
 from tensorcast.codec.flatten import flatten
-from tensorcast.codec.schema import decode
-from tensorcast.codec.views import ViewSpec, leaf_views
+from tensorcast.codec.views import ViewSpec
 
 # --------------------------------------------------------------------------- helpers
 

@@ -23,6 +23,7 @@ from trees import assert_same
 import tensorcast as tc
 from tensorcast.codec import schema as _schema
 from tensorcast.codec import trim as T
+from tensorcast.codec.decode import decode
 from tensorcast.codec.dtypes import NUMPY_CODES, TORCH_CODES
 from tensorcast.codec.encode import encode
 from tensorcast.transport.groups import Group
@@ -163,7 +164,7 @@ def test_device_rule_trims_small_leaves_and_rebuilds_them(
     encoded = encode({"x": leaf, "y": [1, 2.5]}, receiver="device")
     buffer = torch.empty(encoded.nbytes, dtype=torch.uint8)
     own = encoded.write_tree(buffer)
-    decoded = _schema.decode(encoded.header)
+    decoded = decode(encoded.header)
     assert_same(decoded.rebuild(buffer), {"x": leaf, "y": [1, 2.5]})
     assert_same(own, {"x": leaf, "y": [1, 2.5]})
     assert (decoded.trims is not None) == (encoded.trims is not None)
@@ -212,7 +213,7 @@ def test_one_structure_with_changing_trims_reuses_its_program() -> None:
         tree = audio(seed=seed)
         tree["after"] = torch.arange(10)
         packed = tc.pack(tree)
-        decoded = _schema.decode(packed.header)
+        decoded = decode(packed.header)
         programs.append(decoded.compiled()[0])
         assert_same(tc.unpack(packed), tree)
     assert all(p is programs[0] for p in programs)

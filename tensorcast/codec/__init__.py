@@ -64,9 +64,10 @@ from __future__ import annotations
 from tensorcast.codec.decode import Decoded, decode
 from tensorcast.codec.encode import Encoded, Encoder, check_trim
 from tensorcast.codec.packed import Packed, resolve_device, unpack
+from tensorcast.codec.repad import Repad
 from tensorcast.codec.schema import FORMAT_VERSION, MAX_HEADER_BYTES, PREFIX_BYTES
 from tensorcast.codec.trim import padding_bytes
-from tensorcast.codec.views import Repad, Reuses
+from tensorcast.codec.views import Reuses
 
 __all__ = [
     "FORMAT_VERSION",

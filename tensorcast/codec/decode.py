@@ -7,7 +7,7 @@ that structure: batches of fixed shapes repeat their header byte for byte, and a
 that starts with the bytes of a structure validated lately is read by parsing its values
 alone. A :class:`Decoded` rebuilds its tree from a buffer: the structure's program
 (``codec.build``, compiled once) run on the buffer seen as its leaves (:func:`leaf_views`,
-through a ``codec.views.ViewSpec``), trimmed leaves re-padded (``codec.untrim``).
+through a ``codec.views.ViewSpec``), trimmed leaves re-padded (``codec.repad``).
 A trimmed leaf's stored bytes change from batch to batch, and so do the offsets after
 it: such headers are read whole, and share their tokens, whose compiled program is
 found by their text.
@@ -27,10 +27,11 @@ from tensorcast.codec import schema as _schema
 from tensorcast.codec.build import Program, compile_tokens, decode_values, run
 from tensorcast.codec.compact_json import dumps as _dumps
 from tensorcast.codec.dtypes import numpy_dtype
-from tensorcast.codec.views import MAX_ITEMSIZE, Repad, Reuses, ViewSpec, untrimmed
+from tensorcast.codec.repad import Repad
+from tensorcast.codec.views import MAX_ITEMSIZE, Reuses, ViewSpec
 
 if TYPE_CHECKING:
-    from tensorcast.codec.trim import Trim
+    from tensorcast.codec.repad import Trim
 
 __all__ = ["Decoded", "Structure", "decode", "host_block", "leaf_views"]
 
@@ -302,7 +303,7 @@ class Decoded:
             host: the host block of the leaves that are not tensors (:meth:`host_block`),
                 when ``buffer`` is on a GPU: they are then read from it, not copied back.
             later: where the trimmed leaves' re-pads are left to run before the tree is
-                read, their memory taken (``codec.views.untrimmed``); default: run now.
+                read, their memory taken (``codec.repad.Repad``); default: run now.
 
         Raises:
             HeaderError: the tokens or the small values are not a valid tree.
@@ -357,7 +358,7 @@ def leaf_views(
     Trimmed leaves (``trims``, by leaf index) are rebuilt from their stored bytes on
     ``buffer``'s device (arrays on the CPU), into ``reuse``'s memory when given; with
     ``later``, their memory is taken now and their re-pads appended to it, to be run
-    before the tree is read (see :func:`untrimmed`).
+    before the tree is read (``codec.repad.Repad``).
     """
     if buffer.storage_offset() % MAX_ITEMSIZE:
         buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
@@ -374,7 +375,12 @@ def leaf_views(
                 stored = host[pos : pos + n]
             else:
                 stored = buffer[off : off + n]
-            values[i] = untrimmed(kind, code, shape, stored, trims[i], reuse, i, later)
+            repad = Repad.taken(kind, code, shape, stored, trims[i], reuse, i)
+            values[i] = repad.value
+            if later is None:
+                repad()
+            else:
+                later.append(repad)
     if not spec.others:
         return values
     if host is not None:

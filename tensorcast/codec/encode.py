@@ -27,7 +27,8 @@ from tensorcast.codec.decode import leaf_views
 from tensorcast.codec.flatten import BufferLeaf, flatten
 from tensorcast.codec.layout import DEFAULT_ALIGN, KIND, Layout, lay_out
 from tensorcast.codec.paths import render_path
-from tensorcast.codec.views import Repad, Reuses, untrimmed
+from tensorcast.codec.repad import Repad, Trim
+from tensorcast.codec.views import Reuses
 
 __all__ = ["Encoded", "Encoder", "check_trim", "encode"]
 
@@ -48,7 +49,7 @@ class Encoded:
         value_tokens: list[Any],
         layout: Layout,
         header: bytes,
-        trims: dict[int, _trim.Trim] | None = None,
+        trims: dict[int, Trim] | None = None,
     ) -> None:
         self.leaves = leaves
         #: the trimmed leaves' side tables by leaf index; None when none is trimmed
@@ -124,7 +125,7 @@ class Encoded:
     def _compact(self, out: torch.Tensor, i: int) -> None:
         """Write trimmed leaf ``i``'s prefixes into ``out``; an error names the leaf."""
         try:
-            _trim.compact_into(out, self.leaves[i][3], self.trims[i].kept)  # type: ignore[index]
+            _trim.compact_into(out, self.leaves[i][3], self.trims[i].prefix_lens)  # type: ignore[index]
         except (RuntimeError, ValueError) as e:
             _, paths = compile_tokens(self.layout.tokens, len(self.leaves), want_paths=True)
             where = render_path(paths[i]) if paths else f"leaf {i}"
@@ -148,8 +149,7 @@ class Encoded:
         it: leaves that view ``buffer`` (fresh tensors on views ``reuse`` keeps, when
         ``buffer`` came from there), plain tensors even for leaves that require grad;
         trimmed leaves rebuilt from ``buffer`` (into ``reuse``'s memory, if given; with
-        ``later``, their re-pads are left in it to run, as ``codec.views.untrimmed``
-        says)."""
+        ``later``, their re-pads are left in it to run, ``codec.repad.Repad``)."""
         spec = self.layout.write_spec
         with torch.no_grad():  # copies of leaves that require grad stay out of autograd
             tensor_views = self.write(buffer, views=spec.kept_views(buffer, reuse))
@@ -177,7 +177,7 @@ class Encoded:
         """The tree of a device buffer this batch is (being) written into, read nowhere
         but on the device: tensor leaves view ``buffer``, the others come from ``host``,
         its host block (:meth:`host_block`); trimmed leaves' re-pads left in ``later``
-        when given (``codec.views.untrimmed``)."""
+        when given (``codec.repad.Repad``)."""
         spec = self.layout.read_spec()
         values = leaf_views(
             spec, len(self.leaves), buffer, host=host, trims=self.trims, later=later
@@ -214,7 +214,12 @@ class Encoded:
         for i, (kind, code, shape, off, n) in spec.trimmed:
             stored = buffer[off : off + n]
             trim = self.trims[i]  # type: ignore[index]
-            values[i] = untrimmed(kind, code, shape, stored, trim, reuse, i, later)
+            repad = Repad.taken(kind, code, shape, stored, trim, reuse, i)
+            values[i] = repad.value
+            if later is None:
+                repad()
+            else:
+                later.append(repad)
         host: np.ndarray | None = None
         for i, (kind, _code, shape, off, _n) in spec.others:
             data = self.leaves[i][3]
@@ -353,7 +358,7 @@ class Encoder:
 
 def _find_trims(
     leaves: list[BufferLeaf], candidates: list[int], receiver: str | None
-) -> dict[int, _trim.Trim] | None:
+) -> dict[int, Trim] | None:
     """The side tables of the ``candidates`` that trimming pays for, by leaf index.
 
     A tensor on a GPU is sent whole: deciding its trim reads it back to the host, 2 to

@@ -36,9 +36,9 @@ from typing import Any
 
 from tensorcast._errors import HeaderError
 from tensorcast.codec import compact_json as _json
-from tensorcast.codec import untrim as _untrim
+from tensorcast.codec import repad as _repad
 from tensorcast.codec.dtypes import CODE_ITEMSIZE, NUMPY_CODES
-from tensorcast.codec.trim import Trim
+from tensorcast.codec.repad import Trim
 
 __all__ = [
     "FORMAT_VERSION",
@@ -240,13 +240,13 @@ def read_body(header: bytes | bytearray | memoryview) -> Body:
         raise _fail(f"the leaves end at byte {end} but the buffer size is {nbytes}")
     if type(values) is not list:
         raise _fail("the small values are not a list")
-    side_tables = _side_tables(trims, leaves, nbytes + len(header))
+    side_tables = _repad.check_trims(trims, leaves, nbytes + len(header))
     return Body(raw, nbytes, align, leaves, tokens, values, trimmed, side_tables)
 
 
 def _trimmed_indices(trims: Any, n_leaves: int) -> frozenset[int]:
     """The leaves ``trims`` says are trimmed: a list of records ``[index, ...]`` whose
-    indices are ints, in range and strictly increasing (the rest: :func:`_side_tables`)."""
+    indices are ints, in range and strictly increasing (the rest: ``repad.check_trims``)."""
     if type(trims) is not list:
         raise _fail("the trims are not a list")
     prev = -1
@@ -259,31 +259,6 @@ def _trimmed_indices(trims: Any, n_leaves: int) -> frozenset[int]:
             )
         prev = record[0]
     return frozenset(record[0] for record in trims)
-
-
-def _side_tables(trims: list[Any], leaves: list[Any], travelled: int) -> dict[int, Trim] | None:
-    """The trims' side tables by leaf index, each checked against its leaf's row (whose
-    kind, dtype code and shape are valid); their full leaves within the buffer cap, and
-    within a bounded multiple of the ``travelled`` bytes and the rebuild limit
-    (``untrim.check_rebuild``)."""
-    if not trims:
-        return None
-    tables = {}
-    full = 0
-    for i, *record in trims:
-        _kind, code, shape, _off, size = leaves[i]
-        table = _untrim.validate(
-            record, shape, CODE_ITEMSIZE[code], size, max_bytes=MAX_BUFFER_BYTES
-        )
-        full += table.full_nbytes
-        if full > MAX_BUFFER_BYTES:
-            raise _fail(f"the trimmed leaves rebuild to over {MAX_BUFFER_BYTES} bytes")
-        tables[i] = table
-    try:
-        _untrim.check_rebuild(full, travelled)
-    except ValueError as e:  # the limit's variable is set wrong: say so as the header's
-        raise _fail(str(e)) from None
-    return tables
 
 
 def parse(raw: bytes) -> Any:
@@ -325,7 +300,7 @@ def _check_leaf(
     # A zero-element leaf may still not claim dims whose strides would overflow int64.
     if math.prod(d for d in shape if d) * itemsize > MAX_BUFFER_BYTES:
         raise _fail(f"leaf {i} has dims {shape} too large for any buffer")
-    if trimmed:  # its side table checks its size (_side_tables)
+    if trimmed:  # its side table checks its size (repad.check_trims)
         if kind not in ("tensor", "ndarray"):
             raise _fail(f"leaf {i} ({kind}) is trimmed, but only tensors and arrays can be")
     elif size != math.prod(shape) * itemsize:

@@ -2,28 +2,23 @@
 
 A :class:`ViewSpec` is worked out once per distinct leaf table; a receiver's rebuild
 (``codec.decode.leaf_views``) and the sender's write (``codec.encode``) both go through one.
-A trimmed leaf is no view: :func:`untrimmed` rebuilds it from its stored bytes
-(``codec.untrim``), into memory a :class:`Reuses` hands out when there is one.
+A trimmed leaf is no view: it is re-padded from its stored bytes (``codec.repad``), into
+memory a :class:`Reuses` hands out when there is one.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Hashable, Sequence, Set
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
 import torch
 
-from tensorcast._errors import HeaderError
-from tensorcast.codec import untrim as _untrim
-from tensorcast.codec.dtypes import CODE_ITEMSIZE, numpy_dtype, torch_dtype
+from tensorcast.codec.dtypes import CODE_ITEMSIZE, torch_dtype
 
 if TYPE_CHECKING:
-    from tensorcast.codec.trim import Trim
+    pass
 
-__all__ = ["MAX_ITEMSIZE", "Repad", "Reuses", "ViewSpec", "untrimmed"]
+__all__ = ["MAX_ITEMSIZE", "Reuses", "ViewSpec"]
 
 
 class Reuses(Protocol):
@@ -157,63 +152,3 @@ class ViewSpec:
         if reuse is None:
             return self.tensor_views(buffer)
         return reuse.views(buffer, (self, buffer.storage_offset()), self.tensor_views)
-
-
-def untrimmed(
-    kind: str,
-    code: str,
-    shape: Any,
-    stored: torch.Tensor,
-    trim: Trim,
-    reuse: Reuses | None,
-    index: int,
-    later: list[Repad] | None = None,
-) -> Any:
-    """A trimmed leaf rebuilt from its ``stored`` prefixes: a tensor on their device (into
-    ``reuse``'s memory on a host), an array on the CPU.
-
-    With ``later``, only its memory is taken now: the re-pad, a write of the whole leaf,
-    is appended to ``later`` for the caller to run before anyone reads the leaf (a
-    source runs it while its payload is on the wire). Its sizes were checked when the
-    side table was made or validated, so running it cannot fail on them.
-    """
-    shape = tuple(shape)
-    result: Any
-    try:
-        if kind == "ndarray":
-            out = torch.from_numpy(np.empty(shape, numpy_dtype(code)))
-            dtype, result = out.dtype, out.numpy()
-        else:
-            dtype = torch_dtype(code)
-            into = None
-            if reuse is not None and stored.is_cpu:
-                into = reuse.output(index, shape, dtype)
-            out = torch.empty(shape, dtype=dtype, device=stored.device) if into is None else into
-            result = out
-    except (RuntimeError, MemoryError) as e:  # torch's out of memory is a RuntimeError
-        raise HeaderError(
-            f"the header's trimmed leaf {index} ({code} of shape {list(shape)}) could not be "
-            f"allocated: {type(e).__name__}: {e}"
-        ) from None
-    repad = Repad(out, functools.partial(_untrim.rebuild, stored, shape, dtype, trim, out=out))
-    if later is None:
-        repad()
-    else:
-        later.append(repad)
-    return result
-
-
-@dataclass(frozen=True, slots=True)
-class Repad:
-    """A trimmed leaf's re-pad, left to run (:func:`untrimmed` with ``later``).
-
-    Attributes:
-        out: the leaf's memory, taken already (on a GPU: on the stream that was current).
-        run: the re-pad, a write of all of ``out``.
-    """
-
-    out: torch.Tensor
-    run: Callable[[], Any]
-
-    def __call__(self) -> None:
-        self.run()

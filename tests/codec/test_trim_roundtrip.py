@@ -138,7 +138,7 @@ def test_padded_trees_round_trip_bit_identical(case: Any, trim: bool) -> None:
         assert trim
         saved = full - spec.nbytes
         assert saved >= T.MIN_SAVED_BYTES and saved * T.MIN_SAVED_FRACTION >= full
-        kept = T.scan(leaf).kept
+        kept = T.scan(leaf).prefix_lens
         isz = leaf.itemsize
         assert spec.nbytes % isz == 0 and spec.nbytes >= int(kept.sum()) * isz
 

@@ -399,11 +399,11 @@ def test_a_trimmed_leaf_is_re_padded_on_the_transfer_stream_after_its_payload(
     on the transfer stream after the payload and before the frame's event, by the
     consumer's thread; the rebuilt leaf is handed over to the consumer's stream with the
     buffer; both trees equal the source's batch, bit for bit."""
-    from tensorcast.codec import untrim
+    from tensorcast.codec import repad as _repad
 
     sender, receiver, sgroup, rgroup = device_pair()
     groups = (sgroup, rgroup)
-    real = untrim.rebuild
+    real = _repad.repad
 
     def rebuild(*args: Any, **kwargs: Any) -> Any:
         for group in groups:
@@ -411,7 +411,7 @@ def test_a_trimmed_leaf_is_re_padded_on_the_transfer_stream_after_its_payload(
                 group.wire.streams.log("repad")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(untrim, "rebuild", rebuild)
+    monkeypatch.setattr(_repad, "repad", rebuild)
     audio = torch.zeros(4, 200_000)
     for row, n in enumerate((200_000, 120_000, 60_000, 9_000)):
         audio[row, :n] = torch.randn(n, generator=torch.Generator().manual_seed(row))

@@ -30,7 +30,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# The ranks share one host, so payloads would take the shared-memory lane: off here, so that
+# the wire's tests test the wire; the lane's tests (test_dist_shm.py) turn it on per call.
+_ENV = {
+    "GLOO_SOCKET_IFNAME": "lo",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TENSORCAST_SHM_LIMIT": "0",
+}
 #: what the fork server imports before it forks any rank: no threads, no process group
 _PRELOAD = ["torch", "torch.distributed", "numpy"]
 

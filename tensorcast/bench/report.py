@@ -46,9 +46,12 @@ LABELS = {
     "tc.broadcast(trim=False)": ("tc.broadcast, trim=False", "#31a354"),
     "tc.loader(trim=False)": ("tc.loader, trim=False", "#74c476"),
     "tc.loader+packed(trim=False)": ("tc.loader + packed_collate, trim=False", "#c7e9c0"),
+    "tc.broadcast(shm=False)": ("tc.broadcast, shm=False", "#756bb1"),
+    "tc.loader(shm=False)": ("tc.loader, shm=False", "#9e9ac8"),
     "pickled_packet": ("pickled packet (NeMo)", "#e6550d"),
     "object_list": ("broadcast_object_list", "#a50f15"),
     "per_tensor": ("one broadcast per tensor", "#969696"),
+    "memcpy": ("memcpy (one copy of the bytes)", "#252525"),
 }
 
 

@@ -17,11 +17,14 @@ from tensorcast.bench import baselines, batches, workloads
 from tensorcast.bench.report import Progress, rows, trim_ratios
 from tensorcast.bench.timing import (
     METHODS,
+    OFF_SHM,
+    REFERENCES,
     UNTRIMMED,
     LoaderMethod,
     Slot,
     build_methods,
     close_methods,
+    shm_supported,
     time_methods,
     trim_decision_ms,
     trim_supported,
@@ -185,7 +188,7 @@ def run_workload(
     methods = build_methods(batch, nbytes, slot)
     builtin = spec in workloads.WORKLOADS
     sent: list[str] = []  # on a source: its batch's digest, per iteration
-    got: dict[str, list[str]] = {n: [] for n in names if n != "floor"}
+    got: dict[str, list[str]] = {n: [] for n in names if n not in REFERENCES}
 
     def before(it: int) -> None:
         if builtin and slot.is_source:
@@ -198,7 +201,7 @@ def run_workload(
 
     def after(it: int, name: str, out: Any) -> None:
         progress.advance(f"{spec}: {name}")
-        if name != "floor":  # the floor's output is a raw buffer, not the batch
+        if name not in REFERENCES:  # their output is no batch
             got[name].append(batches.digest(out))
 
     try:
@@ -230,6 +233,6 @@ def method_names(selected: list[str] | None) -> list[str]:
     """The methods to run, in table order: ``selected``, or every one this tensorcast
     has (the ``(trim=False)`` ones only where it takes ``trim=``)."""
     if selected is None:
-        untrimmed = () if trim_supported() else UNTRIMMED
-        return [m for m in METHODS if m not in untrimmed]
+        missing = (() if trim_supported() else UNTRIMMED) + (() if shm_supported() else OFF_SHM)
+        return [m for m in METHODS if m not in missing]
     return [m for m in METHODS if m in selected]

@@ -25,12 +25,15 @@ from tensorcast.bench import baselines
 
 __all__ = [
     "METHODS",
+    "OFF_SHM",
+    "REFERENCES",
     "UNTRIMMED",
     "Feed",
     "LoaderMethod",
     "Slot",
     "build_methods",
     "close_methods",
+    "shm_supported",
     "trim_decision_ms",
     "trim_supported",
     "wire_bytes",
@@ -43,15 +46,23 @@ UNTRIMMED = (
     "tc.loader+packed(trim=False)",
 )
 
+#: tensorcast's methods that never use the shared-memory lane (``shm=False``)
+OFF_SHM = ("tc.broadcast(shm=False)", "tc.loader(shm=False)")
+
+#: what the others are measured against: one broadcast of the bytes (the floor, every
+#: ratio's unit) and one copy of them on the host (``memcpy``); their outputs are no batch
+REFERENCES = ("memcpy", "floor")
+
 METHODS = (
     "tc.broadcast",
     "tc.loader",
     "tc.loader+packed",
     *UNTRIMMED,
+    *OFF_SHM,
     "pickled_packet",
     "object_list",
     "per_tensor",
-    "floor",
+    *REFERENCES,
 )
 
 
@@ -81,6 +92,13 @@ def trim_supported() -> bool:
     benchmark makes: the ``(trim=False)`` methods need it."""
     calls = (tc.pack, tc.broadcast, tc.BroadcastingDataLoader)
     return all("trim" in inspect.signature(fn).parameters for fn in calls)
+
+
+def shm_supported() -> bool:
+    """Whether this tensorcast takes ``shm=`` (the shared-memory lane): the
+    ``(shm=False)`` methods need it."""
+    calls = (tc.broadcast, tc.BroadcastingDataLoader)
+    return all("shm" in inspect.signature(fn).parameters for fn in calls)
 
 
 def _trim(on: bool) -> dict[str, Any]:
@@ -114,11 +132,12 @@ class LoaderMethod:
         *,
         trim: bool = True,
         packed: bool = False,
+        shm: dict[str, Any] | None = None,
     ) -> None:
         self.source = source
         self.trim, self.packed = trim, packed
         self.loader = tc.BroadcastingDataLoader(
-            source, group=group, src=src, prefetch=prefetch, **_trim(trim)
+            source, group=group, src=src, prefetch=prefetch, **_trim(trim), **(shm or {})
         )
         self.it = iter(self.loader)
 
@@ -142,11 +161,12 @@ def build_methods(batch: Any, nbytes: int, slot: Slot) -> dict[str, Callable[[],
     mine = batch if slot.is_source else None
     floor = baselines.Floor(nbytes, device)
 
-    def loader(trim: bool, packed: bool) -> LoaderMethod:
+    def loader(trim: bool, packed: bool, **shm: Any) -> LoaderMethod:
         # A worker packs each batch; the harness packs it again whenever the batch changes.
         method = LoaderMethod(
-            Feed(None) if slot.is_source else None, group, src, trim=trim, packed=packed
-        )
+            Feed(None) if slot.is_source else None, group, src, trim=trim, packed=packed,
+            shm=shm,
+        )  # fmt: skip
         method.feed(batch)
         return method
 
@@ -160,11 +180,16 @@ def build_methods(batch: Any, nbytes: int, slot: Slot) -> dict[str, Callable[[],
         methods["tc.broadcast(trim=False)"] = lambda: tc.broadcast(mine, src, group, **untrimmed)
         methods["tc.loader(trim=False)"] = loader(False, False)
         methods["tc.loader+packed(trim=False)"] = loader(False, True)
+    if shm_supported():
+        methods["tc.broadcast(shm=False)"] = lambda: tc.broadcast(mine, src, group, shm=False)
+        methods["tc.loader(shm=False)"] = loader(True, False, shm=False)
+    copy = baselines.Memcpy(nbytes, device)
     return {
         **methods,
         "pickled_packet": lambda: baselines.pickled_packet(mine, src, group, device),
         "object_list": lambda: baselines.object_list(mine, src, group, device),
         "per_tensor": lambda: baselines.per_tensor(mine, src, group, device),
+        "memcpy": lambda: copy(mine),
         "floor": lambda: floor(mine, src, group),
     }
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from tensorcast.codec import Packed, resolve_device, unpack
 
-__all__ = ["distributed", "output_device", "to_timedelta", "unpack_if_packed"]
+__all__ = ["check_shm", "distributed", "output_device", "to_timedelta", "unpack_if_packed"]
 
 _AVAILABLE = dist.is_available()  # fixed by how torch was built
 
@@ -31,6 +31,16 @@ def to_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedel
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     return datetime.timedelta(seconds=timeout)
+
+
+def check_shm(shm: object) -> None:
+    """``shm=`` is None, True or False.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if shm is not None and type(shm) is not bool:
+        raise TypeError(f"shm must be None (automatic), True or False, got {shm!r}")
 
 
 def output_device(device: torch.device | str | int | None) -> torch.device | None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tensorcast._errors import SourceError
 from tensorcast.codec import check_trim
 from tensorcast.loader import mesh as _mesh
-from tensorcast.loader.args import distributed, output_device, to_timedelta
+from tensorcast.loader.args import check_shm, distributed, output_device, to_timedelta
 from tensorcast.transport import (
     CLOSE,
     END,
@@ -43,7 +43,7 @@ __all__ = ["broadcast", "broadcast_batch"]
 _ATTR = "_tensorcast_roles"  # on a mesh: its roles by axes
 _lock = threading.Lock()
 # The roles of ``tensorcast.broadcast`` by (group ranks, source), per default group's state.
-_roles: weakref.WeakKeyDictionary[World, dict[tuple[tuple[int, ...], int], Role]] = (
+_roles: weakref.WeakKeyDictionary[World, dict[tuple[tuple[int, ...], int, bool | None], Role]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -56,6 +56,7 @@ def broadcast(
     device: torch.device | str | None = None,
     timeout: float | datetime.timedelta | None = None,
     trim: bool = True,
+    shm: bool | None = None,
 ) -> Any:
     """Send ``tree`` from rank ``src`` to every rank of ``group``; all return the same tree.
 
@@ -78,6 +79,10 @@ def broadcast(
         trim: padding never travels: padded leaves are sent without their rows' trailing
             runs and rebuilt bit-identical (NOTE [ Trimmed leaves ]); False sends every
             leaf whole. Read on the source only.
+        shm: where every rank of the group shares the source's host, payloads go through
+            shared memory, not the wire (None: where it can; False: never; True: required,
+            a ``ValueError`` at the setup saying why it cannot be). Every rank passes the
+            same value.
 
     Returns:
         The rebuilt tree, on every rank including the source.
@@ -98,7 +103,9 @@ def broadcast(
         )
     wait = None if timeout is None else to_timedelta(timeout)
     dev = None if device is None else output_device(device)
-    return _run(_broadcast_role(group, src, wait), tree, dev, wait, trim)
+    if shm is not None:
+        check_shm(shm)
+    return _run(_broadcast_role(group, src, wait, shm), tree, dev, wait, trim)
 
 
 def _run(
@@ -125,16 +132,19 @@ def _run(
 # role: a training loop calls with the same arguments every step, and the lookup below
 # (the group's ranks, tensorcast's state) is most of a tiny batch's cost on a receiver.
 # Weak references: a destroyed group is not kept alive by it.
-_last: tuple[Any, int, Any, Any] | None = None
+_last: tuple[Any, int, Any, Any, bool | None] | None = None
 
 
-def _broadcast_role(group: Any, src: int, setup: datetime.timedelta | None = None) -> Role:
+def _broadcast_role(
+    group: Any, src: int, setup: datetime.timedelta | None = None, shm: bool | None = None
+) -> Role:
     global _last
     default = dist.distributed_c10d._get_default_group()
     last = _last
     if (
         last is not None
         and last[1] == src
+        and last[4] is shm
         and last[2]() is default
         and (last[0] is None if group is None else last[0] is not None and last[0]() is group)
         and (hit := last[3]()) is not None
@@ -142,14 +152,16 @@ def _broadcast_role(group: Any, src: int, setup: datetime.timedelta | None = Non
         return hit  # type: ignore[no-any-return]
     ranks = _mesh.group_ranks(group, src)
     world = _world()
-    key = (ranks, src)
+    key = (ranks, src, shm)
     with _lock:
         roles = _roles.setdefault(world, {})
     role = roles.get(key)
     if role is None:
         what = f"tensorcast.broadcast(src={src})"
         # The call's timeout bounds this setup; later calls give their own for messages.
-        role, _ = open_role(ranks_name(ranks), ranks, src, what, {"src": src}, setup_timeout=setup)
+        role, _ = open_role(
+            ranks_name(ranks), ranks, src, what, {"src": src}, setup_timeout=setup, shm=shm
+        )
         roles[key] = role
     # The role too, weakly: it lives with its world, which goes with the default group.
     _last = (
@@ -157,6 +169,7 @@ def _broadcast_role(group: Any, src: int, setup: datetime.timedelta | None = Non
         src,
         weakref.ref(default),
         weakref.ref(role),
+        shm,
     )
     return role
 
@@ -169,6 +182,7 @@ def broadcast_batch(
     device: torch.device | str | None = None,
     timeout: float | datetime.timedelta | None = None,
     trim: bool = True,
+    shm: bool | None = None,
 ) -> Any:
     """Broadcast ``batch`` across this rank's ``(cp, tp)`` sub-mesh, from its first rank.
 
@@ -181,11 +195,13 @@ def broadcast_batch(
 
     Every rank of the mesh must make the first call together (it sets up the groups).
     ``timeout`` (seconds or a timedelta) bounds every wait of the call, the first call's
-    setup included; None means the default process group's timeout. ``trim`` as for
-    ``tc.broadcast`` (a ``TypeError`` unless a bool, on every rank, no-op or not).
+    setup included; None means the default process group's timeout. ``trim`` and ``shm``
+    as for ``tc.broadcast`` (a ``TypeError`` unless a bool, or None for ``shm``, on every
+    rank, no-op or not).
     """
     check_trim(trim)
     wait = to_timedelta(timeout)
+    check_shm(shm)
     if not distributed():
         return batch
     names = _mesh.normalize_axes(axes)
@@ -194,14 +210,14 @@ def broadcast_batch(
     dev = output_device(device)
     world = _world()
     with _lock:
-        cache: dict[tuple[str, ...], tuple[Any, Role]] = device_mesh.__dict__.setdefault(_ATTR, {})
-        hit = cache.get(names)
+        cache: dict[Any, tuple[Any, Role]] = device_mesh.__dict__.setdefault(_ATTR, {})
+        hit = cache.get((names, shm))
     if hit is None or hit[0]() is not world:
         role, _ = _mesh.mesh_role(
-            device_mesh, names, "tensorcast.broadcast_batch", {}, setup_timeout=wait
+            device_mesh, names, "tensorcast.broadcast_batch", {}, setup_timeout=wait, shm=shm
         )
         with _lock:
-            cache[names] = (weakref.ref(world), role)
+            cache[(names, shm)] = (weakref.ref(world), role)
     else:
         role = hit[1]
     return _run(role, batch, dev, wait, trim)

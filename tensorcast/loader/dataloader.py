@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from tensorcast.loader import mesh as _mesh
-from tensorcast.loader.args import output_device, to_timedelta, unpack_if_packed
+from tensorcast.loader.args import check_shm, output_device, to_timedelta, unpack_if_packed
 from tensorcast.loader.passes import Ledger, Pass
 from tensorcast.loader.stats import WINDOW, LoaderStats, Recorder, timed
 from tensorcast.loader.steps import stateful
@@ -71,12 +71,14 @@ class BroadcastingDataLoader:
             source rank (receivers read the offsets from each header), so the ranks need
             not agree on it.
         trim: padding never travels, as in ``tc.pack`` (source rank); False: leaves whole.
+        shm: ranks on the source's host read payloads from shared memory, as in
+            ``tc.broadcast`` (None: where they can; False: never; True: required).
 
     Raises:
         ValueError: on a source rank whose ``source`` is None (and on its receivers); on
             bad arguments (``align``: as ``tc.pack`` raises).
         DesyncError: the ranks' setups disagree (axes, mesh, source, prefetch, version).
-        TypeError: ``device_mesh`` has no dimension names.
+        TypeError: ``device_mesh`` has no dimension names; ``shm`` is not None or a bool.
         RuntimeError: at ``iter()``, when built before ``init_process_group`` and iterated
             in a group of more than one rank.
 
@@ -100,6 +102,7 @@ class BroadcastingDataLoader:
         log_every: int | None = None,
         align: int = 64,
         trim: bool = True,
+        shm: bool | None = None,
     ) -> None:
         if type(prefetch) is not int or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
@@ -112,6 +115,8 @@ class BroadcastingDataLoader:
                 "group= and src= go together: src is the group's source, a global rank"
             )
         self._packing = Packing(align=align, trim=trim)  # checked on every rank, before the setup
+        check_shm(shm)
+        self._shm = shm
         self.source = source
         self.prefetch = prefetch
         self.device = output_device(device)
@@ -153,12 +158,12 @@ class BroadcastingDataLoader:
             setup["src"] = src
             self._role, extras = open_role(
                 ranks_name(ranks), ranks, src, what, setup, extra=extra, timeout=timeout,
-                verify=verify, packing=self._packing,
+                verify=verify, packing=self._packing, shm=self._shm,
             )  # fmt: skip
         elif _mesh.spanning_axes(device_mesh, self.axes):
             self._role, extras = _mesh.mesh_role(
                 device_mesh, self.axes, what, setup, extra=extra, timeout=timeout,
-                verify=verify, packing=self._packing,
+                verify=verify, packing=self._packing, shm=self._shm,
             )  # fmt: skip
         else:
             return

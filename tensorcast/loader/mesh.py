@@ -339,9 +339,10 @@ def mesh_role(
     setup_timeout: datetime.timedelta | None = None,
     verify: bool = False,
     packing: Packing | None = None,
+    shm: bool | None = None,
 ) -> tuple[Role, dict[int, dict[str, Any]]]:
     """This rank's role over its flattened sub-mesh of ``axes``, from its first rank (see
-    ``transport.groups.open_role``, which takes ``verify`` and ``packing``).
+    ``transport.groups.open_role``, which takes ``verify``, ``packing`` and ``shm``).
 
     Every rank of the mesh calls this together: the ranks of each sub-mesh agree on
     ``setup`` (with the mesh's shape, rank layout and the axes), numbered among the
@@ -373,4 +374,5 @@ def mesh_role(
         first=(everyone[0], len(everyone)) if len(rows) > 1 else None,
         verify=verify,
         packing=packing,
+        shm=shm,
     )

@@ -272,8 +272,9 @@ class Pass:
             if item.state is not None:
                 self._ledger.state = item.state
             self._stats.handed_out(
-                self._called, item.source_s, item.wait_s, item.transfer_s, item.nbytes
-            )
+                self._called, item.source_s, item.wait_s, item.transfer_s, item.nbytes,
+                shm_nbytes=item.shm_nbytes,
+            )  # fmt: skip
             # From here to the return there is no call, so no point where a signal handler
             # runs (NOTE [ Interrupts ]); the pass keeps no reference to the batch after.
             item.tree = None

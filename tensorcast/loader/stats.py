@@ -74,6 +74,8 @@ class LoaderStats:
             caller does nothing but wait.
         recent: the same for the last ``last`` steps (None on that one itself).
         last: how many steps ``recent`` covers at most.
+        shm_bytes: of ``bytes``, those that went through shared memory instead of the
+            wire (``shm=``); :attr:`wire_bytes` the rest.
     """
 
     steps: int = 0
@@ -86,6 +88,12 @@ class LoaderStats:
     stall_share: float = 0.0
     recent: LoaderStats | None = None
     last: int = 0
+    shm_bytes: int = 0
+
+    @property
+    def wire_bytes(self) -> int:
+        """Of ``bytes``, those that travelled on the wire."""
+        return self.bytes - self.shm_bytes
 
 
 class _Samples:
@@ -159,7 +167,8 @@ class Recorder:
     """
 
     def __init__(self, log_every: int | None = None) -> None:
-        self._rows = _Samples(6)  # stall, step, source, wait_for_source, transfer, bytes
+        # stall, step, source, wait_for_source, transfer, bytes, bytes through shared memory
+        self._rows = _Samples(7)
         self._lock = threading.Lock()
         self._last_return: float | None = None
         self._log_every = log_every
@@ -173,17 +182,19 @@ class Recorder:
         transfer_s: float = 0.0,
         nbytes: int = 0,
         now: float | None = None,
+        shm_nbytes: int = 0,
     ) -> None:
         """A ``next()`` that began at ``called`` returns a batch ``now`` (default: now, by
         ``time.perf_counter()``, as ``called``); its job spent ``source_s`` in
         ``next(source)``, ``wait_s`` waiting for the source's frame and ``transfer_s``
-        moving it, for ``nbytes`` of payload."""
+        moving it, for ``nbytes`` of payload (``shm_nbytes`` of them in shared memory)."""
         now = time.perf_counter() if now is None else now
         stall = now - called
         step = stall if self._last_return is None else now - self._last_return
         self._last_return = now
         with self._lock:
-            self._rows.add((stall, step, source_s, wait_s, transfer_s, float(nbytes)))
+            row = (stall, step, source_s, wait_s, transfer_s, float(nbytes), float(shm_nbytes))
+            self._rows.add(row)
         self._steps += 1
         if self._log_every and self._steps % self._log_every == 0:
             self._log()
@@ -195,20 +206,20 @@ class Recorder:
             rows = self._rows
             rows.fold()
             stall, step, source, wait, transfer = (rows.timings(col) for col in range(5))
-            nbytes = int(rows.total[5])
+            nbytes, shm = int(rows.total[5]), int(rows.total[6])
             recent = self._window(rows.last(last), last)
         share = _share(stall, step)
         return LoaderStats(
-            self._steps, nbytes, stall, source, wait, transfer, step, share, recent, last
+            self._steps, nbytes, stall, source, wait, transfer, step, share, recent, last, shm
         )
 
     @staticmethod
     def _window(rows: np.ndarray, last: int) -> LoaderStats:
         stall, step, source, wait, transfer = (_exact(rows[:, col]) for col in range(5))
-        nbytes = int(rows[:, 5].sum())
+        nbytes, shm = int(rows[:, 5].sum()), int(rows[:, 6].sum())
         share = _share(stall, step)
         return LoaderStats(
-            len(rows), nbytes, stall, source, wait, transfer, step, share, None, last
+            len(rows), nbytes, stall, source, wait, transfer, step, share, None, last, shm
         )
 
     def _log(self) -> None:

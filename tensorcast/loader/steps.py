@@ -99,7 +99,7 @@ class Item:
     spent (in ``next(source)``, waiting for the source's frame, moving it), recorded as
     the batch is handed out (NOTE [ Where a step's time goes ])."""
 
-    __slots__ = ("nbytes", "source_s", "state", "transfer_s", "tree", "wait_s")
+    __slots__ = ("nbytes", "shm_nbytes", "source_s", "state", "transfer_s", "tree", "wait_s")
 
     def __init__(
         self,
@@ -109,6 +109,7 @@ class Item:
         wait_s: float,
         transfer_s: float,
         nbytes: int,
+        shm_nbytes: int = 0,
     ) -> None:
         self.tree = tree
         self.state = state
@@ -116,6 +117,7 @@ class Item:
         self.wait_s = wait_s
         self.transfer_s = transfer_s
         self.nbytes = nbytes
+        self.shm_nbytes = shm_nbytes  # of nbytes, those in shared memory
 
 
 class Steps:
@@ -206,7 +208,8 @@ class SourceSteps(Steps):
         if _interrupts.hook is not None:
             _interrupts.hook("step.took")
         sent = time.perf_counter() - started
-        return Item(own, state, pulled, 0.0, sent, out.cut.payload_len)
+        n = out.cut.payload_len
+        return Item(own, state, pulled, 0.0, sent, n, n if out.cut.shm else 0)
 
     def _fail(self, error: BaseException, message: str) -> Failure:
         self.ended = True
@@ -251,7 +254,10 @@ class ReceiverSteps(Steps):
         # Until the frame's first message came, this rank waited for the source (its
         # next(source), its packing); the rest is the frame's own transfer.
         first, done = receiver.first_at, time.perf_counter()
-        return Item(value, None, 0.0, first - started, done - first, receiver.last_nbytes)
+        n = receiver.last_nbytes
+        return Item(
+            value, None, 0.0, first - started, done - first, n, n if receiver.last_shm else 0
+        )
 
     def close(self) -> None:
         receiver = self.receiver

@@ -44,7 +44,7 @@ from typing import Any
 
 from tensorcast._errors import DesyncError, PeerError, TensorcastError
 
-__all__ = ["EXITED", "Agreement", "ranks_name", "store_failed"]
+__all__ = ["EXITED", "Agreement", "host_id", "ranks_name", "store_failed"]
 
 log = logging.getLogger("tensorcast")
 
@@ -55,6 +55,21 @@ EXITED = "tensorcast/exited/"
 _POLL_FIRST_S = 0.005  # a wait's first pause between two checks; each next one doubles
 _POLL_MAX_S = 1.0  # ... up to this: a wait of w seconds costs about 8 + w checks
 _NAMED_MAX = 16  # ranks named in a message about a whole scope, at most
+
+
+def host_id() -> str:
+    """Which host this process is on, for the shared-memory lane: ``TENSORCAST_HOST_ID`` when
+    set (containers that share ``/dev/shm`` under other host names; tests), else the boot id
+    and the host name. Told to the other ranks as an ``extra`` of the agreement."""
+    told = os.environ.get("TENSORCAST_HOST_ID", "").strip()
+    if told:
+        return told
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{boot}/{os.uname().nodename}"
 
 
 def ranks_name(ranks: Sequence[int]) -> str:

@@ -48,6 +48,7 @@ __all__ = [
     "MAX_ERROR_BYTES",
     "PREFIX_FIELDS",
     "PREFIX_SIZE",
+    "SHM_REF_BYTES",
     "Cut",
     "Cutter",
     "Flags",
@@ -61,7 +62,7 @@ __all__ = [
 ]
 
 #: How frames are laid out and follow one another; part of every setup agreement.
-FRAMES_VERSION = 8  # 8: the CRC covers the header too
+FRAMES_VERSION = 9  # 8: the CRC covers the header too; 9: payloads in shared memory (SHM)
 INITIAL_CAPACITY = 4096
 #: The largest first message: larger payloads always follow in a message of their own.
 MAX_CAPACITY = 256 << 10
@@ -73,6 +74,8 @@ PAYLOAD_ALIGN = 64
 #: How long either role waits on its peers for a frame when not told: torch's default
 #: process group timeout.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+#: the bytes of a shared-memory slot's Ref at the end of a first message (``transport.shm``)
+SHM_REF_BYTES = 16
 _MAGIC = b"TCFR"
 #: The prefix's fields, in the order ``_STRUCT`` packs them (see docs/format.md).
 PREFIX_FIELDS = (
@@ -109,6 +112,7 @@ class Flags(IntFlag):
     SPILL = 2  # the header did not fit: it follows the first message alone
     CRC = 4  # ``crc`` is the CRC32 of the payload
     PROMISED = 8  # a promised payload came with the first message (NOTE [ Promised payloads ])
+    SHM = 16  # the payload is in a shared-memory slot; its Ref ends the first message
 
 
 # Every valid kind and flag combination, by value: a prefix is read without calling enum.
@@ -223,6 +227,8 @@ class Cut:
 
     Attributes:
         inline: the payload ends the first message, at ``payload_at``.
+        shm: the payload is in a shared-memory slot, whose Ref ends the first message at
+            ``payload_at`` (``transport.shm``).
         spill: the header follows the first message alone.
         promised: the bytes of the promised message posted with the first one (0: none).
         in_promise: the payload is that promised message.
@@ -241,11 +247,18 @@ class Cut:
     separate_payload: bool  # the payload follows the first message as a message of its own
     promised: int = 0
     in_promise: bool = False
+    shm: bool = False
 
 
 @functools.lru_cache(maxsize=256)  # pure, and a repeating batch asks the same thing
 def cut_frame(
-    capacity: int, header_len: int, payload_len: int, *, host_payloads: bool, promised: int = 0
+    capacity: int,
+    header_len: int,
+    payload_len: int,
+    *,
+    host_payloads: bool,
+    promised: int = 0,
+    shm: bool = False,
 ) -> Cut:
     """Cut a frame: the header inline unless it does not fit, the payload inline when it
     fits after the header (and the transfer device is the host), else in the promised
@@ -253,8 +266,11 @@ def cut_frame(
 
     ``host_payloads`` is False where payloads live on a GPU: a first message travels on a
     host group there, so the payload always follows on the device group. ``promised``
-    is what :class:`Promises` says of this frame.
+    is what :class:`Promises` says of this frame. ``shm``: the payload is in a shared-memory
+    slot, and only its Ref travels, at the end of the first message.
     """
+    if shm:
+        return _cut_shm(capacity, header_len, payload_len, promised)
     head = PREFIX_SIZE + header_len
     spill = head > capacity
     inline = not spill and host_payloads and _align_up(head) + _align_up(payload_len) <= capacity
@@ -284,6 +300,33 @@ def cut_frame(
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _cut_shm(capacity: int, header_len: int, payload_len: int, promised: int) -> Cut:
+    """A frame whose payload is in a shared-memory slot: the header inline unless it and the
+    Ref do not both fit, the Ref in the first message's last bytes."""
+    head = PREFIX_SIZE + header_len
+    spill = head + SHM_REF_BYTES > capacity
+    want = _align_up(head) + SHM_REF_BYTES
+    if want > MAX_CAPACITY:
+        want = 0
+    next_capacity = max(capacity, _pow2_at_least(want)) if want else capacity
+    flags = Flags.SHM | (Flags.SPILL if spill else Flags.NONE)
+    flags |= Flags.PROMISED if promised else Flags.NONE
+    return Cut(
+        capacity,
+        header_len,
+        payload_len,
+        False,
+        spill,
+        next_capacity,
+        flags,
+        payload_at=capacity - SHM_REF_BYTES,
+        separate_payload=False,
+        promised=promised,
+        shm=True,
+    )
+
+
 def crc32(buffer: torch.Tensor, header: bytes = b"") -> int:
     """The CRC32 of a frame's header then its payload's bytes (``Flags.CRC``): the header
     carries what the payload alone does not (a trimmed leaf's run lengths and pads)."""
@@ -295,7 +338,8 @@ def crc32(buffer: torch.Tensor, header: bytes = b"") -> int:
 
 _FIRST_NEED = 2  # same-size separate payloads in a row before a frame promises
 _MAX_NEED = 16
-_CUT_FLAGS = int(Flags.INLINE | Flags.SPILL | Flags.PROMISED)
+_SHM = int(Flags.SHM)
+_CUT_FLAGS = int(Flags.INLINE | Flags.SPILL | Flags.PROMISED | Flags.SHM)
 
 
 def promises_enabled() -> bool:
@@ -324,7 +368,7 @@ class Promises:
 
     def record(self, cut: Cut) -> int:
         """A frame cut as ``cut`` went on (or came off) the wire; returns :meth:`next`."""
-        n = 0 if cut.inline else cut.payload_len  # outside the first message, or none
+        n = 0 if cut.inline or cut.shm else cut.payload_len  # a separate message, or none
         if cut.promised and not cut.in_promise:
             self._need = min(2 * self._need, _MAX_NEED)
         if n and n == self._last:
@@ -357,7 +401,7 @@ class Cutter:
         #: the bytes the next frame promises (0: none), posted with its first message
         self.promised = 0
 
-    def cut(self, header_len: int, payload_len: int) -> Cut:
+    def cut(self, header_len: int, payload_len: int, *, shm: bool = False) -> Cut:
         """Cut the source's next frame (see :func:`cut_frame`); it counts once committed."""
         return cut_frame(
             self._group.capacity,
@@ -365,6 +409,7 @@ class Cutter:
             payload_len,
             host_payloads=self.host_payloads,
             promised=self.promised,
+            shm=shm,
         )
 
     def commit(
@@ -412,6 +457,7 @@ class Cutter:
             prefix.payload_len,
             host_payloads=self.host_payloads,
             promised=self.promised,
+            shm=bool(int(prefix.flags) & _SHM),
         )
         if int(prefix.flags) & _CUT_FLAGS != cut.flags:  # int: IntFlag's operators run Python
             raise HeaderError(

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from tensorcast import codec
 from tensorcast._errors import PeerError
 from tensorcast.transport import exits as _exits
+from tensorcast.transport import shm as _shm
 from tensorcast.transport.agreement import Agreement, ranks_name, store_failed
 from tensorcast.transport.diagnosis import diagnose, timed_out
 from tensorcast.transport.frame import FRAMES_VERSION, INITIAL_CAPACITY, promises_enabled
@@ -433,6 +434,7 @@ def open_role(
     first: tuple[int, int] | None = None,
     verify: bool = False,
     packing: Packing | None = None,
+    shm: bool | None = None,
 ) -> tuple[Role, dict[int, dict[str, Any]]]:
     """Agree on ``setup`` among ``group``, then open a channel on tensorcast's group over
     it: this rank's role, the :class:`Sender` on ``src``, a :class:`Receiver` elsewhere.
@@ -451,35 +453,34 @@ def open_role(
         setup_timeout: bounds the agreement and the group's creation (None: ``timeout``).
         first: a mesh's first rank and number of ranks (see :meth:`Agreement.agree`).
         verify, packing: the sender's (``Sender``); receivers need not agree on packing.
+        shm: the shared-memory lane (``transport.shm``): None automatic, False, True.
 
     Returns:
         The role, and every rank's ``extra``.
 
     Raises:
         DesyncError: the ranks disagree, or one did not come within the timeout.
+        ValueError: ``shm=True`` where the lane cannot be (on every rank, saying why).
     """
-    state = world()
-    promises = promises_enabled()
+    state, promises, wait = world(), promises_enabled(), setup_timeout or timeout
     versions = {"format": codec.FORMAT_VERSION, "frames": FRAMES_VERSION, "promises": promises}
-    wait = setup_timeout or timeout
+    told, setup = _shm.told(state.rank == src, extra, shm), {**setup, **versions, "shm": shm}
     channel_id, extras = state.agreement.agree(
-        scope, group, what, {**setup, **versions}, extra, first=first, timeout=wait
+        scope, group, what, setup, told, first=first, timeout=wait
     )
-    made = state.group(tuple(sorted(group)), wait)
-    timeout = timeout or state.timeout
+    made, timeout = state.group(tuple(sorted(group)), wait), timeout or state.timeout
+    arena = _shm.arena(shm, group, src, state.rank, extras, made.wire.streams is None, what)
     if state.rank == src:
         state.heartbeat.start(timeout.total_seconds())
         pulling = state.heartbeat.busy("next(source)", channel_id)
-        sender = Sender(
+        return Sender(
             made, src, channel_id, timeout=timeout, verify=verify, promises=promises,
-            pulling=pulling, packing=packing,
-        )  # fmt: skip
-        return sender, extras
-    receiver = Receiver(
+            pulling=pulling, packing=packing, shm=_shm.writer(arena),
+        ), extras  # fmt: skip
+    return Receiver(
         made, src, rank=state.rank, channel_id=channel_id, timeout=timeout, promises=promises,
-        diagnose=functools.partial(_why, state.reach, src, state.rank),
-    )  # fmt: skip
-    return receiver, extras
+        diagnose=functools.partial(_why, state.reach, src, state.rank), shm=_shm.reader(arena),
+    ), extras  # fmt: skip
 
 
 def _why(

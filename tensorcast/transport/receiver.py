@@ -39,6 +39,7 @@ from tensorcast.transport.frame import (
     crc32,
 )
 from tensorcast.transport.pool import BufferPool, FirstMessage, FramePool, Keeper
+from tensorcast.transport.shm import Reader, Ref
 from tensorcast.transport.staging import Staging
 from tensorcast.transport.wire import Posted
 
@@ -107,6 +108,8 @@ class Receiver:
         promises: expect promised payloads (see NOTE [ Promised payloads ]; host wires only).
         diagnose: ``diagnose((channel, pass, step), error, timeout_s)`` says why the source
             did not send that frame, for the error of a wait that failed with ``error``.
+        shm: this rank's reader of the source's shared-memory arena (``transport.shm``),
+            None where the channel has no such lane.
     """
 
     is_source = False
@@ -121,6 +124,7 @@ class Receiver:
         timeout: datetime.timedelta | None = None,
         promises: bool = False,
         diagnose: Callable[[tuple[int, int, int], BaseException, float], str] = _no_diagnosis,
+        shm: Reader | None = None,
     ) -> None:
         self.group = group
         self.src = src
@@ -142,6 +146,8 @@ class Receiver:
         self._parts = Staging(group, self._root, self._break)  # device parts of frames
         self._cutter = Cutter(group, promises=promises)
         self.last_nbytes = 0  # the last batch's payload, for the loader's stats
+        self.last_shm = False  # ... and whether it came through shared memory
+        self._shm = shm
         #: when the last frame's first message arrived (``time.perf_counter()``): before
         #: it, a receiver waits for the source; after it, the frame's transfer
         self.first_at = 0.0
@@ -178,6 +184,8 @@ class Receiver:
         step = stamp.step
         stamp.step = step + 1  # before the first message (NOTE [ A frame is atomic ])
         self.frames += 1
+        if self._shm is not None:  # slots this rank no longer sees go back to the source
+            self._shm.release()
         first = self._messages.take(self.group.capacity)
         try:
             try:
@@ -195,6 +203,8 @@ class Receiver:
         the rest of a frame it cannot read); one from the collective is a ``PeerError``."""
         group = self.group
         group.lane.break_(error)
+        if self._shm is not None:  # the source may be dead: what it left goes
+            self._shm.sweep()
         if isinstance(error, RuntimeError) and not isinstance(error, TensorcastError):
             raise PeerError(
                 f"receiving the rest of a frame from the source rank {self.src} on ranks "
@@ -245,6 +255,9 @@ class Receiver:
         if cut.inline:
             payload = first.inline_payload(cut.payload_at, n)
             return _Incoming(prefix, cut, header, decoded, payload, self._reuse)
+        if cut.shm:
+            payload = self._in_slot(first, cut, n)
+            return _Incoming(prefix, cut, header, decoded, payload, self._reuse)
         if cut.in_promise and buffer is not None:
             return _Incoming(prefix, cut, header, decoded, buffer, self._reuse)
         if self._streams is not None:  # received when posted (NOTE [ Device work at next() ])
@@ -253,6 +266,18 @@ class Receiver:
         if n:
             wire.payload(payload, root, timeout).wait(timeout)
         return _Incoming(prefix, cut, header, decoded, payload, self._reuse)
+
+    def _in_slot(self, first: FirstMessage, cut: Cut, n: int) -> torch.Tensor:
+        """The payload of a frame in the source's shared-memory arena: the slot's bytes."""
+        if self._shm is None:
+            raise HeaderError("a frame in shared memory on a channel that has no such lane")
+        ref = Ref.unpack(first.mem, cut.payload_at)  # read once, checked on this copy
+        try:
+            return self._shm.payload(ref, n)
+        except OSError as e:
+            raise PeerError(
+                f"the source rank {self.src}'s shared-memory segment is gone (it exited?): {e}"
+            ) from e
 
     def _header(
         self, first: FirstMessage, prefix: Prefix, cut: Cut, timeout: datetime.timedelta
@@ -294,6 +319,7 @@ class Receiver:
             text = frame.header.decode("utf-8", "replace")
             raise SourceError(f"source rank {self.src} reported: {text}")
         self.last_nbytes = prefix.payload_len
+        self.last_shm = frame.cut.shm
         if payload is None:
             return self._receive_on_device(frame, decoded, step, device, timeout)
         if int(prefix.flags) & _CRC:

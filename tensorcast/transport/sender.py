@@ -61,6 +61,7 @@ from tensorcast.transport.frame import (
     crc32,
 )
 from tensorcast.transport.pool import BufferPool, FirstMessage, FramePool, Keeper
+from tensorcast.transport.shm import MIN_PAYLOAD, Ref, Writer
 from tensorcast.transport.staging import Staging
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ class Outgoing:
     header: torch.Tensor | None  # the spilled header, when it did not fit
     payload: torch.Tensor | None  # the payload, when it travels on its own
     host_leaves: torch.Tensor | None = None  # a device frame's host block (``Decoded``)
+    ref: Ref | None = None  # the shared-memory slot that holds the payload, if one does
     # the own tree's re-pads of trimmed leaves, run while the frame's largest message is
     # in flight (NOTE [ The own tree's re-pads ])
     later: list[Repad] = field(default_factory=list)
@@ -140,6 +142,7 @@ class Sender:
         pulling: the context in which the source is in ``next(source)`` (its heartbeat
             says so, see ``transport.liveness``).
         packing: how batches are packed (default: ``tc.pack``'s defaults).
+        shm: the arena of the shared-memory lane (``transport.shm``), None for none.
     """
 
     is_source = True
@@ -155,6 +158,7 @@ class Sender:
         promises: bool = False,
         pulling: contextlib.AbstractContextManager[Any] | None = None,
         packing: Packing | None = None,
+        shm: Writer | None = None,
     ) -> None:
         self.group = group
         self.src = self.rank = src
@@ -178,6 +182,7 @@ class Sender:
         # reuses the last batch's layout while the structure repeats
         self._encoder = (packing or Packing()).encoder()
         self._cutter = Cutter(group, promises=promises)  # frames as they are sent
+        self._shm = shm if self._streams is None else None
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -253,25 +258,35 @@ class Sender:
             coded.check_buffer(batch.buffer)
             header = batch.header
         else:
+            if self._shm is not None and self._shm.last_used:
+                trim = False  # receivers read the arena: trimming saves nothing there
             coded = self._encoder.encode(batch, trim=trim, receiver=_kind(device or self._device))
             header = coded.header
         n = coded.nbytes
         # Frames are cut in the order they are sent: a frame is sent in the job that
         # writes it (an ERROR frame in place of one that failed to write).
         cut = self._cutter.cut(len(header), n)
-        message = self._message(cut)
         wait = timeout or self.timeout
+        slot = self._shm.take(n) if self._shm and not cut.inline and n >= MIN_PAYLOAD else None
+        if slot is not None:  # the payload goes into shared memory, its Ref on the wire
+            cut = self._cutter.cut(len(header), n, shm=True)
+        message = self._message(cut)
         if self._streams is not None:
             if isinstance(coded, Decoded):
                 part, staging, block = self._parts.prepacked(batch, coded, device, wait)
             else:
                 part, staging, block = self._parts.packed(coded, device, wait)
             return self._finish(message, cut, Kind.DATA, header, staging, n, block), part
-        payload, own, later = _on_host(batch, coded, message, cut, self._pool, self._device)
+        if slot is not None:
+            slot[0].pack_into(message.mem, cut.payload_at)
+            payload, own, later = _in_slot(batch, coded, slot[1], self._reuse)
+        else:
+            payload, own, later = _on_host(batch, coded, message, cut, self._pool, self._device)
         if device is not None and device != payload.device:
             own = self._parts.upload(payload, device, coded, wait)
             later.clear()  # the host tree is not handed out
-        out = self._finish(message, cut, Kind.DATA, header, payload, n)
+        ref = None if slot is None else slot[0]
+        out = self._finish(message, cut, Kind.DATA, header, payload, n, ref=ref)
         out.later.extend(later)
         return out, own
 
@@ -279,14 +294,6 @@ class Sender:
         self.group.lane.check()
         cut = self._cutter.cut(len(text), 0)
         return self._finish(self._message(cut), cut, kind, text, None)
-
-    @staticmethod
-    def _no_staging() -> torch.Tensor:
-        raise ValueError(
-            "verify=True on an NCCL group needs the payload's CRC32 on the host, and a "
-            "batch already on the GPU has no host copy: pass CPU batches (they are staged "
-            "through pinned memory anyway), or verify=False"
-        )
 
     def _message(self, cut: Cut) -> FirstMessage:
         """A first message for ``cut``, every byte zero but where the frame writes: no
@@ -296,6 +303,8 @@ class Sender:
         head_end = PREFIX_SIZE + (0 if cut.spill else cut.header_len)
         if cut.inline:
             start, end = cut.payload_at, cut.payload_at + cut.payload_len
+        elif cut.shm:  # the slot's Ref
+            start, end = cut.payload_at, cut.capacity
         else:
             start = end = cut.capacity
         host = message.host
@@ -318,6 +327,7 @@ class Sender:
         payload: torch.Tensor | None,
         nbytes: int = 0,
         block: torch.Tensor | None = None,
+        ref: Ref | None = None,
     ) -> Outgoing:
         """Write the header (the payload is in place already; on a device wire
         ``payload`` is its host staging, or None, and travels later)."""
@@ -325,7 +335,7 @@ class Sender:
         if self._verify and kind == Kind.DATA:
             covered = payload
             if covered is None:
-                covered = self._no_staging() if nbytes else torch.empty(0, dtype=torch.uint8)
+                covered = _no_staging() if nbytes else torch.empty(0, dtype=torch.uint8)
             crc = crc32(covered, header)
         spilled: torch.Tensor | None = None
         if cut.spill:
@@ -341,7 +351,7 @@ class Sender:
             promised = torch.zeros(cut.promised, dtype=torch.uint8, device=self._device)
         host_leaves = block if block is not None and block.numel() else None
         return Outgoing(
-            kind, cut, message, len(header), crc, promised, spilled, separate, host_leaves
+            kind, cut, message, len(header), crc, promised, spilled, separate, host_leaves, ref
         )
 
     # -- phase 2: the collectives --------------------------------------------------------
@@ -379,6 +389,8 @@ class Sender:
                 message.mem, out.kind, out.cut, out.header_len, out.crc, self.id,
                 stamp.pass_index, step,
             )  # fmt: skip
+            if out.ref is not None and self._shm is not None:
+                self._shm.sent(out.ref)
             # Receivers posted a promised payload with the first message.
             promised = None if out.promised is None else wire.payload(out.promised, root, wait)
             head = wire.head(message.buffer, root, wait)
@@ -398,11 +410,16 @@ class Sender:
                 _run(out.later)
                 posted.wait(wait)
         except RuntimeError as e:  # from the collective: a peer died or timed out
-            self.group.lane.break_(e)
+            self._broke(e)
             raise self._peer_error(e, wait) from e
         except BaseException as e:  # e.g. a signal handler's: raised as it is
-            self.group.lane.break_(e)
+            self._broke(e)
             raise
+
+    def _broke(self, error: BaseException) -> None:
+        self.group.lane.break_(error)
+        if self._shm is not None:  # no frame follows: nothing may stay in /dev/shm
+            self._shm.close()
 
 
 def _on_host(
@@ -438,6 +455,27 @@ def _on_host(
     elif buffer.is_inference():
         buffer = buffer.clone()  # this rank's tree must not be made of inference tensors
     return buffer, coded.rebuild(buffer, reuse, later=later), later
+
+
+def _no_staging() -> torch.Tensor:
+    raise ValueError(
+        "verify=True on an NCCL group needs the payload's CRC32 on the host, and a "
+        "batch already on the GPU has no host copy: pass CPU batches (they are staged "
+        "through pinned memory anyway), or verify=False"
+    )
+
+
+def _in_slot(
+    batch: Any, coded: Decoded | Encoded, payload: torch.Tensor, reuse: Keeper
+) -> tuple[torch.Tensor, Any, list[Repad]]:
+    """A payload written into a shared-memory slot (``payload``, the slot's bytes), this
+    rank's tree of views of it (released by the rule its readers follow, ``transport.shm``)
+    and the tree's re-pads left to run."""
+    later: list[Repad] = []
+    if isinstance(coded, Encoded):
+        return payload, coded.write_tree(payload, reuse, later), later
+    payload.copy_(batch.buffer)
+    return payload, coded.rebuild(payload, reuse, later=later), later
 
 
 def _run(later: list[Repad]) -> None:

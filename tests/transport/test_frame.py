@@ -315,7 +315,7 @@ def test_prefix_unpack_inverts_write(
         ({"version": FRAMES_VERSION + 1}, INITIAL_CAPACITY, "same tensorcast version"),
         ({"kind": 0}, INITIAL_CAPACITY, "unknown frame kind 0"),
         ({"kind": 9}, INITIAL_CAPACITY, "known kinds"),
-        ({"flags": 16}, INITIAL_CAPACITY, "unknown frame flags"),
+        ({"flags": 32}, INITIAL_CAPACITY, "unknown frame flags"),
         ({"flags": 0x8001}, INITIAL_CAPACITY, "unknown frame flags"),
         ({"header_len": MAX_HEADER_BYTES + 1}, INITIAL_CAPACITY, "over the"),
         ({"header_len": 2**32 - 1}, INITIAL_CAPACITY, "limit"),

@@ -336,7 +336,7 @@ def test_a_lying_prefix_is_a_header_error() -> None:
         cutter.read(prefix)
     for bad, match in (
         (b"XXXX" + bytes(buf[4:]), "not a tensorcast frame"),
-        (bytes(buf[:4]) + b"\x09" + bytes(buf[5:]), "frame version 9"),
+        (bytes(buf[:4]) + b"\x63" + bytes(buf[5:]), "frame version 99"),
         (bytes(buf[:5]) + b"\x09" + bytes(buf[6:]), "unknown frame kind"),
         (bytes(64), "not a tensorcast frame"),
         (bytes(10), "no frame prefix"),

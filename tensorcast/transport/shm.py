@@ -1,0 +1,564 @@
+"""The shared-memory lane: a frame's payload written once per host, read in place.
+
+Where every rank of a channel shares the source's host (``TENSORCAST_HOST_ID``, else the
+boot id and host name: ``agreement.host_id``), the source writes a large payload into a
+*slot* of its arena instead of the wire, and the frame's first message carries the slot's
+:class:`Ref` in place of the payload (``Flags.SHM``, ``transport.frame``). The first
+message still travels on the group's ordered lane, so order, agreement, errors, timeouts
+and interrupts are the wire's. Receivers rebuild the batch as views of the slot: no copy.
+
+The arena is the source's :class:`Writer`; each receiver holds a :class:`Reader`. A slot
+is one file in ``/dev/shm`` (mode 0600, ``os.open`` + ``mmap``: no resource tracker),
+named by the channel's token (made by the source, told at the setup agreement) and a
+number that is never reused. A segment is unlinked as soon as every reader mapped it, by
+whichever of the writer and the last reader sees that first, so a killed process leaves
+nothing behind; what a kill leaves before that, the survivors sweep by the token
+(:meth:`Writer.close`, :meth:`Reader.sweep`) when the lane breaks.
+
+# NOTE [ Shared-memory slots ]
+A segment's layout (little-endian; one 64-byte line per reader, so that no two writers
+of the cells share a cache line)::
+
+    [0, 64)                magic b"TCSHM001", data offset u64, capacity u64, readers u64
+    [64 (1 + i), +64)      reader i's cells: mapped u64, released u64 (a generation)
+    [data offset, +cap)    the payload, at most ``capacity`` bytes
+
+Each cell is written by its reader only and read by the writer only; the writer writes
+the head and the data, the readers only read those. A slot's life, ``g`` the generation
+of its last write (the writer's count, carried by the frame's :class:`Ref`):
+
+    ======================  =====================  ======================================
+    state                   cells                  what happens next
+    ======================  =====================  ======================================
+    created, not mapped     mapped 0, released 0   a reader maps it on its first Ref:
+                                                   mapped 1 (the last one unlinks it)
+    written, in use         some released < g      the writer does not touch it: another
+                                                   slot, a new one within the cap, or
+                                                   the wire for this payload
+    released                every released = g,    the writer may write generation g + 1
+                            and the writer's own   (or replace it with a larger segment)
+                            tree let go of it
+    ======================  =====================  ======================================
+
+A reader releases a slot (stores ``g`` in its cell) at its next frame once nothing in
+its process can see the slot: :func:`released`. Nothing ever waits on a cell: the writer
+reads them when it looks for a slot and never blocks (none free: a new slot, or the
+wire); readers only write them. So no wait here needs a bound of its own, and a killed
+peer is found by the wire as before (``PeerError`` within the timeout).
+
+Memory ordering. Data before header: the writer's stores into the slot precede, in its
+program order, the first message's send on the lane, which goes through gloo's work
+queue (a mutex) and the socket's syscalls; the receiver's loads of the slot follow its
+receive of that message. The mutexes and the socket's kernel locks give a happens-before
+edge on x86 and on ARM alike, so a reader that has the Ref sees the bytes written before
+it was sent. Release after reads: a reader's loads of a slot happen in earlier frames, and
+before it stores ``g`` it takes and releases a lock twice (:func:`_fence`): the release
+orders its earlier loads before it, the next acquire of the same lock orders the cell's
+store after it, a full barrier on ARM (where a load followed by a store to another
+address may otherwise be reordered) and free on x86 (TSO never reorders a store before an
+earlier load). The 8-byte aligned cell stores and loads are single instructions on both.
+The writer stores into a slot only after loading every cell as ``g``: a control
+dependency, which orders a load before later stores on ARM too (stores are not
+speculated). A :class:`Ref` is read once, from the first message, and every check of it
+uses that one copy (no index read outside its retry loop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import mmap
+import os
+import secrets
+import struct
+import threading
+import warnings
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tensorcast._errors import HeaderError
+from tensorcast.transport.pool import reusable
+
+__all__ = [
+    "MIN_PAYLOAD",
+    "REF_SIZE",
+    "SHM_DIR",
+    "Reader",
+    "Ref",
+    "Writer",
+    "arena",
+    "available",
+    "limit",
+    "new_token",
+    "reader",
+    "released",
+    "told",
+    "writer",
+]
+
+#: where arenas live
+SHM_DIR = "/dev/shm"
+#: payloads smaller than this travel on the wire (they mostly ride in the first message)
+MIN_PAYLOAD = 256 << 10
+#: how many slots one arena holds at most
+MAX_SLOTS = 6
+_MAGIC = b"TCSHM001"
+_HEAD = struct.Struct("<8sQQQ")
+_LINE = 64
+_PAGE = 4096
+_DEFAULT_SHARE = 4  # with no limit set, an arena takes at most 1/4 of /dev/shm's free space
+_FIX = (
+    "give the container more shared memory (docker run --shm-size=2g, or a memory-backed "
+    "emptyDir on /dev/shm in Kubernetes), or set TENSORCAST_SHM_LIMIT (bytes; 0 turns the "
+    "lane off and silences this)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """Where a frame's payload lies: slot ``slot`` of the arena, backed by segment number
+    ``segment``, written for the ``generation``-th time. Travels in the first message
+    (``REF_SIZE`` bytes, ``docs/format.md``)."""
+
+    slot: int
+    segment: int
+    generation: int
+
+    _STRUCT = struct.Struct("<IIQ")
+
+    def pack_into(self, buffer: memoryview, at: int) -> None:
+        Ref._STRUCT.pack_into(buffer, at, self.slot, self.segment, self.generation)
+
+    @classmethod
+    def unpack(cls, buffer: memoryview, at: int) -> Ref:
+        slot, segment, generation = cls._STRUCT.unpack_from(buffer, at)
+        if slot >= MAX_SLOTS or generation == 0:
+            raise HeaderError(f"invalid shared-memory slot {slot} (generation {generation})")
+        return cls(slot, segment, generation)
+
+
+REF_SIZE = Ref._STRUCT.size
+
+
+def new_token() -> str:
+    """A name no other channel, job or host's arena has: its segments' common prefix."""
+    return f"tensorcast-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def limit() -> int:
+    """The bytes one arena may take: ``TENSORCAST_SHM_LIMIT``, else a share of the free
+    space in ``/dev/shm``; 0 when there is none (or the lane is turned off)."""
+    text = os.environ.get("TENSORCAST_SHM_LIMIT")
+    if text is not None and text.strip():
+        try:
+            return max(0, int(text))
+        except ValueError:
+            raise ValueError(
+                f"TENSORCAST_SHM_LIMIT must be a number of bytes, got {text!r}"
+            ) from None
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize // _DEFAULT_SHARE
+
+
+def available() -> str | None:
+    """Why this process cannot use the lane, or None when it can."""
+    if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK | os.X_OK):
+        return f"{SHM_DIR} does not exist or is not writable here"
+    if os.environ.get("TENSORCAST_SHM_LIMIT", "").strip() == "0":
+        return "TENSORCAST_SHM_LIMIT=0 turns it off"
+    return None
+
+
+def released(storage: torch.UntypedStorage, pointer: int, held: int) -> bool:
+    """Whether a slot this process viewed may be written again: the rule of any memory
+    tensorcast hands out (``pool.reusable``, NOTE [ Memory handed out ]). A slot is shared
+    with the host's other ranks by design, but its storage is ``torch.frombuffer`` over the
+    mapping, which never says ``is_shared()``: that clause sees only a ``share_memory_()``
+    of the caller's, which also moves the bytes (:meth:`_Mapping.idle` handles that first:
+    the caller's tensor then no longer views the slot)."""
+    return reusable(storage, pointer, held)
+
+
+def _fence(lock: threading.Lock) -> None:
+    """A full barrier between a reader's earlier loads and its next store (see
+    NOTE [ Shared-memory slots ])."""
+    with lock:
+        pass
+    with lock:
+        pass
+
+
+def _capacity(nbytes: int) -> int:
+    """Round up to a page, then to 2**k or 1.5 * 2**k (few sizes, a third wasted at most)."""
+    p = 1 << max(nbytes - 1, _PAGE).bit_length()
+    return p * 3 // 4 if nbytes <= p * 3 // 4 else p
+
+
+def _data_at(readers: int) -> int:
+    return (_LINE * (1 + readers) + _PAGE - 1) // _PAGE * _PAGE
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class _Mapping:
+    """One segment mapped in this process: its cells and its data as a uint8 tensor.
+
+    ``data`` holds the storage every view handed out shares; ``base`` is how many
+    references tensorcast itself holds to it (:func:`released`)."""
+
+    __slots__ = ("address", "base", "capacity", "cells", "data", "mm", "readers")
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        magic, at, capacity, readers = _HEAD.unpack_from(self.mm, 0)
+        if magic != _MAGIC or at != _data_at(readers) or at + capacity > size:
+            raise HeaderError("a shared-memory segment that is not tensorcast's")
+        self.capacity, self.readers = capacity, readers
+        words = np.frombuffer(self.mm, dtype=np.uint64, count=at // 8)
+        self.cells = words[_LINE // 8 :].reshape(-1, _LINE // 8)[:readers, :2]
+        self.data = torch.frombuffer(self.mm, dtype=torch.uint8, count=capacity, offset=at)
+        self.address = self.data.data_ptr()
+        self.base = _use_count(self.data.untyped_storage()._cdata)
+
+    def idle(self) -> bool:
+        storage = self.data.untyped_storage()
+        if storage.data_ptr() != self.address:  # moved away: the slot is no one's
+            self.data = torch.frombuffer(
+                self.mm, dtype=torch.uint8, count=self.capacity, offset=_data_at(self.readers)
+            )
+            self.base = _use_count(self.data.untyped_storage()._cdata)
+            return True
+        return released(storage, self.address, self.base)
+
+
+class _Slot:
+    __slots__ = ("generation", "mapping", "path", "segment", "unlinked")
+
+    def __init__(self, path: str, segment: int, mapping: _Mapping) -> None:
+        self.path, self.segment, self.mapping = path, segment, mapping
+        self.generation = 0
+        self.unlinked = False
+
+
+class Writer:
+    """A source's arena for one channel: up to :data:`MAX_SLOTS` slots, within ``cap`` bytes
+    for every arena this process writes together.
+
+    Used by the channel's lane jobs one after another: no lock.
+
+    Args:
+        token: the segments' common prefix (:func:`new_token`).
+        readers: the receivers on this host, each with its index in ``[0, readers)``.
+        cap: the bytes this process's arenas may take together (:func:`limit`).
+    """
+
+    def __init__(self, token: str, readers: int, cap: int) -> None:
+        self.token = token
+        self.readers = readers
+        self.cap = cap
+        self._slots: list[_Slot | None] = [None] * MAX_SLOTS
+        self._segments = 0
+        self._warned = False
+        #: whether the last payload offered went into a slot (the encoder trims otherwise)
+        self.last_used = False
+        self._cleanup = weakref.finalize(self, _unlink_all, self._slots, os.getpid())
+        _writers.add(self)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the arena's segments take."""
+        return sum(s.mapping.mm.size() for s in self._slots if s is not None)
+
+    def take(self, nbytes: int) -> tuple[Ref, torch.Tensor] | None:
+        """A slot to write ``nbytes`` into, the :class:`Ref` of that write, and the slot's
+        bytes; None when the payload goes on the wire (no slot free and no room). The
+        write counts once :meth:`sent` says its frame went out: a frame that failed to
+        write leaves the slot free."""
+        self._unlink_mapped()
+        best: int | None = None
+        spare: int | None = None
+        for i, slot in enumerate(self._slots):
+            if slot is None:
+                spare = i if spare is None else spare
+            elif self._free(slot):
+                if slot.mapping.capacity >= nbytes:
+                    if best is None or slot.mapping.capacity < self._cap_of(best):
+                        best = i
+                elif spare is None or self._slots[spare] is not None:
+                    spare = i  # a free slot too small: replaced by a larger one
+        if best is None:
+            best = self._grow(spare, nbytes)
+        self.last_used = best is not None
+        if best is None:
+            return None
+        slot = self._slots[best]
+        assert slot is not None
+        return Ref(best, slot.segment, slot.generation + 1), slot.mapping.data[:nbytes]
+
+    def sent(self, ref: Ref) -> None:
+        """The frame of ``ref`` goes out now: its readers release that generation."""
+        slot = self._slots[ref.slot]
+        assert slot is not None and slot.segment == ref.segment
+        slot.generation = ref.generation
+
+    def _cap_of(self, i: int) -> int:
+        slot = self._slots[i]
+        return slot.mapping.capacity if slot is not None else 0
+
+    def _free(self, slot: _Slot) -> bool:
+        cells = slot.mapping.cells
+        g = slot.generation
+        return bool((cells[:, 1] == g).all()) and slot.mapping.idle()
+
+    def _grow(self, at: int | None, nbytes: int) -> int | None:
+        if at is None:
+            return None
+        capacity = _capacity(nbytes)
+        size = _data_at(self.readers) + capacity
+        old = self._slots[at]
+        # the cap is the process's: every arena it writes counts
+        taken = sum(w.nbytes for w in list(_writers))
+        room = self.cap - taken + (old.mapping.mm.size() if old is not None else 0)
+        if size > room:
+            if size > self.cap and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"tensorcast: a {nbytes}-byte payload does not fit in the shared-memory "
+                    f"arena's cap of {self.cap} bytes, so it travels over the wire: {_FIX}",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return None
+        try:
+            slot = self._create(capacity, size)
+        except OSError as e:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"tensorcast: no room for a {size}-byte segment in {SHM_DIR} ({e}), so "
+                    f"payloads travel over the wire: {_FIX}",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return None
+        if old is not None:
+            self._retire(old)
+        self._slots[at] = slot
+        return at
+
+    def _create(self, capacity: int, size: int) -> _Slot:
+        self._segments += 1
+        path = f"{SHM_DIR}/{self.token}-{self._segments}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)  # ENOSPC now, not SIGBUS on a later write
+            head = _HEAD.pack(_MAGIC, _data_at(self.readers), capacity, self.readers)
+            os.pwrite(fd, head, 0)
+            mapping = _Mapping(fd, size)
+        except BaseException:
+            _unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        slot = _Slot(path, self._segments, mapping)
+        if self.readers == 0:
+            _unlink(path)
+            slot.unlinked = True
+        return slot
+
+    @staticmethod
+    def _retire(slot: _Slot) -> None:
+        if not slot.unlinked:
+            _unlink(slot.path)
+            slot.unlinked = True
+
+    def _unlink_mapped(self) -> None:
+        for slot in self._slots:
+            if slot is not None and not slot.unlinked and bool(slot.mapping.cells[:, 0].all()):
+                _unlink(slot.path)
+                slot.unlinked = True
+
+    def close(self) -> None:
+        """Unlink every segment not unlinked yet (the lane broke, or the channel goes)."""
+        for slot in self._slots:
+            if slot is not None:
+                self._retire(slot)
+
+
+#: every arena this process writes (their bytes count against one cap)
+_writers: weakref.WeakSet[Writer] = weakref.WeakSet()
+
+
+def _unlink_all(slots: list[_Slot | None], pid: int) -> None:
+    if os.getpid() != pid:  # a forked child (a DataLoader worker) leaves its parent's alone
+        return
+    for slot in slots:
+        if slot is not None and not slot.unlinked:
+            _unlink(slot.path)
+
+
+class Reader:
+    """A receiver's view of its source's arena: maps segments as Refs name them and
+    releases slots once nothing in this process sees them (NOTE [ Shared-memory slots ]).
+
+    Args:
+        token: the source's :attr:`Writer.token`.
+        index: this receiver's index among the host's readers (its cells).
+    """
+
+    def __init__(self, token: str, index: int) -> None:
+        self.token = token
+        self.index = index
+        self._mapped: list[tuple[int, _Mapping] | None] = [None] * MAX_SLOTS
+        self._held: dict[int, int] = {}  # slot -> the generation this rank has not released
+        self._lock = threading.Lock()
+
+    def payload(self, ref: Ref, nbytes: int) -> torch.Tensor:
+        """The ``nbytes`` of the slot ``ref`` names, mapping its segment on first sight.
+
+        Raises:
+            HeaderError: the Ref names bytes the segment does not hold.
+            OSError: the segment is gone (its writer died).
+        """
+        entry = self._mapped[ref.slot]
+        if entry is None or entry[0] != ref.segment:
+            entry = (ref.segment, self._map(ref.segment))
+            self._mapped[ref.slot] = entry
+        mapping = entry[1]
+        if nbytes > mapping.capacity or self.index >= mapping.readers:
+            raise HeaderError(
+                f"a {nbytes}-byte payload in a shared-memory slot of {mapping.capacity} bytes "
+                f"for {mapping.readers} readers (this is reader {self.index})"
+            )
+        self._held[ref.slot] = ref.generation
+        return mapping.data[:nbytes]
+
+    def _map(self, segment: int) -> _Mapping:
+        path = f"{SHM_DIR}/{self.token}-{segment}"
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mapping = _Mapping(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        mapping.cells[self.index, 0] = 1
+        if bool(mapping.cells[:, 0].all()):  # the last reader to map it: nobody needs the name
+            _unlink(path)
+        return mapping
+
+    def release(self) -> None:
+        """Tell the writer of each slot this rank held and no longer sees (:func:`released`)."""
+        if not self._held:
+            return
+        done = []
+        for slot, generation in self._held.items():
+            entry = self._mapped[slot]
+            if entry is None:
+                done.append(slot)
+                continue
+            mapping = entry[1]
+            if mapping.idle():
+                _fence(self._lock)
+                mapping.cells[self.index, 1] = generation
+                done.append(slot)
+        for slot in done:
+            del self._held[slot]
+
+    def sweep(self) -> None:
+        """Unlink what the writer left in ``/dev/shm`` (the lane broke: it may be dead)."""
+        for path in glob.glob(f"{SHM_DIR}/{glob.escape(self.token)}-*"):
+            _unlink(path)
+
+
+_use_count = torch._C._storage_Use_Count
+
+
+def told(source: bool, extra: dict[str, Any] | None, shm: bool | None) -> dict[str, Any] | None:
+    """What this rank tells the others at the setup agreement: ``extra``, and for the lane
+    (unless ``shm`` is False) its host, why it cannot use the lane (empty: it can), and on
+    the source the arena's token."""
+    from tensorcast.transport.agreement import host_id
+
+    if shm is False:
+        return extra
+    why = available() or ""
+    if source and not why and limit() == 0:
+        why = f"no free space in {SHM_DIR}"
+    out = {**(extra or {}), "host": host_id(), "shm_why_not": why}
+    if source:
+        out["shm_token"] = new_token()
+    return out
+
+
+def writer(side: Writer | Reader | None) -> Writer | None:
+    return side if isinstance(side, Writer) else None
+
+
+def reader(side: Writer | Reader | None) -> Reader | None:
+    return side if isinstance(side, Reader) else None
+
+
+def why_not(
+    shm: bool | None,
+    ranks: Sequence[int],
+    src: int,
+    extras: dict[int, dict[str, Any]],
+    host_wire: bool,
+) -> str | None:
+    """Why a channel over ``ranks`` from ``src`` does not use the lane (None: it does),
+    decided alike on every rank from what every rank told (:func:`told`)."""
+    if shm is False:
+        return "shm=False"
+    if not host_wire:
+        return "payloads travel on GPUs (an NCCL group): the lane is for host payloads"
+    host = extras[src]["host"]
+    away = [r for r in ranks if extras[r]["host"] != host]
+    if away:
+        return (
+            f"ranks {away} are not on the source rank {src}'s host (boot id and host name, "
+            f"or TENSORCAST_HOST_ID, differ)"
+        )
+    for r in ranks:
+        if extras[r]["shm_why_not"]:
+            return f"on rank {r}: {extras[r]['shm_why_not']}"
+    return None
+
+
+def arena(
+    shm: bool | None,
+    ranks: Sequence[int],
+    src: int,
+    rank: int,
+    extras: dict[int, dict[str, Any]],
+    host_wire: bool,
+    what: str,
+) -> Writer | Reader | None:
+    """This rank's side of a channel's lane (the source's :class:`Writer`, a receiver's
+    :class:`Reader`), or None where the channel has none (:func:`why_not`).
+
+    Raises:
+        ValueError: ``shm=True`` where the lane cannot be, saying why (on every rank alike).
+    """
+    why = why_not(shm, ranks, src, extras, host_wire)
+    if why is not None:
+        if shm:
+            raise ValueError(f"{what}: shm=True, but the shared-memory lane cannot be used: {why}")
+        return None
+    readers = [r for r in sorted(ranks) if r != src]
+    if not readers:
+        return None
+    token = extras[src]["shm_token"]
+    return (
+        Writer(token, len(readers), limit()) if rank == src else Reader(token, readers.index(rank))
+    )

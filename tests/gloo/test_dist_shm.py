@@ -1,0 +1,228 @@
+"""The shared-memory lane on real gloo ranks (``transport.shm``): payloads of ranks on one
+host never reach the wire, kept batches never change, a killed peer fails the others and
+leaves ``/dev/shm`` as it was."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from taps import WireTap, tapped
+
+import tensorcast as tc
+from tensorcast.transport.shm import SHM_DIR
+
+_BIG = 300_000  # float32s: 1.2 MB, over the lane's smallest payload
+
+
+def _mine() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith("tensorcast-")}
+
+
+@pytest.fixture(autouse=True)
+def shm_left_as_it_was() -> Iterator[None]:
+    before = _mine()
+    yield
+    assert _mine() <= before, f"left in {SHM_DIR}: {sorted(_mine() - before)}"
+
+
+@contextlib.contextmanager
+def lane(limit: int = 1 << 30, host: str | None = None) -> Iterator[None]:
+    """The lane on in this rank (the pool turns it off: ``rankpool._ENV``), within ``limit``
+    bytes, on the host ``host`` (None: the real one)."""
+    saved = {k: os.environ.get(k) for k in ("TENSORCAST_SHM_LIMIT", "TENSORCAST_HOST_ID")}
+    os.environ["TENSORCAST_SHM_LIMIT"] = str(limit)
+    if host is not None:
+        os.environ["TENSORCAST_HOST_ID"] = host
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _batch(step: int, n: int = _BIG) -> dict[str, Any]:
+    return {"x": torch.arange(n, dtype=torch.float32) + step, "step": step}
+
+
+@tapped
+def _rank_one_host(rank: int, world: int, tap: WireTap, shm: bool | None) -> dict[str, Any]:
+    moved = [0]
+
+    def count(wire: Any, tensor: torch.Tensor, root: int) -> None:
+        moved[0] += tensor.numel()
+
+    kept = []
+    with lane(), tap.hook("payload", before=count):
+        loader = tc.BroadcastingDataLoader(
+            [_batch(i) for i in range(6)] if rank == 0 else None,
+            group=dist.group.WORLD, src=0, shm=shm, timeout=20,
+        )  # fmt: skip
+        for batch in loader:
+            kept.append(batch)
+    for i, batch in enumerate(kept):  # every batch kept is as it was sent
+        assert torch.equal(batch["x"], _batch(i)["x"]) and batch["step"] == i
+    return {"wire": moved[0], "stats": loader.stats()}
+
+
+@pytest.mark.parametrize("shm", [None, False])
+def test_the_lane_keeps_payloads_off_the_wire(pool2: Any, shm: bool | None) -> None:
+    results = pool2.run(_rank_one_host, shm, timeout=60)
+    for r in results:
+        if shm is None:
+            assert r["wire"] == 0
+            assert r["stats"].shm_bytes == r["stats"].bytes > 0
+        else:
+            assert r["wire"] >= 6 * 4 * _BIG
+            assert r["stats"].shm_bytes == 0
+
+
+def _loader(rank: int, n: int, **kw: Any) -> tc.BroadcastingDataLoader:
+    source = [_batch(i) for i in range(n)] if rank == 0 else None
+    return tc.BroadcastingDataLoader(source, group=dist.group.WORLD, src=0, **kw)
+
+
+def _rank_keeps_and_shares(rank: int, world: int) -> list[str]:
+    """A receiver that keeps every batch, or moves it into shared memory as a
+    ``torch.multiprocessing`` queue does, never sees it change."""
+    import torch.multiprocessing as tmp
+
+    queue = tmp.get_context("spawn").Queue()
+    kept, queued = [], []
+    with lane():
+        for i, batch in enumerate(_loader(rank, 10, timeout=20)):
+            if i % 2:  # into another process's reach: the queue moves it to shared memory
+                queue.put((batch["step"], batch["x"]))
+                queued.append(i)
+            else:
+                kept.append(batch)
+    bad = [b["step"] for b in kept if not torch.equal(b["x"], _batch(b["step"])["x"])]
+    for _ in queued:
+        step, x = queue.get(timeout=20)
+        if not torch.equal(x, _batch(step)["x"]):
+            bad.append(step)
+    return [f"step {s} changed" for s in bad]
+
+
+def test_kept_or_queued_batches_never_change(pool2: Any) -> None:
+    assert pool2.run(_rank_keeps_and_shares, timeout=60) == [[], []]
+
+
+_KILL_TIMEOUT = 5.0
+
+
+def _rank_dies(rank: int, world: int, victim: int) -> dict[str, Any]:
+    """Every rank iterates an endless lane; ``victim`` SIGKILLs itself mid-pass."""
+
+    def endless() -> Iterator[dict[str, Any]]:
+        step = 0
+        while True:
+            yield _batch(step % 3)
+            step += 1
+
+    received, last = 0, time.monotonic()
+    with lane():
+        loader = tc.BroadcastingDataLoader(
+            endless() if rank == 0 else None, group=dist.group.WORLD, src=0,
+            timeout=_KILL_TIMEOUT,
+        )  # fmt: skip
+        try:
+            for batch in loader:
+                assert torch.equal(batch["x"], _batch(received % 3)["x"])
+                received += 1
+                last = time.monotonic()
+                if rank == victim and received == 4:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if received > 10_000:
+                    raise AssertionError("the loader kept going after a peer died")
+        except tc.TensorcastError as e:
+            return {"error": type(e).__name__, "waited": time.monotonic() - last}
+    raise AssertionError("the pass ended without an error")
+
+
+@pytest.mark.parametrize("victim", [0, 3], ids=["writer", "reader"])
+def test_a_killed_writer_or_reader_fails_the_others_and_leaves_nothing(
+    pool4: Any, victim: int
+) -> None:
+    results = pool4.run(_rank_dies, victim, timeout=60, allow_death=True)
+    for r, res in enumerate(results):
+        if r != victim:
+            assert res["error"] == "PeerError", (r, res)
+            assert res["waited"] < _KILL_TIMEOUT + 10, (r, res)
+
+
+def _rank_small_cap(rank: int, world: int) -> list[str]:
+    with lane(limit=1 << 20), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = _loader(rank, 4, timeout=20)
+        steps = [b["step"] for b in loader]
+    assert steps == [0, 1, 2, 3]
+    assert loader.stats().shm_bytes == 0
+    return [str(w.message) for w in caught if "tensorcast" in str(w.message)]
+
+
+def test_a_small_cap_falls_back_to_the_wire_with_one_warning(pool2: Any) -> None:
+    source, receiver = pool2.run(_rank_small_cap, timeout=60)
+    assert len(source) == 1 and "--shm-size" in source[0] and "TENSORCAST_SHM_LIMIT" in source[0]
+    assert receiver == []
+
+
+def _rank_two_groups(rank: int, world: int) -> list[int]:
+    """Two channels on one host: each its own arena (its segments' names), bytes intact."""
+    with lane():
+        one = _loader(rank, 3, timeout=20)
+        two = _loader(rank, 3, timeout=20, verify=True)  # the CRC32 of the slot's bytes
+        steps = []
+        for a, b in zip(one, two):
+            a_x, b_x = a["x"], b["x"]
+            assert a_x.data_ptr() != b_x.data_ptr()
+            assert torch.equal(a_x, b_x)
+            steps.append(a["step"])
+        assert one.stats().shm_bytes > 0 and two.stats().shm_bytes > 0
+    return steps
+
+
+def test_two_channels_on_one_host_do_not_share_slots(pool2: Any) -> None:
+    assert pool2.run(_rank_two_groups, timeout=60) == [[0, 1, 2]] * 2
+
+
+def _rank_required(rank: int, world: int) -> str:
+    with lane(host=f"host-{rank}"):
+        try:
+            _loader(rank, 2, timeout=20, shm=True)
+        except ValueError as e:
+            return str(e)
+    return "no error"
+
+
+def test_shm_true_where_it_cannot_be_raises_at_setup_saying_why(pool2: Any) -> None:
+    for message in pool2.run(_rank_required, timeout=60):
+        assert "shm=True" in message and "not on the source rank 0's host" in message
+
+
+def _rank_two_hosts(rank: int, world: int) -> tuple[list[int], int, int]:
+    """2 simulated hosts x 2 ranks: every rank gets every batch bit for bit."""
+    with lane(host=f"host-{rank // 2}"):
+        loader = _loader(rank, 4, timeout=20)
+        steps = []
+        for batch in loader:
+            assert torch.equal(batch["x"], _batch(batch["step"])["x"])
+            steps.append(batch["step"])
+    stats = loader.stats()
+    return steps, stats.shm_bytes, stats.wire_bytes
+
+
+def test_two_hosts_of_two_ranks_get_bit_identical_batches(pool4: Any) -> None:
+    for steps, _, wire in pool4.run(_rank_two_hosts, timeout=60):
+        assert steps == [0, 1, 2, 3] and wire > 0

@@ -1,0 +1,178 @@
+"""The shared-memory arena alone (``transport.shm``): slots, their release rule, the cap,
+and ``/dev/shm`` left as it was (NOTE [ Shared-memory slots ])."""
+
+from __future__ import annotations
+
+import gc
+import os
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tensorcast.transport import shm
+from tensorcast.transport.frame import SHM_REF_BYTES, Flags, cut_frame
+from tensorcast.transport.shm import Reader, Ref, Writer, new_token
+
+
+def _mine() -> set[str]:
+    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith("tensorcast-")}
+
+
+@pytest.fixture(autouse=True)
+def shm_left_as_it_was() -> Iterator[None]:
+    gc.collect()  # the arenas of earlier tests count against the process's cap until freed
+    before = _mine()
+    yield
+    assert _mine() <= before, f"left in {shm.SHM_DIR}: {sorted(_mine() - before)}"
+
+
+def _send(writer: Writer, data: bytes) -> Ref | None:
+    """Write ``data`` into a slot as a source does, keeping no view of it."""
+    got = writer.take(len(data))
+    if got is None:
+        return None
+    ref, slot = got
+    slot.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    writer.sent(ref)
+    return ref
+
+
+def test_a_slot_is_unlinked_once_every_reader_mapped_it() -> None:
+    token = new_token()
+    writer, readers = Writer(token, 2, 1 << 24), [Reader(token, 0), Reader(token, 1)]
+    ref = _send(writer, b"a" * 5000) or pytest.fail("no slot")
+    first = readers[0].payload(ref, 5000)
+    assert f"{token}-1" in _mine()  # one reader has not mapped it yet
+    second = readers[1].payload(ref, 5000)
+    assert f"{token}-1" not in _mine()  # the last reader unlinked it
+    assert bytes(first.numpy()) == bytes(second.numpy()) == b"a" * 5000
+
+
+def test_a_slot_is_written_again_only_once_every_reader_and_the_writer_let_go() -> None:
+    token = new_token()
+    writer, reader = Writer(token, 1, 1 << 24), Reader(token, 0)
+    got = writer.take(5000) or pytest.fail("no slot")
+    own = got[1][:10]  # the source's own tree views its slot too
+    writer.sent(got[0])
+    ref = got[0]
+    held = reader.payload(ref, 5000)[:10]  # a view the caller keeps
+    reader.release()
+    ref2 = _send(writer, b"y" * 5000) or pytest.fail("no slot")
+    assert ref2.slot != ref.slot  # the first slot is still seen by the reader
+    del held
+    reader.release()
+    ref3 = _send(writer, b"z" * 5000) or pytest.fail("no slot")
+    assert ref3.slot not in (ref.slot, ref2.slot)  # the source still holds the first
+    del got, own
+    reader.release()
+    ref4 = _send(writer, b"w" * 5000) or pytest.fail("no slot")
+    assert ref4.slot == ref.slot and ref4.generation == ref.generation + 1
+    writer.close()
+
+
+def test_the_writer_never_blocks_it_grows_within_its_cap_then_says_wire() -> None:
+    token = new_token()
+    writer, reader = Writer(token, 1, 3 * (1 << 20)), Reader(token, 0)
+    held = []
+    for _ in range(8):
+        ref = _send(writer, b"q" * 600_000)
+        if ref is None:
+            break
+        held.append(reader.payload(ref, 600_000))
+    assert 1 <= len(held) < 8 and writer.nbytes <= writer.cap
+    del held
+    reader.release()
+    assert writer.take(600_000) is not None
+    writer.close()
+
+
+def test_a_payload_over_the_cap_warns_once_and_travels_on_the_wire() -> None:
+    writer = Writer(new_token(), 1, 1 << 20)
+    with pytest.warns(RuntimeWarning, match="--shm-size"):
+        assert writer.take(2 << 20) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert writer.take(2 << 20) is None
+
+
+def test_a_moved_storage_releases_the_slot_and_keeps_its_own_bytes() -> None:
+    token = new_token()
+    writer, reader = Writer(token, 1, 1 << 24), Reader(token, 0)
+    ref = _send(writer, b"m" * 5000) or pytest.fail("no slot")
+    leaf = reader.payload(ref, 5000)
+    leaf.share_memory_()  # what a torch.multiprocessing queue does
+    reader.release()
+    ref2 = _send(writer, b"n" * 5000) or pytest.fail("no slot")
+    assert ref2.slot == ref.slot  # released: nothing in this process views the slot
+    assert bytes(leaf.numpy()) == b"m" * 5000
+    assert bytes(reader.payload(ref2, 5000).numpy()) == b"n" * 5000
+
+
+def test_the_released_rule_sees_every_view() -> None:
+    data = torch.zeros(100, dtype=torch.uint8)
+    storage = data.untyped_storage()
+    base = torch._C._storage_Use_Count(storage._cdata)
+    view = data[3:7]
+    assert not shm.released(storage, data.data_ptr(), base)
+    del view
+    assert shm.released(storage, data.data_ptr(), base)
+    assert not shm.released(storage, data.data_ptr() + 1, base)
+
+
+def test_a_reader_sweeps_what_a_dead_writer_left() -> None:
+    token = new_token()
+    writer = Writer(token, 2, 1 << 24)
+    _send(writer, b"s" * 5000)
+    assert any(n.startswith(token) for n in _mine())
+    Reader(token, 0).sweep()
+    assert not any(n.startswith(token) for n in _mine())
+
+
+def test_a_bad_ref_is_a_header_error() -> None:
+    import tensorcast as tc
+
+    token = new_token()
+    writer, reader = Writer(token, 1, 1 << 24), Reader(token, 0)
+    ref = _send(writer, b"b" * 5000) or pytest.fail("no slot")
+    with pytest.raises(tc.HeaderError):
+        reader.payload(ref, 1 << 30)
+    buf = bytearray(16)
+    Ref(shm.MAX_SLOTS, 1, 1).pack_into(memoryview(buf), 0)
+    with pytest.raises(tc.HeaderError):
+        Ref.unpack(memoryview(buf), 0)
+    writer.close()
+
+
+def test_a_frame_in_shared_memory_carries_its_ref_in_the_first_message() -> None:
+    cut = cut_frame(4096, 100, 1 << 20, host_payloads=True, shm=True)
+    assert cut.shm and not cut.inline and not cut.separate_payload
+    assert cut.flags & Flags.SHM and cut.payload_at == 4096 - SHM_REF_BYTES
+    assert SHM_REF_BYTES == shm.REF_SIZE
+    spilled = cut_frame(4096, 4096 - 40, 1 << 20, host_payloads=True, shm=True)
+    assert spilled.spill
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0])
+def test_shm_is_none_true_or_false(bad: object) -> None:
+    import tensorcast as tc
+
+    with pytest.raises(TypeError, match="shm must be None"):
+        tc.BroadcastingDataLoader([1], shm=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="shm must be None"):
+        tc.broadcast_batch({}, None, shm=bad)  # type: ignore[arg-type]
+
+
+def test_a_forked_child_leaves_its_parents_segments() -> None:
+    token = new_token()
+    writer = Writer(token, 1, 1 << 24)
+    _send(writer, b"f" * 5000)
+    pid = os.fork()  # as a DataLoader worker is made
+    if pid == 0:
+        writer._cleanup()  # what its exit would run
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert any(n.startswith(token) for n in _mine())
+    writer.close()
+    assert not any(n.startswith(token) for n in _mine())

@@ -285,25 +285,35 @@ class Decoded:
         return program, consts
 
     def rebuild(
-        self,
-        buffer: torch.Tensor,
-        reuse: Reuses | None = None,
-        host: torch.Tensor | None = None,
-        later: list[Repad] | None = None,
+        self, buffer: torch.Tensor, reuse: Reuses | None = None, host: torch.Tensor | None = None
     ) -> Any:
         """The tree, its leaves viewing ``buffer`` (numpy leaves: CPU views of it), but
-        for trimmed leaves: rebuilt on ``buffer``'s device (arrays on the CPU).
+        for trimmed leaves: re-padded on ``buffer``'s device (arrays on the CPU).
 
         Args:
             buffer: the buffer of ``nbytes`` bytes, on any device.
             reuse: what keeps the views of ``buffer``, when it came from there (the
                 tensor leaves are then fresh tensors on views it kept), and hands out
-                the memory trimmed leaves are rebuilt into (:class:`Reuses`); default
+                the memory trimmed leaves are re-padded into (:class:`Reuses`); default
                 views made anew and fresh memory.
             host: the host block of the leaves that are not tensors (:meth:`host_block`),
                 when ``buffer`` is on a GPU: they are then read from it, not copied back.
-            later: where the trimmed leaves' re-pads are left to run before the tree is
-                read, their memory taken (``codec.repad.Repad``); default: run now.
+
+        Raises:
+            HeaderError: the tokens or the small values are not a valid tree.
+        """
+        tree, repads = self.rebuild_later(buffer, reuse, host)
+        for repad in repads:
+            repad()
+        return tree
+
+    def rebuild_later(
+        self, buffer: torch.Tensor, reuse: Reuses | None = None, host: torch.Tensor | None = None
+    ) -> tuple[Any, list[Repad]]:
+        """:meth:`rebuild`, but for the re-pads of the trimmed leaves, whose memory is
+        taken and which are returned for the caller to run before anyone reads the tree
+        (``codec.repad.Repad``): a source runs its own while its payload travels, a
+        device part on its stream.
 
         Raises:
             HeaderError: the tokens or the small values are not a valid tree.
@@ -313,8 +323,8 @@ class Decoded:
         if program is None or consts is None:
             program, consts = self.compiled()
         spec = structure.view_spec or self._view_spec()
-        leaves = leaf_views(spec, len(structure.leaves), buffer, reuse, host, self.trims, later)
-        return run(program, leaves, consts)
+        leaves, repads = leaf_views(spec, buffer, reuse, host, self.trims)
+        return run(program, leaves, consts), repads
 
     def host_block(self, buffer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The bytes of the leaves that are not tensors, copied from the host ``buffer``
@@ -340,32 +350,31 @@ def host_block(spec: ViewSpec, buffer: torch.Tensor, out: torch.Tensor) -> torch
 
 def leaf_views(
     spec: ViewSpec,
-    count: int,
     buffer: torch.Tensor,
     reuse: Reuses | None = None,
     host: torch.Tensor | None = None,
     trims: Mapping[int, Trim] | None = None,
-    later: list[Repad] | None = None,
-) -> list[Any]:
-    """The ``count`` buffer leaves ``spec`` describes, as views into ``buffer`` (fresh
-    tensors on views ``reuse`` keeps, when it came from there).
+) -> tuple[list[Any], list[Repad]]:
+    """The buffer leaves ``spec`` describes, as views into ``buffer`` (fresh tensors on
+    views ``reuse`` keeps, when it came from there), and the re-pads of the trimmed ones.
 
     The leaves that are not tensors (numpy arrays, bytes, str) come from ``host`` when
     given: a host block of their bytes alone (``spec.host_spans``), which a buffer on a
     GPU travels with, so that they need no copy back from the device; so do the stored
-    bytes of trimmed ndarray leaves, which are rebuilt on the host.
+    bytes of trimmed ndarray leaves, which are re-padded on the host.
 
-    Trimmed leaves (``trims``, by leaf index) are rebuilt from their stored bytes on
-    ``buffer``'s device (arrays on the CPU), into ``reuse``'s memory when given; with
-    ``later``, their memory is taken now and their re-pads appended to it, to be run
-    before the tree is read (``codec.repad.Repad``).
+    Trimmed leaves (``trims``, by leaf index) are re-padded from their stored bytes on
+    ``buffer``'s device (arrays on the CPU), into ``reuse``'s memory when given: their
+    memory is taken now, and their re-pads are returned, for the caller to run before
+    the leaves are read (``codec.repad.Repad``).
     """
     if buffer.storage_offset() % MAX_ITEMSIZE:
         buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
     tensors = spec.kept_views(buffer, reuse)
     if not spec.others and not spec.trimmed:
-        return tensors
-    values = spec.placed(tensors, count)
+        return tensors, []
+    values = spec.placed(tensors)
+    repads = []
     if spec.trimmed:
         if trims is None:
             raise ValueError("a layout with trimmed leaves needs their side tables")
@@ -377,17 +386,22 @@ def leaf_views(
                 stored = buffer[off : off + n]
             repad = Repad.taken(kind, code, shape, stored, trims[i], reuse, i)
             values[i] = repad.value
-            if later is None:
-                repad()
-            else:
-                later.append(repad)
-    if not spec.others:
-        return values
+            repads.append(repad)
+    if spec.others:
+        _read_others(spec, values, buffer, host)
+    return values, repads
+
+
+def _read_others(
+    spec: ViewSpec, values: list[Any], buffer: torch.Tensor, host: torch.Tensor | None
+) -> None:
+    """Fill in ``values`` the leaves that are not tensors: from their ``host`` block when
+    given, else from ``buffer`` (viewed on a host, copied back from a device)."""
     if host is not None:
         block = host.numpy()
         for (i, (kind, code, shape, _off, n)), (_, _, pos) in zip(spec.others, spec.host_spans):
             values[i] = _other(kind, code, shape, block[pos : pos + n])
-        return values
+        return
     host_view: np.ndarray | None = None
     on_cpu = buffer.device.type == "cpu"
     for i, (kind, code, shape, off, n) in spec.others:
@@ -400,7 +414,6 @@ def leaf_views(
         else:
             piece = buffer[off : off + n].cpu().numpy()  # a copy back from the device
         values[i] = _other(kind, code, shape, piece)
-    return values
 
 
 def _other(kind: str, code: str, shape: Any, piece: np.ndarray) -> Any:

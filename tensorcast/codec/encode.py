@@ -140,25 +140,24 @@ class Encoded:
         return spec.host_nbytes if spec.host_spans else None
 
     def write_tree(
-        self,
-        buffer: torch.Tensor,
-        reuse: Reuses | None = None,
-        later: list[Repad] | None = None,
-    ) -> Any:
+        self, buffer: torch.Tensor, reuse: Reuses | None = None
+    ) -> tuple[Any, list[Repad]]:
         """Write the batch into ``buffer`` and return its tree as the receivers rebuild
         it: leaves that view ``buffer`` (fresh tensors on views ``reuse`` keeps, when
         ``buffer`` came from there), plain tensors even for leaves that require grad;
-        trimmed leaves rebuilt from ``buffer`` (into ``reuse``'s memory, if given; with
-        ``later``, their re-pads are left in it to run, ``codec.repad.Repad``)."""
+        trimmed leaves re-padded from ``buffer`` into ``reuse``'s memory, if given. Their
+        re-pads are returned with the tree, their memory taken, for the caller to run
+        before anyone reads it (``codec.repad.Repad``)."""
         spec = self.layout.write_spec
         with torch.no_grad():  # copies of leaves that require grad stay out of autograd
             tensor_views = self.write(buffer, views=spec.kept_views(buffer, reuse))
-        return self._tree(self._leaf_values(buffer, tensor_views, reuse, later))
+        values, repads = self._leaf_values(buffer, tensor_views, reuse)
+        return self._tree(values), repads
 
     def host_block(self, out: torch.Tensor) -> torch.Tensor:
         """The bytes of the leaves that are not tensors (numpy arrays, bytes, str), alone,
         and the stored bytes of trimmed ndarray leaves, written into the host tensor
-        ``out`` as ``codec.views.leaf_views`` reads a host block: what travels beside a
+        ``out`` as ``codec.decode.leaf_views`` reads a host block: what travels beside a
         buffer on a GPU."""
         spec = self.layout.write_spec
         dst = out.numpy()
@@ -172,17 +171,14 @@ class Encoded:
         return out[: spec.host_nbytes]
 
     def device_tree(
-        self, buffer: torch.Tensor, host: torch.Tensor | None, later: list[Repad] | None = None
-    ) -> Any:
+        self, buffer: torch.Tensor, host: torch.Tensor | None
+    ) -> tuple[Any, list[Repad]]:
         """The tree of a device buffer this batch is (being) written into, read nowhere
         but on the device: tensor leaves view ``buffer``, the others come from ``host``,
-        its host block (:meth:`host_block`); trimmed leaves' re-pads left in ``later``
-        when given (``codec.repad.Repad``)."""
-        spec = self.layout.read_spec()
-        values = leaf_views(
-            spec, len(self.leaves), buffer, host=host, trims=self.trims, later=later
-        )
-        return self._tree(values)
+        its host block (:meth:`host_block`); and the re-pads of its trimmed leaves, to
+        run before it is read (``codec.repad.Repad``)."""
+        values, repads = leaf_views(self.layout.read_spec(), buffer, host=host, trims=self.trims)
+        return self._tree(values), repads
 
     def upload_others(self, buffer: torch.Tensor, host: torch.Tensor) -> None:
         """Copy the leaves that are not tensors (and trimmed ndarrays' stored bytes) from
@@ -201,25 +197,23 @@ class Encoded:
         buffer: torch.Tensor,
         tensor_views: list[torch.Tensor],
         reuse: Reuses | None = None,
-        later: list[Repad] | None = None,
-    ) -> list[Any]:
-        """The leaf values the receivers will see, built from what :meth:`write` returned."""
+    ) -> tuple[list[Any], list[Repad]]:
+        """The leaf values the receivers will see, built from what :meth:`write` returned,
+        and the re-pads of the trimmed ones."""
         spec = self.layout.write_spec
         out: list[Any] = list(tensor_views)
         for j in spec.bools:
             out[j] = out[j].view(torch.bool)  # written as bytes
         if not spec.others and not spec.trimmed:
-            return out
-        values = spec.placed(out, len(self.leaves))
+            return out, []
+        values = spec.placed(out)
+        repads = []
         for i, (kind, code, shape, off, n) in spec.trimmed:
             stored = buffer[off : off + n]
             trim = self.trims[i]  # type: ignore[index]
             repad = Repad.taken(kind, code, shape, stored, trim, reuse, i)
             values[i] = repad.value
-            if later is None:
-                repad()
-            else:
-                later.append(repad)
+            repads.append(repad)
         host: np.ndarray | None = None
         for i, (kind, _code, shape, off, _n) in spec.others:
             data = self.leaves[i][3]
@@ -233,7 +227,7 @@ class Encoded:
                         buffer[:].numpy() if buffer.device.type == "cpu" else buffer.cpu().numpy()
                     )
                 values[i] = host[off : off + data.nbytes].view(data.dtype).reshape(shape)
-        return values
+        return values, repads
 
 
 def _zero_each_gap(buffer: torch.Tensor, layout: Layout) -> np.ndarray | None:

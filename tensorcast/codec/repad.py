@@ -46,7 +46,6 @@ __all__ = [
     "check_trims",
     "flat_bytes",
     "repad",
-    "run_all",
     "sizes",
     "validate",
     "as_words",
@@ -509,9 +508,3 @@ class Repad:
         """Write all of ``out``: the leaf, bit-identical (:func:`repad`)."""
         out = self.out
         repad(self.stored, out.shape, out.dtype, self.trim, out=out)
-
-
-def run_all(repads: list[Repad]) -> None:
-    """Run every re-pad of ``repads``, in order."""
-    for each in repads:
-        each()

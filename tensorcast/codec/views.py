@@ -72,6 +72,7 @@ class ViewSpec:
     __slots__ = (
         "bools",
         "codes",
+        "count",
         "host_nbytes",
         "host_spans",
         "host_trimmed",
@@ -87,6 +88,7 @@ class ViewSpec:
         bool_as_bytes: bool = False,
         trimmed: Set[int] = frozenset(),
     ):
+        self.count = len(table)  # the leaves in the table
         self.specs: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
         self.codes: dict[str, int] = {}  # code -> itemsize, for the typed bases
         self.tensor_index: list[int] = []  # the leaf index of each spec
@@ -124,10 +126,10 @@ class ViewSpec:
             pos = (pos + row[4] + MAX_ITEMSIZE - 1) // MAX_ITEMSIZE * MAX_ITEMSIZE
         self.host_nbytes = pos
 
-    def placed(self, tensors: list[Any], count: int) -> list[Any]:
-        """``tensors`` (one per spec) at their leaf indices in a list of ``count`` leaves;
-        the other leaves' places are None, for the caller to fill."""
-        values: list[Any] = [None] * count
+    def placed(self, tensors: list[Any]) -> list[Any]:
+        """``tensors`` (one per spec) at their leaf indices in a list of every leaf; the
+        other leaves' places are None, for the caller to fill."""
+        values: list[Any] = [None] * self.count
         for i, value in zip(self.tensor_index, tensors):
             values[i] = value
         return values

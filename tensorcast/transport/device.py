@@ -9,7 +9,7 @@ points that are the same on every rank, in lane order. A part's tree is built wh
 is posted, and what building refuses (a bad CRC) is kept and raised when it is taken:
 a loader posts the next frame's part before it hands this one out, so a frame refused
 on one rank only does not keep that rank from posting what its peers post. A trimmed
-leaf's re-pad (``codec.untrim``) is device work too: it is queued on the part's stream
+leaf's re-pad (``codec.repad``) is device work too: it is queued on the part's stream
 right after the transfer, before the part's event, into memory taken there. Each group's parts run on a
 stream of the group's own (uploads for a host wire, which wait on no peer, on one per
 device) that first waits on the caller's current stream, so a part starts after whatever
@@ -246,9 +246,8 @@ class DevicePart:
     Args:
         streams: the device's streams.
         nbytes: the payload's size.
-        build: ``build(buffer, later=later)``, the tree of the payload once it is in
-            ``buffer``; the re-pads of its trimmed leaves left in ``later`` (a list) are
-            run on the transfer stream right after.
+        build: ``build(buffer)``, the tree of the payload once it is in ``buffer``, and
+            the re-pads of its trimmed leaves, run on the transfer stream right after.
         fill: ``fill(buffer)`` writes the payload on the transfer stream (an upload from
             pinned staging, or the source's CUDA batch packed), or None.
         send: ``send(buffer)`` posts the payload's collective and returns its handle,
@@ -361,10 +360,10 @@ class DevicePart:
         """Build the tree (on the transfer stream, after the transfer), and queue its
         trimmed leaves' re-pads there; what building raised is this step's alone, kept
         for :meth:`take`."""
-        later: list[Any] = []
+        repads: list[Any] = []
         try:
-            self._tree = self._build(buffer, later=later)
-            for repad in later:
+            self._tree, repads = self._build(buffer)
+            for repad in repads:
                 repad()
         except Exception as e:  # a refusal of this step: a bad CRC, bad values
             self._error = e
@@ -372,7 +371,7 @@ class DevicePart:
         else:  # record_stream takes the device's own memory only: a host output (a
             # trimmed ndarray, a tree asked for on the CPU) is the caller's at once
             kind = self.streams.device.type
-            self._outputs = tuple(r.out for r in later if r.out.device.type == kind)
+            self._outputs = tuple(r.out for r in repads if r.out.device.type == kind)
         self._build = None  # type: ignore[assignment]
 
     def take(self) -> Any:

@@ -345,10 +345,10 @@ class Receiver:
     ) -> DevicePart:
         prefix, host = frame.prefix, frame.host
 
-        def build(buffer: torch.Tensor, later: list[Repad]) -> Any:
+        def build(buffer: torch.Tensor) -> tuple[Any, list[Repad]]:
             if int(prefix.flags) & _CRC:  # verify=True: one copy to the host
                 self._check_crc(buffer, frame.header, prefix, step)
-            return decoded.rebuild(buffer, host=host, later=later)
+            return decoded.rebuild_later(buffer, host=host)
 
         return self._parts.part(prefix.payload_len, build, device, timeout)
 

@@ -124,7 +124,7 @@ class Staging:
             out = pool.take(host_nbytes, _CPU)
             # A GPU buffer's other leaves come back to the host once, here (a sync).
             block = decoded.host_block(buffer if buffer.is_cpu else buffer.cpu(), out)
-        build = functools.partial(decoded.rebuild, host=block)
+        build = functools.partial(decoded.rebuild_later, host=block)
         if buffer.is_cpu:
             staging = pool.take(n, _CPU).copy_(buffer)
             fill = _upload_from(staging)
@@ -175,7 +175,7 @@ class Staging:
             build = functools.partial(coded.device_tree, host=host)
         else:
             host = None if out is None else coded.host_block(payload, out)
-            build = functools.partial(coded.rebuild, host=host)
+            build = functools.partial(coded.rebuild_later, host=host)
         streams = streams_for(device)
         staging = self._pool(streams).take(payload.numel(), _CPU).copy_(payload)
         fill = _upload_from(staging)
@@ -198,4 +198,4 @@ class Staging:
 
 def _on_device(build: Callable[..., Any], device: torch.device) -> Any:
     """``build``, its tree made from a copy of the buffer on ``device`` (asked for)."""
-    return lambda buffer, later: build(buffer.to(device), later=later)
+    return lambda buffer: build(buffer.to(device))

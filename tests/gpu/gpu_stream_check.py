@@ -846,7 +846,7 @@ def t3_pinned_staging(dev: torch.device) -> dict[str, Any]:
             part = DevicePart(
                 streams,
                 n,
-                lambda buffer, later: buffer,
+                lambda buffer: (buffer, []),
                 fill=upload,
                 kept=staging,
                 inflight=inflight,
@@ -2062,7 +2062,7 @@ def t21_groups_apart(sleeper: Sleeper) -> dict[str, Any]:
         def part(i: int, **work: Any) -> DevicePart:
             src = sources[i]
             fill = lambda buffer: buffer.copy_(src, non_blocking=True)  # noqa: E731
-            build = lambda buffer, later: buffer  # noqa: E731  # as the codec's: later=
+            build = lambda buffer: (buffer, [])  # noqa: E731  # as the codec's: (tree, re-pads)
             return stagings[i].part(n, build, None, TD, fill=fill, **work)
 
         a, b = part(0, ready=late), part(1)

@@ -243,7 +243,7 @@ def test_leaves_that_are_not_tensors_travel_on_the_host_beside_a_device_payload(
 
 def _part(streams: FakeStreams, inflight: Inflight, **work: Any) -> DevicePart:
     return DevicePart(
-        streams, 64, lambda buffer, later: {"x": buffer[:8]}, inflight=inflight, timeout_s=10.0,
+        streams, 64, lambda buffer: ({"x": buffer[:8]}, []), inflight=inflight, timeout_s=10.0,
         on_error=lambda error: None, **work,
     )  # fmt: skip
 

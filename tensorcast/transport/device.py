@@ -192,18 +192,18 @@ class Inflight:
     def __init__(self, watch: Callable[[], None] = lambda: None) -> None:
         self._watch = watch
         self._lock = threading.Lock()
-        # (deadline, streams, event, kept), in posting order
+        # (deadline, streams, event, holds), in posting order
         self._items: collections.deque[tuple[float, Streams, Any, Any]] = collections.deque()
-        # (streams, event, kept) of work no longer watched (see clear)
+        # (streams, event, holds) of work no longer watched (see clear)
         self._unwatched: list[tuple[Streams, Any, Any]] = []
 
     def __len__(self) -> int:
         """The work whose deadline is watched (the lane's worker stays for it)."""
         return len(self._items)
 
-    def add(self, streams: Streams, event: Any, kept: Any, timeout_s: float) -> None:
+    def add(self, streams: Streams, event: Any, holds: Any, timeout_s: float) -> None:
         with self._lock:
-            self._items.append((time.monotonic() + timeout_s, streams, event, kept))
+            self._items.append((time.monotonic() + timeout_s, streams, event, holds))
         self._watch()
 
     def clear(self) -> None:
@@ -252,7 +252,7 @@ class DevicePart:
             pinned staging, or the source's CUDA batch packed), or None.
         send: ``send(buffer)`` posts the payload's collective and returns its handle,
             whose ``wait`` makes the current stream wait; or None.
-        kept: what the work reads on the host, held until it is seen done (staging).
+        holds: what the work reads on the host, held until it is seen done (staging).
         reads: device tensors of the caller's the work reads (the source's CUDA batch):
             recorded on the transfer stream when posted, then let go.
         ready: an event the work waits on first (a batch made on the lane's worker).
@@ -267,8 +267,8 @@ class DevicePart:
         "_error",
         "_event",
         "_fill",
+        "_holds",
         "_inflight",
-        "_kept",
         "_on_error",
         "_outputs",
         "_reads",
@@ -290,7 +290,7 @@ class DevicePart:
         *,
         fill: Callable[[torch.Tensor], Any] | None = None,
         send: Callable[[torch.Tensor], Any] | None = None,
-        kept: Any = None,
+        holds: Any = None,
         reads: tuple[torch.Tensor, ...] = (),
         ready: Any = None,
         buffer: torch.Tensor | None = None,
@@ -303,7 +303,7 @@ class DevicePart:
         self._build = build
         self._fill = fill
         self._send = send
-        self._kept = kept
+        self._holds = holds
         self._reads = reads
         self._ready = ready
         self._buffer = buffer
@@ -352,8 +352,8 @@ class DevicePart:
             raise
         self._event = event
         # The buffer is the allocator's, on the transfer stream: only host memory is held.
-        self._inflight.add(streams, event, self._kept, self._timeout_s)
-        self._fill = self._send = self._kept = self._ready = None
+        self._inflight.add(streams, event, self._holds, self._timeout_s)
+        self._fill = self._send = self._holds = self._ready = None
         self._reads = ()
 
     def _make(self, buffer: torch.Tensor) -> None:

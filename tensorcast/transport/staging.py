@@ -93,7 +93,7 @@ class Staging:
             with torch.no_grad():
                 encoded.write(staging)
             fill = _upload_from(staging)
-            return self.part(n, own, device, timeout, fill=fill, kept=staging), staging, block
+            return self.part(n, own, device, timeout, fill=fill, holds=staging), staging, block
 
         def write(buffer: torch.Tensor) -> None:
             with torch.no_grad():
@@ -103,7 +103,7 @@ class Staging:
 
         ready = streams.record()  # the batch was made on this thread's stream
         reads = encoded.tensors
-        work: dict[str, Any] = {"fill": write, "kept": block, "reads": reads, "ready": ready}
+        work: dict[str, Any] = {"fill": write, "holds": block, "reads": reads, "ready": ready}
         return self.part(n, own, device, timeout, **work), None, block
 
     def prepacked(
@@ -128,7 +128,7 @@ class Staging:
         if buffer.is_cpu:
             staging = pool.take(n, _CPU).copy_(buffer)
             fill = _upload_from(staging)
-            return self.part(n, build, device, timeout, fill=fill, kept=staging), staging, block
+            return self.part(n, build, device, timeout, fill=fill, holds=staging), staging, block
         ready = streams.record()  # the buffer was made on this thread's stream
         work: dict[str, Any] = {"reads": (buffer,), "ready": ready}
         if buffer.is_inference() or buffer.device != streams.device:
@@ -179,7 +179,9 @@ class Staging:
         streams = streams_for(device)
         staging = self._pool(streams).take(payload.numel(), _CPU).copy_(payload)
         fill = _upload_from(staging)
-        return self._part(streams, payload.numel(), build, timeout, _local, fill=fill, kept=staging)
+        return self._part(
+            streams, payload.numel(), build, timeout, _local, fill=fill, holds=staging
+        )
 
     def _part(
         self,

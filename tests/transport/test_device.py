@@ -258,7 +258,7 @@ def test_device_tensors_a_part_reads_are_recorded_on_the_transfer_stream_never_h
     streams.hold = True  # the device never finishes: only references can be let go
     source = torch.arange(64, dtype=torch.uint8)
     staging = torch.zeros(64, dtype=torch.uint8)  # host memory the work reads
-    part = _part(streams, inflight, reads=(source,), kept=staging,
+    part = _part(streams, inflight, reads=(source,), holds=staging,
                  fill=lambda buffer, src=source: buffer.copy_(src))  # fmt: skip
     part.post()
     (handed, on_transfer), *_ = streams.handed

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tensorcast.transport import groups as _groups
-from tensorcast.transport.groups import rank_device
+from tensorcast.transport.wire import rank_device
 
 
 def test_an_nccl_group_is_bound_to_the_device_the_rank_chose() -> None:

@@ -26,7 +26,7 @@ from tensorcast._errors import HeaderError
 from tensorcast.codec import schema as _schema
 from tensorcast.codec.build import Program, compile_tokens, decode_values, run
 from tensorcast.codec.compact_json import dumps as _dumps
-from tensorcast.codec.dtypes import numpy_dtype
+from tensorcast.codec.dtypes import NUMPY_CODES
 from tensorcast.codec.repad import Repad
 from tensorcast.codec.views import MAX_ITEMSIZE, Reuses, ViewSpec
 
@@ -214,9 +214,10 @@ class Decoded:
         consts: the small values decoded, once :meth:`compiled` has run.
         trims: the trimmed leaves' side tables by leaf index, validated; None when no
             leaf is trimmed.
+        nbytes: the size of the buffer the header describes.
     """
 
-    __slots__ = ("consts", "structure", "trims", "values")
+    __slots__ = ("consts", "nbytes", "structure", "trims", "values")
 
     def __init__(
         self, structure: Structure, values: list[Any], trims: dict[int, Trim] | None = None
@@ -225,11 +226,7 @@ class Decoded:
         self.values = values
         self.consts: list[Any] | None = None
         self.trims = trims
-
-    @property
-    def nbytes(self) -> int:
-        """The size of the buffer the header describes."""
-        return self.structure.nbytes
+        self.nbytes = structure.nbytes
 
     @property
     def host_nbytes(self) -> int | None:
@@ -419,7 +416,7 @@ def _read_others(
 def _other(kind: str, code: str, shape: Any, piece: np.ndarray) -> Any:
     """A leaf that is not a tensor, from its bytes."""
     if kind == "ndarray":
-        return piece.view(numpy_dtype(code)).reshape(shape)
+        return piece.view(NUMPY_CODES[code]).reshape(shape)
     if kind == "bytes":
         return piece.tobytes()
     try:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from tensorcast._errors import HeaderError
-from tensorcast.codec.dtypes import CODE_ITEMSIZE, numpy_dtype, torch_dtype
+from tensorcast.codec.dtypes import CODE_ITEMSIZE, NUMPY_CODES, TORCH_CODES
 
 if TYPE_CHECKING:
     from tensorcast.codec.views import Reuses
@@ -489,9 +489,9 @@ class Repad:
         shape = tuple(shape)
         try:
             if kind == "ndarray":
-                out = torch.from_numpy(np.empty(shape, numpy_dtype(code)))
+                out = torch.from_numpy(np.empty(shape, NUMPY_CODES[code]))
                 return Repad(out.numpy(), out, stored, trim)
-            dtype = torch_dtype(code)
+            dtype = TORCH_CODES[code]
             into = None
             if reuse is not None and stored.is_cpu:
                 into = reuse.output(index, shape, dtype)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from tensorcast.codec.dtypes import CODE_ITEMSIZE, torch_dtype
+from tensorcast.codec.dtypes import CODE_ITEMSIZE, TORCH_CODES
 
 if TYPE_CHECKING:
     pass
@@ -139,7 +139,7 @@ class ViewSpec:
         total = buffer.numel()
         base_offset = buffer.storage_offset()  # as_strided offsets count from the storage
         bases = {
-            code: buffer[: total - total % isz].view(torch_dtype(code))
+            code: buffer[: total - total % isz].view(TORCH_CODES[code])
             for code, isz in self.codes.items()
         }
         as_strided = torch.as_strided

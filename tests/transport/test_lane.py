@@ -324,3 +324,27 @@ def test_a_device_lane_s_worker_ignores_other_threads_captures(
     job = _queued(lane, lambda: taken.append("job"))
     job.result()
     assert taken == ["tensorcast-lane-cap", "job"]
+
+
+def test_a_guarded_job_never_runs_on_a_broken_lane_inline_or_on_the_worker() -> None:
+    """A pass's step is guarded: on a broken lane it fails with the lane's PeerError
+    before it runs (a source pulls no batch it could not send); an unguarded job (a
+    pass's close) still runs."""
+    lane, aborted = _lane()
+    lane.break_(RuntimeError("peer gone"))
+    ran: list[str] = []
+    inline: Job[None] = Job(lambda: ran.append("inline"), guarded=True)
+    lane.start(inline, lambda: 0)
+    with pytest.raises(PeerError, match="failed earlier"):
+        inline.result()
+    gate = threading.Event()
+    busy = _queued(lane, lambda: gate.wait(5))
+    queued: Job[None] = Job(lambda: ran.append("worker"), guarded=True)
+    lane.enqueue(queued)
+    plain = _queued(lane, lambda: ran.append("plain"))
+    gate.set()
+    busy.result()
+    with pytest.raises(PeerError, match="failed earlier"):
+        queued.result()
+    plain.result()
+    assert ran == ["plain"] and aborted == ["abort"]

@@ -25,7 +25,6 @@ import torch
 from tensorcast._errors import HeaderError
 from tensorcast.codec import schema as _schema
 from tensorcast.codec.build import Program, compile_tokens, decode_values, run
-from tensorcast.codec.compact_json import dumps as _dumps
 from tensorcast.codec.dtypes import NUMPY_CODES
 from tensorcast.codec.repad import Repad
 from tensorcast.codec.views import MAX_ITEMSIZE, Reuses, ViewSpec
@@ -41,6 +40,7 @@ _MAGIC = _schema.MAGIC
 _VERSION = _schema.FORMAT_VERSION
 _NO_TRIMS = _schema.NO_TRIMS
 _parse = _schema.parse
+_dumps = _schema.dumps
 
 
 def decode(header: bytes | bytearray | memoryview) -> Decoded:

@@ -7,7 +7,7 @@ A header is a 12-byte prefix (all integers little-endian) and a body::
     4       2     format version (u16), currently 3
     6       2     flags (u16), must be 0 in version 3
     8       4     body length in bytes (u32), at most MAX_HEADER_BYTES
-    12      n     body: ASCII JSON (``codec.compact_json``)
+    12      n     body: compact ASCII JSON (:data:`dumps`)
                   [nbytes, align, leaves, tokens, values, trims]
 
 ``leaves`` is the leaf table, in buffer order: ``[kind, dtype_code, shape, offset, nbytes]``
@@ -28,6 +28,8 @@ parsing its values alone.
 
 from __future__ import annotations
 
+import json
+import json.scanner
 import math
 import struct
 from collections.abc import Callable
@@ -35,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorcast._errors import HeaderError
-from tensorcast.codec import compact_json as _json
 from tensorcast.codec import repad as _repad
 from tensorcast.codec.dtypes import CODE_ITEMSIZE, NUMPY_CODES
 from tensorcast.codec.repad import Trim
@@ -52,6 +53,7 @@ __all__ = [
     "Body",
     "LeafSpec",
     "Schema",
+    "dumps",
     "encode",
     "parse",
     "read_body",
@@ -69,9 +71,66 @@ MAX_NDIM = 64
 MAX_ALIGN = 1 << 16
 KINDS = ("tensor", "ndarray", "bytes", "str")
 
-_dumps = _json.dumps
-_scan = _json.scan
-_values_encoder = _json.values_encoder
+# -- JSON as headers use it: compact and ASCII, with no whitespace. Reading is the C
+# scanner's work alone; the small values, encoded anew on every step, get a C encoder
+# made once.
+
+dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, check_circular=False).encode
+
+# One JSON value from the start of a string, and where it ends: what json.loads does
+# without its whitespace skipping (headers hold none) and its Python-level wrappers.
+scan: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(
+    json.JSONDecoder()  # type: ignore[arg-type]  # typeshed types it as its own class
+)
+
+
+def values_encoder() -> Callable[[list[Any]], str]:
+    """:data:`dumps` for the small values, which are encoded on every step: the C encoder
+    made once instead of per call (``JSONEncoder.encode`` builds one each time, a cost a
+    small batch's step feels; see ``docs/design.md``, "A small frame's path runs cold"). Checked against ``dumps`` here; any
+    Python without it, or with another signature, gets ``dumps`` itself."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return dumps
+
+    def unsupported(obj: Any) -> Any:
+        raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+    try:
+        chunks = make(
+            None,  # markers: the values hold no cycles
+            unsupported,  # default
+            json.encoder.encode_basestring_ascii,
+            None,  # indent
+            ":",  # key separator
+            ",",  # item separator
+            False,  # sort_keys
+            False,  # skipkeys
+            True,  # allow_nan
+        )
+        sample: list[Any] = [
+            ["i", -(1 << 63)],
+            ["f", 1 << 64],
+            'a\u00e9\\"',
+            None,
+            True,
+            False,
+            [[]],
+        ]
+        if "".join(chunks(sample, 0)) != dumps(sample):
+            return dumps
+    except (TypeError, ValueError):
+        return dumps
+
+    def encode(values: list[Any]) -> str:
+        return "".join(chunks(values, 0))
+
+    return encode
+
+
+_dumps = dumps
+_scan = scan
+_values_encoder = values_encoder
 _encode_values = _values_encoder()
 NO_TRIMS = b",[]]"  # how a body without trimmed leaves ends
 

@@ -16,7 +16,8 @@ NCCL), ``pool`` the memory handed out and reused under one rule (buffers, first
 messages, the views they keep, rebuilt trimmed leaves), ``liveness`` and
 ``diagnosis`` the source's heartbeat and what a receiver says of a silent source, and
 ``device`` a frame's GPU side, posted and taken by the caller (NOTE [ Device work at
-next() ]), made by ``staging`` on the lane's thread. ``docs/design.md``, "One
+next() ]), made by ``staging`` on the lane's thread; ``shm`` the shared-memory arena of
+ranks on one host, ``relay`` the route of a channel spread over hosts. ``docs/design.md``, "One
 batch, top to bottom", follows one batch through them. This package imports the codec,
 never the loader (``make lint`` checks it).
 

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from tensorcast import codec
 from tensorcast._errors import PeerError
 from tensorcast.transport import exits as _exits
+from tensorcast.transport import relay as _relay
 from tensorcast.transport import shm as _shm
 from tensorcast.transport.agreement import Agreement, ranks_name, store_failed
 from tensorcast.transport.diagnosis import diagnose, timed_out
@@ -348,9 +349,8 @@ def open_role(
     packing: Packing | None = None,
     shm: bool | None = None,
 ) -> tuple[Role, dict[int, dict[str, Any]]]:
-    """Agree on ``setup`` among ``group``, then open a channel on tensorcast's group over
-    it: this rank's role, the :class:`Sender` on ``src``, a :class:`Receiver` elsewhere.
-    Every rank of ``group`` calls it together.
+    """Agree on ``setup`` among ``group`` (every rank of it calls this together), then open a
+    channel on tensorcast's group over it: the :class:`Sender` on ``src``, else a Receiver.
 
     Args:
         scope: names the ranks that number their setups together (``ranks_name`` of the
@@ -367,8 +367,7 @@ def open_role(
         verify, packing: the sender's (``Sender``); receivers need not agree on packing.
         shm: the shared-memory lane (``transport.shm``): None automatic, False, True.
 
-    Returns:
-        The role, and every rank's ``extra``.
+    Returns: the role, and every rank's ``extra``.
 
     Raises:
         DesyncError: the ranks disagree, or one did not come within the timeout.
@@ -381,17 +380,19 @@ def open_role(
         scope, group, what, setup, told, first=first, timeout=wait
     )
     made, timeout = state.group(tuple(sorted(group)), wait), timeout or state.timeout
-    arena = _shm.arena(shm, group, src, state.rank, extras, made.wire.streams is None, what)
+    arena, relay = _relay.open_side(shm, made, src, state.rank, extras, what)
+    promises = promises and relay is None  # NOTE [ Several hosts ]
     if state.rank == src:
         state.heartbeat.start(timeout.total_seconds())
         pulling = state.heartbeat.busy("next(source)", channel_id)
         return Sender(
             made, src, channel_id, timeout=timeout, verify=verify, promises=promises,
-            pulling=pulling, packing=packing, shm=_shm.writer(arena),
+            pulling=pulling, packing=packing, shm=_shm.writer(arena), relay=relay,
         ), extras  # fmt: skip
     return Receiver(
         made, src, rank=state.rank, channel_id=channel_id, timeout=timeout, promises=promises,
         diagnose=functools.partial(_why, state.reach, src, state.rank), shm=_shm.reader(arena),
+        relay=relay,
     ), extras  # fmt: skip
 
 

@@ -39,6 +39,7 @@ from tensorcast.transport.frame import (
     crc32,
 )
 from tensorcast.transport.pool import BufferPool, FirstMessage, FramePool, Keeper
+from tensorcast.transport.relay import Relay
 from tensorcast.transport.shm import Reader, Ref
 from tensorcast.transport.staging import Staging
 from tensorcast.transport.wire import Posted
@@ -110,6 +111,7 @@ class Receiver:
             did not send that frame, for the error of a wait that failed with ``error``.
         shm: this rank's reader of the source's shared-memory arena (``transport.shm``),
             None where the channel has no such lane.
+        relay: the route of a channel spread over hosts (``transport.relay``).
     """
 
     is_source = False
@@ -125,6 +127,7 @@ class Receiver:
         promises: bool = False,
         diagnose: Callable[[tuple[int, int, int], BaseException, float], str] = _no_diagnosis,
         shm: Reader | None = None,
+        relay: Relay | None = None,
     ) -> None:
         self.group = group
         self.src = src
@@ -148,6 +151,7 @@ class Receiver:
         self.last_nbytes = 0  # the last batch's payload, for the loader's stats
         self.last_shm = False  # ... and whether it came through shared memory
         self._shm = shm
+        self._relay = relay  # a channel spread over hosts (``transport.relay``)
         #: when the last frame's first message arrived (``time.perf_counter()``): before
         #: it, a receiver waits for the source; after it, the frame's transfer
         self.first_at = 0.0
@@ -203,7 +207,9 @@ class Receiver:
         the rest of a frame it cannot read); one from the collective is a ``PeerError``."""
         group = self.group
         group.lane.break_(error)
-        if self._shm is not None:  # the source may be dead: what it left goes
+        if self._relay is not None:  # a writer may be dead: what it left goes
+            self._relay.close()
+        elif self._shm is not None:
             self._shm.sweep()
         if isinstance(error, RuntimeError) and not isinstance(error, TensorcastError):
             raise PeerError(
@@ -254,6 +260,11 @@ class Receiver:
             )
         if cut.inline:
             payload = first.inline_payload(cut.payload_at, n)
+            return _Incoming(prefix, cut, header, decoded, payload, self._reuse)
+        self.last_shm = cut.shm
+        if self._relay is not None and n:  # NOTE [ Several hosts ]
+            ref = Ref.unpack(first.mem, cut.payload_at) if cut.shm else None
+            payload, self.last_shm = self._relay.receive(wire, self._pool, ref, n, timeout)
             return _Incoming(prefix, cut, header, decoded, payload, self._reuse)
         if cut.shm:
             payload = self._in_slot(first, cut, n)
@@ -319,7 +330,6 @@ class Receiver:
             text = frame.header.decode("utf-8", "replace")
             raise SourceError(f"source rank {self.src} reported: {text}")
         self.last_nbytes = prefix.payload_len
-        self.last_shm = frame.cut.shm
         if payload is None:
             return self._receive_on_device(frame, decoded, step, device, timeout)
         if int(prefix.flags) & _CRC:

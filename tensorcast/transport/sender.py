@@ -61,6 +61,7 @@ from tensorcast.transport.frame import (
     crc32,
 )
 from tensorcast.transport.pool import BufferPool, FirstMessage, FramePool, Keeper
+from tensorcast.transport.relay import Relay
 from tensorcast.transport.shm import MIN_PAYLOAD, Ref, Writer
 from tensorcast.transport.staging import Staging
 
@@ -143,6 +144,7 @@ class Sender:
             says so, see ``transport.liveness``).
         packing: how batches are packed (default: ``tc.pack``'s defaults).
         shm: the arena of the shared-memory lane (``transport.shm``), None for none.
+        relay: the route of a channel spread over hosts (``transport.relay``).
     """
 
     is_source = True
@@ -159,6 +161,7 @@ class Sender:
         pulling: contextlib.AbstractContextManager[Any] | None = None,
         packing: Packing | None = None,
         shm: Writer | None = None,
+        relay: Relay | None = None,
     ) -> None:
         self.group = group
         self.src = self.rank = src
@@ -183,6 +186,7 @@ class Sender:
         self._encoder = (packing or Packing()).encoder()
         self._cutter = Cutter(group, promises=promises)  # frames as they are sent
         self._shm = shm if self._streams is None else None
+        self._relay = relay
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -258,9 +262,10 @@ class Sender:
             coded.check_buffer(batch.buffer)
             header = batch.header
         else:
-            if self._shm is not None and self._shm.last_used:
-                trim = False  # receivers read the arena: trimming saves nothing there
-            coded = self._encoder.encode(batch, trim=trim, receiver=_kind(device or self._device))
+            kind, shm = _kind(device or self._device), self._shm
+            if kind == "host" and shm and shm.last_used and self._relay is None:
+                trim = False  # every receiver reads the arena on the host: trimming saves nothing
+            coded = self._encoder.encode(batch, trim=trim, receiver=kind)
             header = coded.header
         n = coded.nbytes
         # Frames are cut in the order they are sent: a frame is sent in the job that
@@ -270,7 +275,7 @@ class Sender:
         slot = self._shm.take(n) if self._shm and not cut.inline and n >= MIN_PAYLOAD else None
         if slot is not None:  # the payload goes into shared memory, its Ref on the wire
             cut = self._cutter.cut(len(header), n, shm=True)
-        message = self._message(cut)
+        message = _message(self._messages, cut)
         if self._streams is not None:
             if isinstance(coded, Decoded):
                 part, staging, block = self._parts.prepacked(batch, coded, device, wait)
@@ -293,30 +298,7 @@ class Sender:
     def _control(self, kind: Kind, text: bytes) -> Outgoing:
         self.group.lane.check()
         cut = self._cutter.cut(len(text), 0)
-        return self._finish(self._message(cut), cut, kind, text, None)
-
-    def _message(self, cut: Cut) -> FirstMessage:
-        """A first message for ``cut``, every byte zero but where the frame writes: no
-        stale memory of this process travels. Cleared before the payload is written,
-        which may lie where the last frame's head was."""
-        message = self._messages.take(cut.capacity)
-        head_end = PREFIX_SIZE + (0 if cut.spill else cut.header_len)
-        if cut.inline:
-            start, end = cut.payload_at, cut.payload_at + cut.payload_len
-        elif cut.shm:  # the slot's Ref
-            start, end = cut.payload_at, cut.capacity
-        else:
-            start = end = cut.capacity
-        host = message.host
-        last_head, last_start, last_end = message.written
-        if last_head > head_end:
-            host[head_end:last_head] = 0
-        if last_start < start:
-            host[last_start : min(start, last_end)] = 0
-        if last_end > end:
-            host[max(end, last_start) : last_end] = 0
-        message.written = (head_end, start, end)
-        return message
+        return self._finish(_message(self._messages, cut), cut, kind, text, None)
 
     def _finish(
         self,
@@ -343,7 +325,9 @@ class Sender:
         else:
             message.mem[PREFIX_SIZE : PREFIX_SIZE + len(header)] = header
         on_host = self._streams is None
-        separate = payload if cut.separate_payload and on_host else None
+        # a relayed channel sends the payload to remote hosts even from a slot
+        relayed = cut.shm and self._relay is not None
+        separate = payload if (cut.separate_payload or relayed) and on_host else None
         promised: torch.Tensor | None = None
         if cut.in_promise:
             promised = payload
@@ -406,7 +390,12 @@ class Sender:
             if out.host_leaves is not None:  # a device frame's leaves that are not tensors
                 wire.head(out.host_leaves, root, wait).wait(wait)
             if out.payload is not None:
-                posted = wire.payload(out.payload, root, wait)
+                relay = self._relay
+                posted = (
+                    wire.payload(out.payload, root, wait)
+                    if relay is None
+                    else relay.send(wire, out.payload, out.cut.shm)
+                )
                 _run(out.repads)
                 posted.wait(wait)
         except RuntimeError as e:  # from the collective: a peer died or timed out
@@ -420,6 +409,30 @@ class Sender:
         self.group.lane.break_(error)
         if self._shm is not None:  # no frame follows: nothing may stay in /dev/shm
             self._shm.close()
+
+
+def _message(messages: FramePool, cut: Cut) -> FirstMessage:
+    """A first message for ``cut``, every byte zero but where the frame writes: no
+    stale memory of this process travels. Cleared before the payload is written,
+    which may lie where the last frame's head was."""
+    message = messages.take(cut.capacity)
+    head_end = PREFIX_SIZE + (0 if cut.spill else cut.header_len)
+    if cut.inline:
+        start, end = cut.payload_at, cut.payload_at + cut.payload_len
+    elif cut.shm:  # the slot's Ref
+        start, end = cut.payload_at, cut.capacity
+    else:
+        start = end = cut.capacity
+    host = message.host
+    last_head, last_start, last_end = message.written
+    if last_head > head_end:
+        host[head_end:last_head] = 0
+    if last_start < start:
+        host[last_start : min(start, last_end)] = 0
+    if last_end > end:
+        host[max(end, last_start) : last_end] = 0
+    message.written = (head_end, start, end)
+    return message
 
 
 def _on_host(

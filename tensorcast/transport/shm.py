@@ -6,6 +6,7 @@ boot id and host name: ``agreement.host_id``), the source writes a large payload
 :class:`Ref` in place of the payload (``Flags.SHM``, ``transport.frame``). The first
 message still travels on the group's ordered lane, so order, agreement, errors, timeouts
 and interrupts are the wire's. Receivers rebuild the batch as views of the slot: no copy.
+A channel spread over hosts has one arena per host (``transport.relay``).
 
 The arena is the source's :class:`Writer`; each receiver holds a :class:`Reader`. A slot
 is one file in ``/dev/shm`` (mode 0600, ``os.open`` + ``mmap``: no resource tracker),
@@ -486,8 +487,8 @@ _use_count = torch._C._storage_Use_Count
 
 def told(source: bool, extra: dict[str, Any] | None, shm: bool | None) -> dict[str, Any] | None:
     """What this rank tells the others at the setup agreement: ``extra``, and for the lane
-    (unless ``shm`` is False) its host, why it cannot use the lane (empty: it can), and on
-    the source the arena's token."""
+    (unless ``shm`` is False) its host, why it cannot use the lane (empty: it can), and the
+    token of the arena it would write."""
     from tensorcast.transport.agreement import host_id
 
     if shm is False:
@@ -495,10 +496,8 @@ def told(source: bool, extra: dict[str, Any] | None, shm: bool | None) -> dict[s
     why = available() or ""
     if source and not why and limit() == 0:
         why = f"no free space in {SHM_DIR}"
-    out = {**(extra or {}), "host": host_id(), "shm_why_not": why}
-    if source:
-        out["shm_token"] = new_token()
-    return out
+    # every rank's token: a rank may lead its host's arena (NOTE [ Several hosts ])
+    return {**(extra or {}), "host": host_id(), "shm_why_not": why, "shm_token": new_token()}
 
 
 def writer(side: Writer | Reader | None) -> Writer | None:

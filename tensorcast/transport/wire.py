@@ -9,9 +9,9 @@ and knows nothing of what the bytes mean. Two kinds of message:
 ==========  ======================================  ===================================
 wire        heads                                   payloads
 ==========  ======================================  ===================================
-GlooWire    gloo; sends from the source to each     gloo broadcast (a tree)
-            receiver on groups of up to
-            ``HEAD_SENDS_MAX_RANKS`` ranks, else a
+GlooWire    gloo; sends from the source to each     gloo broadcast (a tree); on a channel
+            receiver on groups of up to             spread over hosts, sends to one rank
+            ``HEAD_SENDS_MAX_RANKS`` ranks, else a  at a time (``transport.relay``)
             broadcast
 NcclWire    the same gloo group (no device sync     NCCL broadcast on the rank's CUDA
             to read a header)                       device, posted on the caller's
@@ -61,6 +61,7 @@ __all__ = [
 #: The largest group whose heads the source sends each receiver itself.
 HEAD_SENDS_MAX_RANKS = 4
 _TAG = 0  # the group is tensorcast's own: no other traffic to tell apart
+_RELAY_TAG = 1  # payloads sent to one rank at a time (``transport.relay``)
 _MAX_OPTIONS = 32  # broadcast options kept per wire, by (root, timeout)
 # Backends aborted after a failure, kept for the life of the process: abort() does not
 # cancel a collective already queued on gloo's worker thread, and a backend's destructor
@@ -163,6 +164,14 @@ class GlooWire:
         # One posted with the first message waits for that as well: the collective's own
         # clock (the group's timeout, from now) must not run out before its wait's.
         return self._gloo.broadcast([tensor], self._opts(root, 2 * timeout))  # type: ignore[no-any-return]
+
+    def send(self, tensor: torch.Tensor, peers: tuple[int, ...]) -> Posted:
+        """Post ``tensor`` to each of ``peers`` alone (``transport.relay``)."""
+        return _All([self._gloo.send([tensor], peer, _RELAY_TAG) for peer in peers])
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> Posted:
+        """Post the receive of what :meth:`send` posts to this rank from ``peer``."""
+        return self._gloo.recv([tensor], peer, _RELAY_TAG)  # type: ignore[no-any-return]
 
     def abort(self) -> None:
         _ABORTED.append(self._gloo)

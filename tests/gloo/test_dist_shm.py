@@ -122,8 +122,9 @@ def test_kept_or_queued_batches_never_change(pool2: Any) -> None:
 _KILL_TIMEOUT = 5.0
 
 
-def _rank_dies(rank: int, world: int, victim: int) -> dict[str, Any]:
-    """Every rank iterates an endless lane; ``victim`` SIGKILLs itself mid-pass."""
+def _rank_dies(rank: int, world: int, victim: int, hosts: int = 1) -> dict[str, Any]:
+    """Every rank iterates an endless lane, on ``hosts`` simulated hosts; ``victim``
+    SIGKILLs itself mid-pass."""
 
     def endless() -> Iterator[dict[str, Any]]:
         step = 0
@@ -132,7 +133,7 @@ def _rank_dies(rank: int, world: int, victim: int) -> dict[str, Any]:
             step += 1
 
     received, last = 0, time.monotonic()
-    with lane():
+    with lane(host=f"host-{rank * hosts // world}"):
         loader = tc.BroadcastingDataLoader(
             endless() if rank == 0 else None, group=dist.group.WORLD, src=0,
             timeout=_KILL_TIMEOUT,
@@ -151,11 +152,13 @@ def _rank_dies(rank: int, world: int, victim: int) -> dict[str, Any]:
     raise AssertionError("the pass ended without an error")
 
 
-@pytest.mark.parametrize("victim", [0, 3], ids=["writer", "reader"])
+@pytest.mark.parametrize(
+    ("victim", "hosts"), [(0, 1), (3, 1), (2, 2)], ids=["writer", "reader", "leader"]
+)
 def test_a_killed_writer_or_reader_fails_the_others_and_leaves_nothing(
-    pool4: Any, victim: int
+    pool4: Any, victim: int, hosts: int
 ) -> None:
-    results = pool4.run(_rank_dies, victim, timeout=60, allow_death=True)
+    results = pool4.run(_rank_dies, victim, hosts, timeout=60, allow_death=True)
     for r, res in enumerate(results):
         if r != victim:
             assert res["error"] == "PeerError", (r, res)
@@ -211,18 +214,74 @@ def test_shm_true_where_it_cannot_be_raises_at_setup_saying_why(pool2: Any) -> N
         assert "shm=True" in message and "not on the source rank 0's host" in message
 
 
-def _rank_two_hosts(rank: int, world: int) -> tuple[list[int], int, int]:
-    """2 simulated hosts x 2 ranks: every rank gets every batch bit for bit."""
-    with lane(host=f"host-{rank // 2}"):
+@tapped
+def _rank_hosts(rank: int, world: int, tap: WireTap, hosts: list[int]) -> dict[str, Any]:
+    """Ranks on the simulated hosts ``hosts[rank]``: every rank gets every batch bit for
+    bit; no payload is broadcast (each crosses the wire to one rank per remote host)."""
+    broadcast = [0]
+
+    def count(wire: Any, tensor: torch.Tensor, root: int) -> None:
+        broadcast[0] += tensor.numel()
+
+    with lane(host=f"host-{hosts[rank]}"), tap.hook("payload", before=count):
         loader = _loader(rank, 4, timeout=20)
         steps = []
         for batch in loader:
             assert torch.equal(batch["x"], _batch(batch["step"])["x"])
             steps.append(batch["step"])
+        # a broadcast on the same channel, kept: the leader's slot is not written again
+        kept = tc.broadcast(_batch(7) if rank == 0 else None, 0, timeout=20)
+        again = tc.broadcast(_batch(8) if rank == 0 else None, 0, timeout=20)
+        assert torch.equal(kept["x"], _batch(7)["x"]) and torch.equal(again["x"], _batch(8)["x"])
     stats = loader.stats()
-    return steps, stats.shm_bytes, stats.wire_bytes
+    return {"steps": steps, "shm": stats.shm_bytes, "wire": stats.wire_bytes, "bcast": broadcast[0]}
 
 
-def test_two_hosts_of_two_ranks_get_bit_identical_batches(pool4: Any) -> None:
-    for steps, _, wire in pool4.run(_rank_two_hosts, timeout=60):
-        assert steps == [0, 1, 2, 3] and wire > 0
+# by layout, the ranks that read the payload from the wire (rank 0, the source, writes it)
+_LAYOUTS = {"2x2": ([0, 0, 1, 1], {2}), "1+2+1": ([0, 1, 1, 2], {1, 3})}
+
+
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_several_hosts_take_the_payload_once_per_remote_host(pool4: Any, layout: str) -> None:
+    hosts, wired = _LAYOUTS[layout]
+    results = pool4.run(_rank_hosts, hosts, timeout=60)
+    nbytes = 4 * _BIG * 4  # 4 batches of _BIG float32s (and a small int)
+    for rank, r in enumerate(results):
+        assert r["steps"] == [0, 1, 2, 3] and r["bcast"] == 0, (rank, r)
+        if rank == 0:
+            assert r["shm"] >= nbytes if hosts.count(0) > 1 else r["shm"] == 0, r
+        elif rank in wired:  # a leader: the payload crossed the wire to it alone
+            assert r["shm"] == 0 and r["wire"] >= nbytes, (rank, r)
+        else:  # on the source's host, or following its host's leader: an arena
+            assert r["wire"] == 0 and r["shm"] >= nbytes, (rank, r)
+
+
+_ROWS, _SAMPLES = 8, 120_000  # 3.8 MB of audio, half of 7 rows padding: trimmed on a wire
+
+
+def _rank_trims(rank: int, world: int, hosts: list[int]) -> int:
+    """The payload bytes of 4 padded batches, on ranks of the simulated hosts ``hosts``."""
+
+    def padded(step: int) -> dict[str, Any]:
+        audio = torch.full((_ROWS, _SAMPLES), float(step + 1))
+        audio[1:, _SAMPLES // 2 :] = 0.0
+        return {"audio": audio}
+
+    with lane(host=f"host-{hosts[rank]}"):
+        source = [padded(i) for i in range(4)] if rank == 0 else None
+        loader = tc.BroadcastingDataLoader(source, group=dist.group.WORLD, src=0, timeout=20)
+        for i, batch in enumerate(loader):
+            assert torch.equal(batch["audio"], padded(i)["audio"])
+    return loader.stats().bytes
+
+
+def test_trimming_is_skipped_only_where_every_receiver_reads_the_arena(
+    pool2: Any, pool4: Any
+) -> None:
+    whole = _ROWS * _SAMPLES * 4
+    # one host: the first batch is trimmed, then every receiver reads the source's slot
+    for nbytes in pool2.run(_rank_trims, [0, 0], timeout=60):
+        assert 3 * whole < nbytes < 4 * whole
+    # two hosts: the wire carries every payload to the other host, trimmed
+    for nbytes in pool4.run(_rank_trims, [0, 0, 1, 1], timeout=60):
+        assert nbytes < 4 * 0.7 * whole

@@ -7,6 +7,8 @@ import gc
 import os
 import warnings
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -176,3 +178,37 @@ def test_a_forked_child_leaves_its_parents_segments() -> None:
     assert any(n.startswith(token) for n in _mine())
     writer.close()
     assert not any(n.startswith(token) for n in _mine())
+
+
+def _routes(hosts: list[str], src: int = 0) -> list[tuple[str, Any]]:
+    """Every rank's side and route of a channel over ranks on ``hosts`` (by rank)."""
+    from tensorcast.transport import relay
+
+    group = SimpleNamespace(ranks=tuple(range(len(hosts))), wire=SimpleNamespace(streams=None))
+    extras = {r: {"host": h, "shm_why_not": "", "shm_token": f"t{r}"} for r, h in enumerate(hosts)}
+    out = []
+    for rank in range(len(hosts)):
+        side, route = relay.open_side(None, group, src, rank, extras, "x")  # type: ignore[arg-type]
+        if side is None and route is not None:
+            side = route.writer  # a leader's arena, for its host
+        name = "" if side is None else f"{type(side).__name__}:{side.token}"
+        out.append((name, None if route is None else route.route))
+    return out
+
+
+def test_a_route_over_hosts_takes_one_rank_per_remote_host() -> None:
+    from tensorcast.transport.relay import Route
+
+    assert _routes(["a", "a", "b", "b", "b"]) == [
+        ("Writer:t0", Route(leaders=(2,), near=(1,))),
+        ("Reader:t0", Route(upstream=0, near_source=True)),
+        ("Writer:t2", Route(upstream=0, leads=True, followers=(3, 4))),
+        ("Reader:t2", Route(upstream=2)),
+        ("Reader:t2", Route(upstream=2)),
+    ]
+    # the source alone on its host, a leader alone on its own: no arena for either
+    assert _routes(["a", "b", "b", "c"])[0] == ("", Route(leaders=(1, 3)))
+    assert _routes(["a", "b", "b", "c"])[3] == ("", Route(upstream=0, leads=True))
+    # one host: the arena alone; every rank on its own host: the wire alone
+    assert [route for _, route in _routes(["a", "a"])] == [None, None]
+    assert _routes(["a", "b", "c"]) == [("", None)] * 3

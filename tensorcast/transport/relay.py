@@ -1,0 +1,225 @@
+"""Several hosts: a payload crosses the wire once per remote host, and reaches that host's
+other ranks through the shared-memory arena of one rank there, its *leader*.
+
+# NOTE [ Several hosts ]
+A channel whose ranks are on several hosts (``agreement.host_id``), at least one of
+which holds two of them, is *relayed*: every rank reads the hosts every rank told at the
+setup agreement and makes the same :class:`Route`, so no more is agreed. The first
+message still goes from the source to every rank on the group's ordered lane; only a
+payload that does not ride in it moves otherwise, on the same group, one rank to another
+(``GlooWire.send``/``recv``, a tag of its own):
+
+==============================  =============================================================
+rank                            where its payload comes from
+==============================  =============================================================
+the source's host               the source's arena when the frame says SHM (as on one host),
+                                else a send from the source
+a remote host's leader          a send from the source, received into a slot of the leader's
+(its lowest rank)               own arena (a pooled buffer when none is free); it then sends
+                                each of its host's others the slot's Ref (16 bytes, zeros
+                                for none), and the payload itself when there is no slot
+the other ranks of that host    the Ref from their leader: the leader's arena, else a send
+                                from the leader
+==============================  =============================================================
+
+So the payload crosses the network once per remote host, and each host holds it once.
+The leader's arena is the source's, in the leader's process (``shm.Writer``: its slots,
+their release, the cap, the warning). No group is made for the route: the messages are
+point-to-point on the channel's own group, in the frame's lane job on each rank, in
+one order per pair (the source to a leader: the first message, then the payload; a
+leader to its host's others: the Ref, then the payload if it is not in a slot). A
+follower's wait for its leader is bounded by the frame's timeout as any receive is, and
+a leader or follower that dies breaks the others' lanes (``PeerError``) as a receiver of
+the wire does. The Ref leaves the leader after its receive of the payload has completed
+and before its send of the Ref: the memory ordering of NOTE [ Shared-memory slots ] for
+the source's arena holds for the leader's. Promised payloads are off on such channels
+(each rank would need the payload's size before its first message, and only leaders and
+the source's host take it from the source). Trimming stays on: the wire still carries
+the payload to remote hosts.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+import torch
+
+from tensorcast._errors import PeerError
+from tensorcast.transport import shm as _shm
+from tensorcast.transport.pool import BufferPool
+
+if TYPE_CHECKING:
+    from tensorcast.transport.groups import Group
+
+__all__ = ["Relay", "Route", "open_side"]
+
+
+class _PointToPoint(Protocol):
+    """What a relayed channel's wire does beside heads (``GlooWire``'s)."""
+
+    def send(self, tensor: torch.Tensor, peers: tuple[int, ...]) -> Any: ...
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How one rank of a relayed channel moves its payloads (group-local ranks).
+
+    Attributes:
+        leaders: on the source: a rank of each remote host, which takes the payload.
+        near: on the source: the receivers on its host (sent the payload when the frame's
+            payload is not in the source's arena).
+        upstream: on a receiver: the rank its payload comes from (the source, or its
+            host's leader).
+        near_source: on a receiver: on the source's host.
+        leads: on a receiver: it is its remote host's leader.
+        followers: on a leader: its host's other ranks.
+    """
+
+    leaders: tuple[int, ...] = ()
+    near: tuple[int, ...] = ()
+    upstream: int = -1
+    near_source: bool = False
+    leads: bool = False
+    followers: tuple[int, ...] = ()
+
+
+class Relay:
+    """This rank's part of a relayed channel (NOTE [ Several hosts ]): its :class:`Route`,
+    and the arena it writes as a leader (``writer``) or reads (``reader``)."""
+
+    def __init__(
+        self, route: Route, writer: _shm.Writer | None, reader: _shm.Reader | None
+    ) -> None:
+        self.route = route
+        self.writer = writer
+        self.reader = reader
+
+    def send(self, wire: Any, payload: torch.Tensor, in_slot: bool) -> Any:
+        """On the source: post ``payload`` to the leaders, and to its host's receivers
+        unless it is in the source's arena (``in_slot``)."""
+        route = self.route
+        peers = route.leaders if in_slot else route.leaders + route.near
+        return cast(_PointToPoint, wire).send(payload, peers)
+
+    def receive(
+        self,
+        wire: Any,
+        pool: BufferPool,
+        ref: _shm.Ref | None,
+        nbytes: int,
+        timeout: datetime.timedelta,
+    ) -> tuple[torch.Tensor, bool]:
+        """On a receiver: the frame's payload of ``nbytes`` bytes and whether it was read
+        from shared memory; ``ref`` is the source's slot when the frame says SHM."""
+        p2p, route = cast(_PointToPoint, wire), self.route
+        if route.near_source and ref is not None:
+            return _read(self.reader, ref, nbytes, route.upstream), True
+        if route.near_source or route.leads:
+            return self._lead(p2p, pool, nbytes, timeout), False
+        message = torch.empty(_shm.REF_SIZE, dtype=torch.uint8)
+        p2p.recv(message, route.upstream).wait(timeout)
+        mem = message.numpy().data
+        if any(mem):
+            return _read(self.reader, _shm.Ref.unpack(mem, 0), nbytes, route.upstream), True
+        payload = pool.take(nbytes, torch.device("cpu"))
+        p2p.recv(payload, route.upstream).wait(timeout)
+        return payload, False
+
+    def _lead(
+        self, p2p: _PointToPoint, pool: BufferPool, nbytes: int, timeout: datetime.timedelta
+    ) -> torch.Tensor:
+        """The payload from the source, and on a leader its fan-out to its host."""
+        writer, followers = self.writer, self.route.followers
+        slot = writer.take(nbytes) if writer is not None and nbytes >= _shm.MIN_PAYLOAD else None
+        payload = pool.take(nbytes, torch.device("cpu")) if slot is None else slot[1]
+        p2p.recv(payload, self.route.upstream).wait(timeout)
+        if not followers:
+            return payload
+        message = torch.zeros(_shm.REF_SIZE, dtype=torch.uint8)
+        if slot is not None:
+            slot[0].pack_into(message.numpy().data, 0)
+            assert writer is not None
+            writer.sent(slot[0])
+        posted = [p2p.send(message, followers)]
+        if slot is None:
+            posted.append(p2p.send(payload, followers))
+        for each in posted:
+            each.wait(timeout)
+        return payload
+
+    def close(self) -> None:
+        """The lane broke: unlink what this rank's arena holds, and sweep what a dead
+        writer of the arena it reads left."""
+        if self.writer is not None:
+            self.writer.close()
+        if self.reader is not None:
+            self.reader.sweep()
+
+
+def _read(reader: _shm.Reader | None, ref: _shm.Ref, nbytes: int, writer: int) -> torch.Tensor:
+    if reader is None:
+        raise PeerError("a payload in shared memory on a rank that reads no arena")
+    try:
+        return reader.payload(ref, nbytes)
+    except OSError as e:
+        raise PeerError(
+            f"the shared-memory segment of group rank {writer} is gone (it exited?): {e}"
+        ) from e
+
+
+def open_side(
+    shm: bool | None,
+    group: Group,
+    src: int,
+    rank: int,
+    extras: dict[int, dict[str, Any]],
+    what: str,
+) -> tuple[_shm.Writer | _shm.Reader | None, Relay | None]:
+    """This rank's side of the shared-memory lane of a channel on ``group`` from ``src``
+    (``shm.arena``) and, where the channel is relayed (NOTE [ Several hosts ]), its
+    :class:`Relay`; alike on every rank, from what every rank told (``shm.told``).
+
+    Raises:
+        ValueError: ``shm=True`` where the lane cannot be, saying why.
+    """
+    ranks, host_wire = group.ranks, group.wire.streams is None
+    order = sorted(ranks)
+    hosts: dict[str, list[int]] = {}
+    if shm is not False and host_wire:
+        for r in order:
+            hosts.setdefault(str(extras[r]["host"]), []).append(r)
+    if len(hosts) < 2 or all(len(on) == 1 for on in hosts.values()):
+        return _shm.arena(shm, ranks, src, rank, extras, host_wire, what), None
+    unable = [r for r in order if extras[r]["shm_why_not"]]
+    if unable:
+        if shm:
+            why = extras[unable[0]]["shm_why_not"]
+            raise ValueError(f"{what}: shm=True, but on rank {unable[0]}: {why}")
+        return None, None
+    local = order.index
+    home = hosts[str(extras[src]["host"])]
+    near = [r for r in home if r != src]
+    leaders = [on[0] for on in hosts.values() if on is not home]
+    if rank == src:
+        route = Route(leaders=tuple(map(local, leaders)), near=tuple(map(local, near)))
+        writer = _shm.Writer(extras[src]["shm_token"], len(near), _shm.limit()) if near else None
+        return writer, Relay(route, None, None)
+    if rank in near:
+        reader = _shm.Reader(extras[src]["shm_token"], near.index(rank))
+        return reader, Relay(Route(upstream=local(src), near_source=True), None, reader)
+    on = hosts[str(extras[rank]["host"])]
+    if rank == on[0]:
+        followers = on[1:]
+        writer = (
+            _shm.Writer(extras[rank]["shm_token"], len(followers), _shm.limit())
+            if followers
+            else None
+        )
+        route = Route(upstream=local(src), leads=True, followers=tuple(map(local, followers)))
+        return None, Relay(route, writer, None)
+    reader = _shm.Reader(extras[on[0]]["shm_token"], on.index(rank) - 1)
+    return reader, Relay(Route(upstream=local(on[0])), None, reader)

@@ -107,8 +107,10 @@ class Job(Generic[T]):
             raise self._error
         return self._value  # type: ignore[no-any-return]
 
-    def _run(self) -> None:
+    def _run(self, guard: Callable[[], None] | None = None) -> None:
         try:
+            if guard is not None:
+                guard()  # a guarded job on a broken lane: the lane's PeerError is its error
             self._value = self._fn()
         except BaseException as e:  # handed to whoever waits, never swallowed
             self._error = e
@@ -317,13 +319,12 @@ class Lane:
         try:
             if _interrupts.hook is not None:
                 _interrupts.hook("lane.busy")
-            if job.guarded and self.broken is not None:
-                job._fn = self.check  # raises the lane's PeerError, as the job's error
+            guard = self.check if job.guarded else None
             if torch.is_inference_mode_enabled():  # buffers made here must not be inference tensors
                 with torch.inference_mode(False):
-                    job._run()
+                    job._run(guard)
             else:
-                job._run()
+                job._run(guard)
         finally:
             with self._lock:
                 if self._inline == me:
@@ -399,9 +400,7 @@ class Lane:
                 self._check_deadlines()
                 continue
             try:
-                if job.guarded and self.broken is not None:
-                    job._fn = self.check  # raises the lane's PeerError, as the job's error
-                job._run()
+                job._run(self.check if job.guarded else None)
             finally:
                 job = None  # type: ignore[assignment]  # keeps no batch alive while idle
                 with self._cond:

@@ -113,7 +113,7 @@ class ViewSpec:
             self.specs.append((code, shape_t, _contiguous_strides(shape_t), off // isz))
             self.tensor_index.append(i)
         #: where each other leaf's bytes sit in a *host block*: those bytes alone, one
-        #: after another (aligned), for a buffer that lives on a GPU (see :func:`leaf_views`)
+        #: after another (aligned), for a buffer that lives on a GPU (``decode.leaf_views``)
         #: trimmed ndarray leaves follow the others, their stored bytes (a host result)
         self.host_spans: list[tuple[int, int, int]] = []  # (offset, nbytes, host position)
         self.host_trimmed: dict[int, tuple[int, int]] = {}  # leaf index -> (position, nbytes)

@@ -8,7 +8,7 @@ it is written, so the caller picks the buffer (pooled, pinned, on a GPU) once it
 size. Writing hands back the tree the receivers will rebuild from the header, made from
 what the encoder already knows: the source never decodes the header it has just encoded.
 
-With ``trim=True`` the encoder asks ``codec.trim.find`` of each leaf that could pay
+With ``trim=True`` the encoder asks ``codec.trim.plan`` of each leaf that could pay
 (``Layout.candidates``) how to trim it, and the batch gets a layout of its own where one
 is trimmed; writing then copies a trimmed leaf's prefixes alone (``trim.compact_into``).
 """
@@ -368,14 +368,11 @@ def _find_trims(
         if kind == "tensor" and not leaf.is_cpu:
             continue  # deciding a device leaf's trim would sync the host: it travels whole
         try:
-            if not _trim.probe(leaf, receiver=receiver):
-                continue
-            copy = _trim.readable(leaf)  # copied once, for the scan and the write
-            found = _trim.decide(_trim.scan(copy), receiver=receiver)
+            found = _trim.plan(leaf, receiver=receiver)  # a copy made once, if one is
         except (RuntimeError, ValueError, TypeError):
             continue  # trimming is an optimisation: a leaf it cannot read travels whole
         if found is not None:
-            trims[i] = found
+            trims[i], copy = found
             if copy is not leaf:
                 leaves[i] = (kind, code, shape, copy)
     return trims or None

@@ -41,7 +41,8 @@ are in ``docs/design.md``).
                       is known on the host)
 ====================  ==================================================================
 
-:func:`find` is ``probe`` + ``scan`` + ``decide``, what the encoder runs for a leaf.
+:func:`plan` is ``probe`` + ``scan`` + ``decide`` (and the copy a scan needs), what the
+encoder runs for a leaf; :func:`find` its side table alone.
 
 *Multichannel audio*, ``(B, C, T)``: a row is one example's ``C * T`` samples, channel
 after channel, so only the last channel's padding ends the row; the other channels'
@@ -83,6 +84,7 @@ __all__ = [
     "compact_into",
     "decide",
     "find",
+    "plan",
     "min_run",
     "padding_bytes",
     "probe",
@@ -374,14 +376,28 @@ def decide(runs: Runs, *, receiver: str = "host") -> Trim | None:
 
 
 def find(leaf: Any, *, receiver: str = "host") -> Trim | None:
-    """How to trim ``leaf``, or None: :func:`probe`, then :func:`scan` and :func:`decide`.
+    """How to trim ``leaf``, or None: :func:`plan`'s side table.
+
+    Raises:
+        ValueError: an unknown ``receiver``.
+    """
+    found = plan(leaf, receiver=receiver)
+    return None if found is None else found[0]
+
+
+def plan(leaf: Any, *, receiver: str = "host") -> tuple[Trim, Any] | None:
+    """How to trim ``leaf``, and the leaf to compact it from, or None: :func:`probe`,
+    then :func:`scan` and :func:`decide` of the leaf made :func:`readable` (copied once,
+    where the probe says a trim could pay; the copy is what :func:`compact_into` reads).
 
     Raises:
         ValueError: an unknown ``receiver``.
     """
     if not probe(leaf, receiver=receiver):
         return None
-    return decide(scan(leaf), receiver=receiver)
+    copy = readable(leaf)
+    table = decide(scan(copy), receiver=receiver)
+    return None if table is None else (table, copy)
 
 
 def compact_into(out: torch.Tensor, leaf: Any, prefix_lens: Sequence[int]) -> None:

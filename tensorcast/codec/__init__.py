@@ -5,8 +5,8 @@ Packing runs top to bottom through one module a step::
     tree --flatten--> tokens (structure) + small values + buffer leaves
          --layout--> each leaf at an aligned offset; the structure encoded once
          --encode--> an encoded batch: its header (schema) and a write into any buffer
-    header --schema (decode, validate before allocating)--> a decoded header
-           --views--> the buffer seen as leaves --build--> tree
+    header --decode (schema: validated before allocating)--> a decoded header
+           --decode.leaf_views--> the buffer seen as leaves --build--> tree
 
 A batch tree is flattened in preorder, without recursion, into JSON-able *tokens* (its
 structure), its small *values* (ints, floats, strings, ... in preorder) and the *buffer
@@ -61,12 +61,13 @@ for the bench, :func:`padding_bytes`, what trimming a leaf would drop.
 
 from __future__ import annotations
 
-from tensorcast.codec.build import Decoded
+from tensorcast.codec.decode import Decoded, decode
 from tensorcast.codec.encode import Encoded, Encoder, check_trim
 from tensorcast.codec.packed import Packed, resolve_device, unpack
-from tensorcast.codec.schema import FORMAT_VERSION, MAX_HEADER_BYTES, PREFIX_BYTES, decode
+from tensorcast.codec.repad import Repad
+from tensorcast.codec.schema import FORMAT_VERSION, MAX_HEADER_BYTES, PREFIX_BYTES
 from tensorcast.codec.trim import padding_bytes
-from tensorcast.codec.views import Repad, Reuses
+from tensorcast.codec.views import Reuses
 
 __all__ = [
     "FORMAT_VERSION",

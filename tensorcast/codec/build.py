@@ -1,10 +1,10 @@
-"""The decode side: a header's tokens and small values decoded, validated, and rebuilt
-into the tree.
+"""A tree's structure compiled, and the tree built: a header's tokens and small values
+decoded, validated, and rebuilt into the tree.
 
 A structure is compiled once (validating every token) into a :class:`Program`, run for
 each batch of that structure with that batch's buffer leaves and small values, which are
-decoded anew for each header. A :class:`Decoded` (what ``codec.schema.decode`` returns)
-rebuilds its tree from a buffer. The tokens and the values are those of NOTE [ The token
+decoded anew for each header: by a receiver's ``codec.decode.Decoded``, and by the
+source for its own tree (``codec.encode``), from what its encoder knows. The tokens and the values are those of NOTE [ The token
 and value grammar ] (``codec/__init__.py``); a peer may send anything, so each one is
 checked and an invalid one is a :class:`HeaderError`.
 """
@@ -15,28 +15,16 @@ import collections
 import operator
 import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-import torch
 
 from tensorcast._errors import HeaderError
 from tensorcast.codec import registry as _registry
 from tensorcast.codec.dtypes import NUMPY_CODES
 from tensorcast.codec.paths import Path, render_path
-from tensorcast.codec.views import (
-    Repad,
-    Reuses,
-    ViewSpec,
-    host_block,
-    leaf_views,
-)
 
-if TYPE_CHECKING:
-    from tensorcast.codec.schema import Structure
-    from tensorcast.codec.trim import Trim
-
-__all__ = ["Decoded", "Program", "compile_tokens", "decode_values", "run"]
+__all__ = ["Program", "compile_tokens", "decode_values", "run"]
 
 _OrderedDict = collections.OrderedDict
 _CONTAINER_TAGS = frozenset("ltdorx")
@@ -45,134 +33,6 @@ _U64 = struct.Struct("<Q")
 
 # A container step while compiling: (tag, extra, path, child references).
 _Step = tuple[str, Any, Path, list[tuple[int, int]]]
-
-
-class Decoded:
-    """A header read and its leaf table validated (``codec.schema.decode``): its
-    structure, shared by the headers of that structure, and its own small values.
-
-    The tokens are validated when first compiled, the small values when first decoded
-    (:meth:`compiled`), both before any tree is built.
-
-    Attributes:
-        structure: everything the header says but its small values.
-        values: the small values' tokens, as the header carries them.
-        consts: the small values decoded, once :meth:`compiled` has run.
-        trims: the trimmed leaves' side tables by leaf index, validated; None when no
-            leaf is trimmed.
-    """
-
-    __slots__ = ("consts", "structure", "trims", "values")
-
-    def __init__(
-        self, structure: Structure, values: list[Any], trims: dict[int, Trim] | None = None
-    ) -> None:
-        self.structure = structure
-        self.values = values
-        self.consts: list[Any] | None = None
-        self.trims = trims
-
-    @property
-    def nbytes(self) -> int:
-        """The size of the buffer the header describes."""
-        return self.structure.nbytes
-
-    @property
-    def host_nbytes(self) -> int | None:
-        """The size of the host block of the leaves that are not tensors (numpy arrays,
-        bytes, str) and of trimmed ndarray leaves, which travels beside a buffer on a GPU;
-        None when there is none (every leaf a tensor)."""
-        spec = self._view_spec()
-        return spec.host_nbytes if spec.host_spans else None
-
-    def check_buffer(self, buffer: Any) -> None:
-        """Check that ``buffer`` can be the buffer this header describes.
-
-        Raises:
-            TypeError: it is not a 1-D ``torch.uint8`` tensor.
-            ValueError: it is not contiguous.
-            HeaderError: its size is not the header's.
-        """
-        if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
-            raise TypeError(
-                f"the buffer must be a 1-D torch.uint8 tensor, got "
-                f"{getattr(buffer, 'dtype', type(buffer).__name__)} with shape "
-                f"{tuple(getattr(buffer, 'shape', ()))}"
-            )
-        if not buffer.is_contiguous():
-            raise ValueError("the buffer must be contiguous; call .contiguous() first")
-        nbytes = self.structure.nbytes
-        if buffer.numel() != nbytes:
-            raise HeaderError(
-                f"the header describes a {nbytes}-byte buffer but the buffer has {buffer.numel()}"
-            )
-
-    def compiled(self) -> tuple[Program, list[Any]]:
-        """The structure's program (compiled once per structure) and the small values
-        decoded (once per header), both validated.
-
-        Raises:
-            HeaderError: the tokens or the small values are not a valid tree.
-        """
-        structure = self.structure
-        program = structure.program
-        if program is None:
-            program, _ = compile_tokens(structure.tokens, len(structure.leaves))
-            structure.program = program
-        consts = self.consts
-        if consts is None:
-            consts = decode_values(self.values)
-            if len(consts) != program.n_values:
-                raise HeaderError(
-                    f"the header's tree has {program.n_values} small values but "
-                    f"{len(consts)} follow it"
-                )
-            self.consts = consts
-        return program, consts
-
-    def rebuild(
-        self,
-        buffer: torch.Tensor,
-        reuse: Reuses | None = None,
-        host: torch.Tensor | None = None,
-        later: list[Repad] | None = None,
-    ) -> Any:
-        """The tree, its leaves viewing ``buffer`` (numpy leaves: CPU views of it), but
-        for trimmed leaves: rebuilt on ``buffer``'s device (arrays on the CPU).
-
-        Args:
-            buffer: the buffer of ``nbytes`` bytes, on any device.
-            reuse: what keeps the views of ``buffer``, when it came from there (the
-                tensor leaves are then fresh tensors on views it kept), and hands out
-                the memory trimmed leaves are rebuilt into (:class:`Reuses`); default
-                views made anew and fresh memory.
-            host: the host block of the leaves that are not tensors (:meth:`host_block`),
-                when ``buffer`` is on a GPU: they are then read from it, not copied back.
-            later: where the trimmed leaves' re-pads are left to run before the tree is
-                read, their memory taken (``codec.views.untrimmed``); default: run now.
-
-        Raises:
-            HeaderError: the tokens or the small values are not a valid tree.
-        """
-        structure = self.structure
-        program, consts = structure.program, self.consts
-        if program is None or consts is None:
-            program, consts = self.compiled()
-        spec = structure.view_spec or self._view_spec()
-        leaves = leaf_views(spec, len(structure.leaves), buffer, reuse, host, self.trims, later)
-        return run(program, leaves, consts)
-
-    def host_block(self, buffer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The bytes of the leaves that are not tensors, copied from the host ``buffer``
-        into ``out`` (at least :attr:`host_nbytes` bytes) as :meth:`rebuild` reads them."""
-        return host_block(self._view_spec(), buffer, out)
-
-    def _view_spec(self) -> ViewSpec:
-        """The structure's view spec, made once per structure."""
-        structure = self.structure
-        if structure.view_spec is None:
-            structure.view_spec = ViewSpec(structure.leaves, trimmed=structure.trimmed)
-        return structure.view_spec
 
 
 class Program:

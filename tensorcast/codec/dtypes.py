@@ -16,8 +16,6 @@ __all__ = [
     "NUMPY_CODES",
     "TORCH_CODES",
     "numpy_code",
-    "numpy_dtype",
-    "torch_dtype",
 ]
 
 # code -> torch dtype. Optional dtypes are looked up by name so an older torch simply
@@ -71,11 +69,3 @@ CODE_ITEMSIZE: dict[str, int] = {
 def numpy_code(dtype: np.dtype) -> str | None:
     """The code of a native-byte-order numpy dtype, or None when it cannot travel."""
     return _CODE_OF_NUMPY.get(dtype) if dtype.isnative else None
-
-
-def torch_dtype(code: str) -> torch.dtype:
-    return TORCH_CODES[code]
-
-
-def numpy_dtype(code: str) -> np.dtype:
-    return NUMPY_CODES[code]

@@ -8,7 +8,7 @@ it is written, so the caller picks the buffer (pooled, pinned, on a GPU) once it
 size. Writing hands back the tree the receivers will rebuild from the header, made from
 what the encoder already knows: the source never decodes the header it has just encoded.
 
-With ``trim=True`` the encoder asks ``codec.trim.find`` of each leaf that could pay
+With ``trim=True`` the encoder asks ``codec.trim.plan`` of each leaf that could pay
 (``Layout.candidates``) how to trim it, and the batch gets a layout of its own where one
 is trimmed; writing then copies a trimmed leaf's prefixes alone (``trim.compact_into``).
 """
@@ -23,10 +23,12 @@ import torch
 from tensorcast.codec import schema as _schema
 from tensorcast.codec import trim as _trim
 from tensorcast.codec.build import compile_tokens, run
+from tensorcast.codec.decode import leaf_views
 from tensorcast.codec.flatten import BufferLeaf, flatten
 from tensorcast.codec.layout import DEFAULT_ALIGN, KIND, Layout, lay_out
 from tensorcast.codec.paths import render_path
-from tensorcast.codec.views import Repad, Reuses, leaf_views, untrimmed
+from tensorcast.codec.repad import Repad, Trim
+from tensorcast.codec.views import Reuses
 
 __all__ = ["Encoded", "Encoder", "check_trim", "encode"]
 
@@ -47,7 +49,7 @@ class Encoded:
         value_tokens: list[Any],
         layout: Layout,
         header: bytes,
-        trims: dict[int, _trim.Trim] | None = None,
+        trims: dict[int, Trim] | None = None,
     ) -> None:
         self.leaves = leaves
         #: the trimmed leaves' side tables by leaf index; None when none is trimmed
@@ -123,7 +125,7 @@ class Encoded:
     def _compact(self, out: torch.Tensor, i: int) -> None:
         """Write trimmed leaf ``i``'s prefixes into ``out``; an error names the leaf."""
         try:
-            _trim.compact_into(out, self.leaves[i][3], self.trims[i].kept)  # type: ignore[index]
+            _trim.compact_into(out, self.leaves[i][3], self.trims[i].prefix_lens)  # type: ignore[index]
         except (RuntimeError, ValueError) as e:
             _, paths = compile_tokens(self.layout.tokens, len(self.leaves), want_paths=True)
             where = render_path(paths[i]) if paths else f"leaf {i}"
@@ -138,26 +140,24 @@ class Encoded:
         return spec.host_nbytes if spec.host_spans else None
 
     def write_tree(
-        self,
-        buffer: torch.Tensor,
-        reuse: Reuses | None = None,
-        later: list[Repad] | None = None,
-    ) -> Any:
+        self, buffer: torch.Tensor, reuse: Reuses | None = None
+    ) -> tuple[Any, list[Repad]]:
         """Write the batch into ``buffer`` and return its tree as the receivers rebuild
         it: leaves that view ``buffer`` (fresh tensors on views ``reuse`` keeps, when
         ``buffer`` came from there), plain tensors even for leaves that require grad;
-        trimmed leaves rebuilt from ``buffer`` (into ``reuse``'s memory, if given; with
-        ``later``, their re-pads are left in it to run, as ``codec.views.untrimmed``
-        says)."""
+        trimmed leaves re-padded from ``buffer`` into ``reuse``'s memory, if given. Their
+        re-pads are returned with the tree, their memory taken, for the caller to run
+        before anyone reads it (``codec.repad.Repad``)."""
         spec = self.layout.write_spec
         with torch.no_grad():  # copies of leaves that require grad stay out of autograd
             tensor_views = self.write(buffer, views=spec.kept_views(buffer, reuse))
-        return self._tree(self._leaf_values(buffer, tensor_views, reuse, later))
+        values, repads = self._leaf_values(buffer, tensor_views, reuse)
+        return self._tree(values), repads
 
     def host_block(self, out: torch.Tensor) -> torch.Tensor:
         """The bytes of the leaves that are not tensors (numpy arrays, bytes, str), alone,
         and the stored bytes of trimmed ndarray leaves, written into the host tensor
-        ``out`` as ``codec.views.leaf_views`` reads a host block: what travels beside a
+        ``out`` as ``codec.decode.leaf_views`` reads a host block: what travels beside a
         buffer on a GPU."""
         spec = self.layout.write_spec
         dst = out.numpy()
@@ -171,17 +171,14 @@ class Encoded:
         return out[: spec.host_nbytes]
 
     def device_tree(
-        self, buffer: torch.Tensor, host: torch.Tensor | None, later: list[Repad] | None = None
-    ) -> Any:
+        self, buffer: torch.Tensor, host: torch.Tensor | None
+    ) -> tuple[Any, list[Repad]]:
         """The tree of a device buffer this batch is (being) written into, read nowhere
         but on the device: tensor leaves view ``buffer``, the others come from ``host``,
-        its host block (:meth:`host_block`); trimmed leaves' re-pads left in ``later``
-        when given (``codec.views.untrimmed``)."""
-        spec = self.layout.read_spec()
-        values = leaf_views(
-            spec, len(self.leaves), buffer, host=host, trims=self.trims, later=later
-        )
-        return self._tree(values)
+        its host block (:meth:`host_block`); and the re-pads of its trimmed leaves, to
+        run before it is read (``codec.repad.Repad``)."""
+        values, repads = leaf_views(self.layout.read_spec(), buffer, host=host, trims=self.trims)
+        return self._tree(values), repads
 
     def upload_others(self, buffer: torch.Tensor, host: torch.Tensor) -> None:
         """Copy the leaves that are not tensors (and trimmed ndarrays' stored bytes) from
@@ -200,20 +197,23 @@ class Encoded:
         buffer: torch.Tensor,
         tensor_views: list[torch.Tensor],
         reuse: Reuses | None = None,
-        later: list[Repad] | None = None,
-    ) -> list[Any]:
-        """The leaf values the receivers will see, built from what :meth:`write` returned."""
+    ) -> tuple[list[Any], list[Repad]]:
+        """The leaf values the receivers will see, built from what :meth:`write` returned,
+        and the re-pads of the trimmed ones."""
         spec = self.layout.write_spec
         out: list[Any] = list(tensor_views)
         for j in spec.bools:
             out[j] = out[j].view(torch.bool)  # written as bytes
         if not spec.others and not spec.trimmed:
-            return out
-        values = spec.placed(out, len(self.leaves))
+            return out, []
+        values = spec.placed(out)
+        repads = []
         for i, (kind, code, shape, off, n) in spec.trimmed:
             stored = buffer[off : off + n]
             trim = self.trims[i]  # type: ignore[index]
-            values[i] = untrimmed(kind, code, shape, stored, trim, reuse, i, later)
+            repad = Repad.taken(kind, code, shape, stored, trim, reuse, i)
+            values[i] = repad.value
+            repads.append(repad)
         host: np.ndarray | None = None
         for i, (kind, _code, shape, off, _n) in spec.others:
             data = self.leaves[i][3]
@@ -227,7 +227,7 @@ class Encoded:
                         buffer[:].numpy() if buffer.device.type == "cpu" else buffer.cpu().numpy()
                     )
                 values[i] = host[off : off + data.nbytes].view(data.dtype).reshape(shape)
-        return values
+        return values, repads
 
 
 def _zero_each_gap(buffer: torch.Tensor, layout: Layout) -> np.ndarray | None:
@@ -352,7 +352,7 @@ class Encoder:
 
 def _find_trims(
     leaves: list[BufferLeaf], candidates: list[int], receiver: str | None
-) -> dict[int, _trim.Trim] | None:
+) -> dict[int, Trim] | None:
     """The side tables of the ``candidates`` that trimming pays for, by leaf index.
 
     A tensor on a GPU is sent whole: deciding its trim reads it back to the host, 2 to
@@ -368,14 +368,11 @@ def _find_trims(
         if kind == "tensor" and not leaf.is_cpu:
             continue  # deciding a device leaf's trim would sync the host: it travels whole
         try:
-            if not _trim.probe(leaf, receiver=receiver):
-                continue
-            copy = _trim.readable(leaf)  # copied once, for the scan and the write
-            found = _trim.decide(_trim.scan(copy), receiver=receiver)
+            found = _trim.plan(leaf, receiver=receiver)  # a copy made once, if one is
         except (RuntimeError, ValueError, TypeError):
             continue  # trimming is an optimisation: a leaf it cannot read travels whole
         if found is not None:
-            trims[i] = found
+            trims[i], copy = found
             if copy is not leaf:
                 leaves[i] = (kind, code, shape, copy)
     return trims or None

@@ -21,6 +21,7 @@ from tensorcast.codec import trim as _trim
 from tensorcast.codec.build import Program, compile_tokens, decode_values
 from tensorcast.codec.dtypes import CODE_ITEMSIZE
 from tensorcast.codec.flatten import BufferLeaf
+from tensorcast.codec.repad import Trim
 from tensorcast.codec.views import ViewSpec
 
 __all__ = ["DEFAULT_ALIGN", "KIND", "Layout", "lay_out"]
@@ -91,7 +92,7 @@ class Layout:
         self._gaps: list[tuple[int, int]] | None = None
         self._last: tuple[list[Any], bytes] | None = None  # values -> header, last used
 
-    def header(self, values: list[Any], trims: dict[int, _trim.Trim] | None = None) -> bytes:
+    def header(self, values: list[Any], trims: dict[int, Trim] | None = None) -> bytes:
         """The header of the batch of this structure with these small values (and these
         side tables, for a layout of :meth:`trimmed`).
 
@@ -139,7 +140,7 @@ class Layout:
             ]
         return found
 
-    def trimmed_layout(self, leaves: list[BufferLeaf], trims: dict[int, _trim.Trim]) -> Layout:
+    def trimmed_layout(self, leaves: list[BufferLeaf], trims: dict[int, Trim]) -> Layout:
         """This structure's layout for one batch whose leaves ``trims`` are trimmed: their
         stored bytes, and the offsets after them, are that batch's own."""
         if self._program is None:
@@ -180,7 +181,7 @@ def lay_out(
     tokens: list[Any],
     align: int,
     comparable: bool,
-    trims: dict[int, _trim.Trim] | None = None,
+    trims: dict[int, Trim] | None = None,
 ) -> Layout:
     """Place every leaf at its aligned offset and encode the structure; the leaves of
     ``trims`` take their stored bytes.

@@ -13,6 +13,7 @@ import torch
 
 from tensorcast.codec import schema as _schema
 from tensorcast.codec.build import compile_tokens
+from tensorcast.codec.decode import decode
 from tensorcast.codec.encode import encode
 from tensorcast.codec.layout import DEFAULT_ALIGN
 from tensorcast.codec.paths import render_path
@@ -159,7 +160,7 @@ def unpack(
         if buffer is None:
             raise TypeError("unpack(header, buffer): the buffer is missing")
         header = packed_or_header
-    decoded = _schema.decode(header)
+    decoded = decode(header)
     decoded.check_buffer(buffer)
     dev = resolve_device(device)
     if dev is not None and dev != buffer.device:
@@ -173,7 +174,7 @@ def read_header(header: bytes) -> Schema:
     Raises:
         HeaderError: the header is not valid for this version of tensorcast.
     """
-    decoded = _schema.decode(header)
+    decoded = decode(header)
     structure = decoded.structure
     program, paths = compile_tokens(structure.tokens, len(structure.leaves), want_paths=True)
     assert paths is not None

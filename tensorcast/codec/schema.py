@@ -7,7 +7,7 @@ A header is a 12-byte prefix (all integers little-endian) and a body::
     4       2     format version (u16), currently 3
     6       2     flags (u16), must be 0 in version 3
     8       4     body length in bytes (u32), at most MAX_HEADER_BYTES
-    12      n     body: ASCII JSON (``codec.compact_json``)
+    12      n     body: compact ASCII JSON (:data:`dumps`)
                   [nbytes, align, leaves, tokens, values, trims]
 
 ``leaves`` is the leaf table, in buffer order: ``[kind, dtype_code, shape, offset, nbytes]``
@@ -21,16 +21,15 @@ buffer; each leaf's nbytes equal to its shape times its itemsize; the buffer siz
 the end of the last leaf.
 
 Everything but the values and the trims comes first, so headers of one structure share
-their bytes up to the values: a header that starts with the bytes of a structure
-validated before, and trims no leaf, is read by parsing its values alone (see
-:func:`decode`). A trimmed leaf's stored bytes change from batch to batch, and so do the
-offsets after it: such headers are read whole, and share their tokens, whose compiled
-program is found by their text.
+their bytes up to the values (:func:`structure_bytes`): ``codec.decode`` reads a header
+that starts with the bytes of a structure validated before, and trims no leaf, by
+parsing its values alone.
 """
 
 from __future__ import annotations
 
-import functools
+import json
+import json.scanner
 import math
 import struct
 from collections.abc import Callable
@@ -38,12 +37,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorcast._errors import HeaderError
-from tensorcast.codec import compact_json as _json
-from tensorcast.codec import untrim as _untrim
-from tensorcast.codec.build import Decoded, Program, compile_tokens
+from tensorcast.codec import repad as _repad
 from tensorcast.codec.dtypes import CODE_ITEMSIZE, NUMPY_CODES
-from tensorcast.codec.trim import Trim
-from tensorcast.codec.views import ViewSpec
+from tensorcast.codec.repad import Trim
 
 __all__ = [
     "FORMAT_VERSION",
@@ -53,11 +49,14 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "PREFIX_BYTES",
     "SUPPORTED_VERSIONS",
+    "NO_TRIMS",
+    "Body",
     "LeafSpec",
     "Schema",
-    "Structure",
-    "decode",
+    "dumps",
     "encode",
+    "parse",
+    "read_body",
     "structure_bytes",
 ]
 
@@ -72,10 +71,68 @@ MAX_NDIM = 64
 MAX_ALIGN = 1 << 16
 KINDS = ("tensor", "ndarray", "bytes", "str")
 
-_dumps = _json.dumps
-_scan = _json.scan
-_values_encoder = _json.values_encoder
+# -- JSON as headers use it: compact and ASCII, with no whitespace. Reading is the C
+# scanner's work alone; the small values, encoded anew on every step, get a C encoder
+# made once.
+
+dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, check_circular=False).encode
+
+# One JSON value from the start of a string, and where it ends: what json.loads does
+# without its whitespace skipping (headers hold none) and its Python-level wrappers.
+scan: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(
+    json.JSONDecoder()  # type: ignore[arg-type]  # typeshed types it as its own class
+)
+
+
+def values_encoder() -> Callable[[list[Any]], str]:
+    """:data:`dumps` for the small values, which are encoded on every step: the C encoder
+    made once instead of per call (``JSONEncoder.encode`` builds one each time, a cost a
+    small batch's step feels; see ``docs/design.md``, "A small frame's path runs cold"). Checked against ``dumps`` here; any
+    Python without it, or with another signature, gets ``dumps`` itself."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return dumps
+
+    def unsupported(obj: Any) -> Any:
+        raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+    try:
+        chunks = make(
+            None,  # markers: the values hold no cycles
+            unsupported,  # default
+            json.encoder.encode_basestring_ascii,
+            None,  # indent
+            ":",  # key separator
+            ",",  # item separator
+            False,  # sort_keys
+            False,  # skipkeys
+            True,  # allow_nan
+        )
+        sample: list[Any] = [
+            ["i", -(1 << 63)],
+            ["f", 1 << 64],
+            'a\u00e9\\"',
+            None,
+            True,
+            False,
+            [[]],
+        ]
+        if "".join(chunks(sample, 0)) != dumps(sample):
+            return dumps
+    except (TypeError, ValueError):
+        return dumps
+
+    def encode(values: list[Any]) -> str:
+        return "".join(chunks(values, 0))
+
+    return encode
+
+
+_dumps = dumps
+_scan = scan
+_values_encoder = values_encoder
 _encode_values = _values_encoder()
+NO_TRIMS = b",[]]"  # how a body without trimmed leaves ends
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,42 +175,6 @@ class Schema:
     nbytes: int
     version: int
     align: int
-
-
-class Structure:
-    """Everything a header says but its small values, validated except for the tokens
-    (those are validated when compiled into ``program``), and what is made from it once
-    for every batch of this structure. Never mutated but for filling in the caches."""
-
-    __slots__ = (
-        "align",
-        "leaves",
-        "nbytes",
-        "program",
-        "structure_bytes",
-        "tokens",
-        "trimmed",
-        "view_spec",
-    )
-
-    def __init__(
-        self,
-        nbytes: int,
-        align: int,
-        leaves: list[list[Any]],
-        tokens: list[Any],
-        trimmed: frozenset[int] = frozenset(),
-    ):
-        self.nbytes = nbytes
-        self.align = align
-        self.leaves = leaves
-        self.tokens = tokens
-        #: the leaves the header trimmed: their side tables checked their sizes
-        self.trimmed = trimmed
-        #: the body's bytes up to the values, when they are what encode() writes
-        self.structure_bytes: bytes | None = None
-        self.program: Program | None = None  # compiled on first use
-        self.view_spec: ViewSpec | None = None  # made on first use
 
 
 def _fail(what: str) -> HeaderError:
@@ -214,7 +235,7 @@ def encode(
         records = [[i, *trims[i].record()] for i in sorted(trims)]
         body = structure + values_json + b"," + _dumps(records).encode("ascii") + b"]"
     else:
-        body = structure + values_json + _NO_TRIMS
+        body = structure + values_json + NO_TRIMS
     if len(body) > MAX_HEADER_BYTES:
         raise ValueError(
             f"the batch's header would be {len(body)} bytes, over the {MAX_HEADER_BYTES}-byte "
@@ -224,49 +245,43 @@ def encode(
     return PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body)) + body
 
 
-def decode(header: bytes | bytearray | memoryview) -> Decoded:
-    """Read a header: its prefix checked, its body parsed, its leaf table validated, in
-    bounded time and memory for any input and before anything is allocated from it.
+@dataclass(frozen=True, slots=True)
+class Body:
+    """A header's body, its framing checked, its leaf table and its trims' side tables
+    validated (its tokens and small values are validated when compiled and decoded,
+    ``codec.build``).
 
-    Batches of fixed shapes repeat their header byte for byte, so small headers are
-    decoded once and the validated result is reused (never mutated but for its caches).
+    Attributes:
+        raw: the body's bytes.
+        nbytes: the buffer size the header requires.
+        align: the alignment every leaf offset is a multiple of.
+        leaves: the leaf table, ``[kind, dtype_code, shape, offset, nbytes]`` rows.
+        tokens: the tree's structure, as the header carries it.
+        values: the small values' tokens, as the header carries them.
+        trimmed: the indices of the trimmed leaves.
+        trims: their side tables by leaf index; None when no leaf is trimmed.
+    """
 
-    Args:
-        header: the header's bytes.
+    raw: bytes
+    nbytes: int
+    align: int
+    leaves: list[list[Any]]
+    tokens: Any
+    values: list[Any]
+    trimmed: frozenset[int]
+    trims: dict[int, Trim] | None
 
-    Returns:
-        The :class:`Decoded` header, which validates its tokens and small values when it
-        first rebuilds a tree (or when asked, ``Decoded.compiled``).
+
+def read_body(header: bytes | bytearray | memoryview) -> Body:
+    """The body of ``header``, checked in bounded time and memory for any input and before
+    anything is allocated from the sizes it states (the trims against this moment's
+    rebuild limit).
 
     Raises:
         HeaderError: the header is not valid for this version of tensorcast.
-        TypeError: ``header`` is not bytes.
     """
-    if not isinstance(header, (bytes, bytearray, memoryview)):
-        raise TypeError(f"a header is bytes, got {type(header).__name__}")
-    if type(header) is bytes and len(header) <= _CACHE_MAX_BYTES and header.endswith(_NO_TRIMS):
-        return _decode_cached(header)
-    return _decode(header)  # trims are checked against this moment's rebuild limit
-
-
-_CACHE_MAX_BYTES = 64 << 10
-_NO_TRIMS = b",[]]"  # how a body without trimmed leaves ends
-
-
-# The structures read last, newest first: a header that starts with one's bytes needs
-# only its values parsed. Replaced whole, never changed in place (prefetch threads read it).
-_recent: tuple[Structure, ...] = ()
-_RECENT = 4
-_RECENT_MAX_BYTES = 1 << 20
-
-
-def _decode(header: bytes | bytearray | memoryview) -> Decoded:
-    if type(header) is bytes:
-        known = _read_known(header)
-        if known is not None:
-            return known
     raw = _unframe(header)
-    body = _parse(raw)
+    body = parse(raw)
     if type(body) is not list or len(body) != 6:
         raise _fail("the body must be a list [nbytes, align, leaves, tokens, values, trims]")
     nbytes, align, leaves, tokens, values, trims = body
@@ -284,79 +299,13 @@ def _decode(header: bytes | bytearray | memoryview) -> Decoded:
         raise _fail(f"the leaves end at byte {end} but the buffer size is {nbytes}")
     if type(values) is not list:
         raise _fail("the small values are not a list")
-    structure = Structure(nbytes, align, leaves, tokens, trimmed)
-    side_tables = _side_tables(trims, leaves, nbytes + len(header))
-    if trimmed:
-        structure.program = _program(tokens, len(leaves))
-    # Larger structures are not kept for the next header, nor those of trimmed leaves,
-    # whose stored sizes change from batch to batch (their program is kept: _program).
-    if len(raw) <= _RECENT_MAX_BYTES and not trimmed:
-        try:
-            start: bytes | None = structure_bytes(nbytes, align, leaves, tokens)
-        except (ValueError, RecursionError):  # not something this library writes
-            start = None
-        if start is not None and raw.startswith(start):
-            # Written as this library writes it: later bodies can match its bytes.
-            structure.structure_bytes = start
-            _remember(structure)
-    return Decoded(structure, values, side_tables)
-
-
-_decode_cached = functools.lru_cache(maxsize=32)(_decode)
-
-
-def _read_known(header: bytes) -> Decoded | None:
-    """A header framed as this library frames one, whose body starts with the very bytes
-    of a structure validated lately: its values alone are parsed. None for any other.
-
-    Every step of a repeating batch comes here, so it is one function, not the several
-    the general path calls (each costs a few microseconds when the step runs cold).
-    """
-    n = len(header)
-    if not PREFIX_BYTES < n <= PREFIX_BYTES + MAX_HEADER_BYTES:
-        return None  # the general path says what is wrong with it
-    if header[:PREFIX_BYTES] != PREFIX.pack(MAGIC, FORMAT_VERSION, 0, n - PREFIX_BYTES):
-        return None
-    for known in _recent:
-        start = known.structure_bytes
-        assert start is not None  # only structures with their bytes are remembered
-        at = PREFIX_BYTES + len(start)
-        if n <= at or not header.startswith(start, PREFIX_BYTES):
-            continue
-        if not header.endswith(_NO_TRIMS):  # structures with trims are not remembered
-            return None
-        values = _parse(header[at : -len(_NO_TRIMS)])  # one JSON value, then no trims
-        if type(values) is not list:
-            raise _fail("the small values are not a list")
-        return Decoded(known, values)
-    return None
-
-
-# Compiled programs by their tokens' text: headers with trimmed leaves differ from batch
-# to batch in the leaf table, not in the tokens. Replaced whole, never changed in place.
-_programs: dict[bytes, Program] = {}
-_PROGRAMS = 16
-
-
-def _program(tokens: Any, n_leaves: int) -> Program:
-    """The compiled program of ``tokens`` (validated once per distinct text)."""
-    global _programs
-    try:
-        key = _dumps([n_leaves, tokens]).encode("ascii")
-    except (ValueError, RecursionError):  # not something this library writes
-        return compile_tokens(tokens, n_leaves)[0]
-    program = _programs.get(key)
-    if program is None:
-        program = compile_tokens(tokens, n_leaves)[0]
-        kept = dict(list(_programs.items())[-(_PROGRAMS - 1) :])
-        kept[key] = program
-        _programs = kept
-    return program
+    side_tables = _repad.check_trims(trims, leaves, nbytes + len(header))
+    return Body(raw, nbytes, align, leaves, tokens, values, trimmed, side_tables)
 
 
 def _trimmed_indices(trims: Any, n_leaves: int) -> frozenset[int]:
     """The leaves ``trims`` says are trimmed: a list of records ``[index, ...]`` whose
-    indices are ints, in range and strictly increasing (the rest: :func:`_side_tables`)."""
+    indices are ints, in range and strictly increasing (the rest: ``repad.check_trims``)."""
     if type(trims) is not list:
         raise _fail("the trims are not a list")
     prev = -1
@@ -371,37 +320,7 @@ def _trimmed_indices(trims: Any, n_leaves: int) -> frozenset[int]:
     return frozenset(record[0] for record in trims)
 
 
-def _side_tables(trims: list[Any], leaves: list[Any], travelled: int) -> dict[int, Trim] | None:
-    """The trims' side tables by leaf index, each checked against its leaf's row (whose
-    kind, dtype code and shape are valid); their full leaves within the buffer cap, and
-    within a bounded multiple of the ``travelled`` bytes and the rebuild limit
-    (``untrim.check_rebuild``)."""
-    if not trims:
-        return None
-    tables = {}
-    full = 0
-    for i, *record in trims:
-        _kind, code, shape, _off, size = leaves[i]
-        table = _untrim.validate(
-            record, shape, CODE_ITEMSIZE[code], size, max_bytes=MAX_BUFFER_BYTES
-        )
-        full += table.full_nbytes
-        if full > MAX_BUFFER_BYTES:
-            raise _fail(f"the trimmed leaves rebuild to over {MAX_BUFFER_BYTES} bytes")
-        tables[i] = table
-    try:
-        _untrim.check_rebuild(full, travelled)
-    except ValueError as e:  # the limit's variable is set wrong: say so as the header's
-        raise _fail(str(e)) from None
-    return tables
-
-
-def _remember(structure: Structure) -> None:
-    global _recent
-    _recent = (structure, *_recent[: _RECENT - 1])
-
-
-def _parse(raw: bytes) -> Any:
+def parse(raw: bytes) -> Any:
     try:
         text = raw.decode("ascii")
         value, end = _scan(text, 0)
@@ -440,7 +359,7 @@ def _check_leaf(
     # A zero-element leaf may still not claim dims whose strides would overflow int64.
     if math.prod(d for d in shape if d) * itemsize > MAX_BUFFER_BYTES:
         raise _fail(f"leaf {i} has dims {shape} too large for any buffer")
-    if trimmed:  # its side table checks its size (_side_tables)
+    if trimmed:  # its side table checks its size (repad.check_trims)
         if kind not in ("tensor", "ndarray"):
             raise _fail(f"leaf {i} ({kind}) is trimmed, but only tensors and arrays can be")
     elif size != math.prod(shape) * itemsize:

@@ -35,13 +35,14 @@ are in ``docs/design.md``).
                       chunks, then one chunk a row compared element by element
 :func:`decide`        the side table, if trimming clears the floor and pays (else None)
 :func:`compact_into`  the prefixes, back to back, into the packed buffer's slice
-``untrim.validate``   a side table from the header, checked before anything is allocated
-``untrim.rebuild``    the full leaf: on a host, the runs set and a memcpy a row; on a
+``repad.validate``    a side table from the header, checked before anything is allocated
+``repad.repad``       the full leaf: on a host, the runs set and a memcpy a row; on a
                       device, a fill and a masked scatter, with no host sync (every size
                       is known on the host)
 ====================  ==================================================================
 
-:func:`find` is ``probe`` + ``scan`` + ``decide``, what the encoder runs for a leaf.
+:func:`plan` is ``probe`` + ``scan`` + ``decide`` (and the copy a scan needs), what the
+encoder runs for a leaf; :func:`find` its side table alone.
 
 *Multichannel audio*, ``(B, C, T)``: a row is one example's ``C * T`` samples, channel
 after channel, so only the last channel's padding ends the row; the other channels'
@@ -51,10 +52,11 @@ second shape of record. Rows stay along dim 0: the contract defines them so; spe
 batches are mono in lhotse's and NeMo's collates (a multichannel ``(B, T, C)`` layout, as
 features ``(B, T, F)``, already trims fully); and a later format version can add a field
 for the number of leading dims that make a row without changing anything here but
-``untrim.validate``.
+``repad.validate``.
 
 The side table's bytes in the header are specified in ``docs/format.md`` (Trimmed
-leaves); :mod:`tensorcast.codec.untrim` checks a record and rebuilds the leaf from it.
+leaves); :mod:`tensorcast.codec.repad` checks a record and re-pads the leaf from it, on
+both roles: the side table (``Trim``) and the bit views of an element live there.
 """
 
 from __future__ import annotations
@@ -68,21 +70,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from tensorcast.codec.repad import MAX_REBUILD_RATIO, Trim, as_words, flat_bytes, sizes
+
 __all__ = [
     "HOST_MIN_SAVED_BYTES",
     "HOST_MIN_SHARE",
     "HOST_ROW_BYTES",
-    "MAX_LEAF_BYTES",
-    "MAX_REBUILD_RATIO",
     "MIN_RUN_BYTES",
     "MIN_SAVED_BYTES",
     "MIN_SAVED_FRACTION",
     "RECEIVERS",
     "Runs",
-    "Trim",
     "compact_into",
     "decide",
     "find",
+    "plan",
     "min_run",
     "padding_bytes",
     "probe",
@@ -104,22 +106,15 @@ HOST_MIN_SHARE = 0.35
 HOST_MIN_SAVED_BYTES = 256 << 10
 #: ... and for the cost of each row (its views and copies)
 HOST_ROW_BYTES = 24 << 10
-#: the largest full leaf a side table may describe (the format's buffer cap)
-MAX_LEAF_BYTES = 1 << 44
-#: a header's trimmed leaves rebuild to at most this many times the bytes that travelled
-#: (its buffer and the header itself): the encoder trims no leaf past it, receivers refuse
-#: a header past it (``untrim.check_rebuild``, ``docs/format.md``)
-MAX_REBUILD_RATIO = 1024
 #: where the receivers rebuild a trimmed leaf (see :func:`decide`)
 RECEIVERS = ("host", "device")
 
-# The scan's chunks (see _kept): small enough that gathering one per row is cheap,
+# The scan's chunks (see _prefix_lens): small enough that gathering one per row is cheap,
 # large enough that the per-chunk results are few. Leaves up to _ONE_LEVEL_BYTES are
 # compared whole: there a second level would cost more ops than bytes.
 _CHUNK_BYTES = 1 << 12
 _ONE_LEVEL_BYTES = 1 << 18
 
-_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, check_circular=False).encode
 
 
@@ -130,59 +125,20 @@ class Runs:
     Attributes:
         row_len: ``n``, the elements in a row.
         itemsize: the bytes of one element.
-        kept: ``(B,)`` int64 ndarray, the elements before each row's run (0 for a row that
+        prefix_lens: ``(B,)`` int64 ndarray, the elements before each row's run (0 for a row that
             is all one value, ``n - 1`` for a row whose last two elements differ).
         elements: ``(B, itemsize)`` uint8 ndarray, each row's last element as bytes.
     """
 
     row_len: int
     itemsize: int
-    kept: np.ndarray
+    prefix_lens: np.ndarray
     elements: np.ndarray
 
     @property
     def runs(self) -> np.ndarray:
         """``(B,)`` int64, each row's run length in elements."""
-        return self.row_len - self.kept
-
-
-@dataclass(frozen=True, slots=True)
-class Trim:
-    """A trimmed leaf's side table: what travels in the header beside its prefixes.
-
-    Attributes:
-        row_len: ``n = prod(shape[1:])`` (from the leaf table, not the record).
-        itemsize: the leaf's element size (from its dtype code, not the record).
-        runs: each row's run length in elements; the row keeps ``row_len - run``.
-        elements: the distinct run elements, ``itemsize`` bytes each, in increasing order.
-        which: each row's index into ``elements``; None when there is one element.
-    """
-
-    row_len: int
-    itemsize: int
-    runs: tuple[int, ...]
-    elements: bytes
-    which: tuple[int, ...] | None = None
-
-    @property
-    def kept(self) -> list[int]:
-        """Each row's kept elements, ``row_len - run``."""
-        return list(map(self.row_len.__sub__, self.runs))
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes stored: every row's prefix."""
-        return (len(self.runs) * self.row_len - sum(self.runs)) * self.itemsize
-
-    @property
-    def full_nbytes(self) -> int:
-        """The bytes of the full leaf."""
-        return len(self.runs) * self.row_len * self.itemsize
-
-    def record(self) -> list[Any]:
-        """The JSON-able record the header carries (see the module docstring)."""
-        which = None if self.which is None else list(self.which)
-        return [list(self.runs), self.elements.hex(), which]
+        return self.row_len - self.prefix_lens
 
 
 def min_run(itemsize: int) -> int:
@@ -235,38 +191,13 @@ def _tensor(leaf: Any) -> torch.Tensor:
     return leaf.detach()
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements as integers of the same width, bit for bit: a view, any strides.
-    A 16-byte element (complex128) becomes a trailing pair of int64."""
-    isz = t.element_size()
-    if isz == 16:
-        return torch.view_as_real(t).view(torch.int64)
-    return t.view(_WORD[isz])
-
-
 def _row_words(leaf: Any) -> torch.Tensor:
     """``leaf``'s rows as a contiguous ``(B, n)`` integer tensor (``(B, n, 2)`` for 16-byte
     elements): a view of a contiguous leaf, else a copy made through the integer view (a
     bool copy would turn bytes other than 0 / 1 into 1)."""
     t = _tensor(leaf)
-    words = _words(t).contiguous()
+    words = as_words(t).contiguous()
     return words.view(t.shape[0], math.prod(t.shape[1:]), *words.shape[t.dim() :])
-
-
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes, 1-D (``view(-1)`` keeps the odd stride a dim of size 1
-    may have, and a view as bytes then fails)."""
-    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
-
-
-def _sizes(kept: Sequence[int], row_len: int, itemsize: int) -> tuple[list[int], list[int]]:
-    """Each row's kept bytes, and each row's (prefix, run) bytes interleaved: the sizes
-    that split the stored bytes into prefixes, and a full leaf into prefixes and runs."""
-    kept_bytes = list(map(itemsize.__mul__, kept))
-    both = [0] * (2 * len(kept_bytes))
-    both[::2] = kept_bytes
-    both[1::2] = map((row_len * itemsize).__sub__, kept_bytes)
-    return kept_bytes, both
 
 
 # --------------------------------------------------------------------------- encode
@@ -319,14 +250,14 @@ def _pick(leaf: Any, shape: tuple[int, ...], positions: np.ndarray) -> np.ndarra
     index: tuple[Any, ...]
     if isinstance(leaf, np.ndarray):
         index = (slice(None), *coords)
-        picked = _words(torch.from_numpy(leaf[index]))  # a new array
+        picked = as_words(torch.from_numpy(leaf[index]))  # a new array
     else:  # through the integer view: not every dtype can be indexed (float4)
         index = (slice(None), *map(torch.from_numpy, coords))
         t = leaf.detach()
         if t.is_conj() or t.is_neg():  # its bits are not its values: index, then resolve
-            picked = _words(t[index].resolve_conj().resolve_neg())
+            picked = as_words(t[index].resolve_conj().resolve_neg())
         else:
-            picked = _words(t)[index]
+            picked = as_words(t)[index]
     return picked.cpu().numpy()
 
 
@@ -352,14 +283,14 @@ def scan(leaf: Any) -> Runs:
         return Runs(n, isz, np.zeros(rows, np.int64), np.zeros((rows, isz), np.uint8))
     last = _host(words[:, n - 1 : n])  # (B, 1) or (B, 1, 2)
     elements = np.ascontiguousarray(last).view(np.uint8).reshape(rows, isz)
-    return Runs(n, isz, _kept(words, last, isz), elements)
+    return Runs(n, isz, _prefix_lens(words, last, isz), elements)
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
     return t.cpu().numpy()
 
 
-def _kept(words: torch.Tensor, last: np.ndarray, itemsize: int) -> np.ndarray:
+def _prefix_lens(words: torch.Tensor, last: np.ndarray, itemsize: int) -> np.ndarray:
     """Elements before each row's run (0 for a row that is all one value)."""
     rows, n = words.shape[0], words.shape[1]
     chunk = max(1, _CHUNK_BYTES // itemsize)
@@ -445,45 +376,61 @@ def decide(runs: Runs, *, receiver: str = "host") -> Trim | None:
 
 
 def find(leaf: Any, *, receiver: str = "host") -> Trim | None:
-    """How to trim ``leaf``, or None: :func:`probe`, then :func:`scan` and :func:`decide`.
+    """How to trim ``leaf``, or None: :func:`plan`'s side table.
+
+    Raises:
+        ValueError: an unknown ``receiver``.
+    """
+    found = plan(leaf, receiver=receiver)
+    return None if found is None else found[0]
+
+
+def plan(leaf: Any, *, receiver: str = "host") -> tuple[Trim, Any] | None:
+    """How to trim ``leaf``, and the leaf to compact it from, or None: :func:`probe`,
+    then :func:`scan` and :func:`decide` of the leaf made :func:`readable` (copied once,
+    where the probe says a trim could pay; the copy is what :func:`compact_into` reads).
 
     Raises:
         ValueError: an unknown ``receiver``.
     """
     if not probe(leaf, receiver=receiver):
         return None
-    return decide(scan(leaf), receiver=receiver)
+    copy = readable(leaf)
+    table = decide(scan(copy), receiver=receiver)
+    return None if table is None else (table, copy)
 
 
-def compact_into(out: torch.Tensor, leaf: Any, kept: Sequence[int]) -> None:
-    """Write every row's first ``kept[i]`` elements into ``out``, back to back, row by row.
+def compact_into(out: torch.Tensor, leaf: Any, prefix_lens: Sequence[int]) -> None:
+    """Write every row's first ``prefix_lens[i]`` elements into ``out``, back to back, row
+    by row.
 
     One ``split`` of the rows' bytes into (prefix, run) pieces and one ``cat`` of the
     prefixes into ``out``: a memcpy per row inside torch, no Python loop over rows.
 
     Args:
-        out: a 1-D uint8 tensor of exactly ``sum(kept) * itemsize`` bytes (a slice of the
+        out: a 1-D uint8 tensor of exactly ``sum(prefix_lens) * itemsize`` bytes (a slice of the
             packed buffer), on any device.
         leaf: the tensor or ndarray, as given to :func:`scan`.
-        kept: each row's kept elements, as ints (:attr:`Trim.kept`).
+        prefix_lens: each row's prefix length in elements, as ints (``Trim.prefix_lens``).
 
     Raises:
-        ValueError: ``kept`` or ``out`` does not fit the leaf.
+        ValueError: ``prefix_lens`` or ``out`` does not fit the leaf.
     """
     words = _row_words(leaf)
     rows, n = words.shape[0], words.shape[1]
-    if len(kept) != rows or (rows and not 0 <= min(kept) <= max(kept) <= n):
-        raise ValueError(f"expected {rows} kept lengths, one per row, each in [0, {n}]")
-    kept_bytes, sizes = _sizes(kept, n, leaf.itemsize)
-    total = sum(kept_bytes)
+    lens = prefix_lens
+    if len(lens) != rows or (rows and not 0 <= min(lens) <= max(lens) <= n):
+        raise ValueError(f"expected {rows} prefix lengths, one per row, each in [0, {n}]")
+    prefix_bytes, both = sizes(lens, n, leaf.itemsize)
+    total = sum(prefix_bytes)
     if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != total:
         raise ValueError(
-            f"out must be a 1-D uint8 tensor of {total} bytes (the kept elements), got "
+            f"out must be a 1-D uint8 tensor of {total} bytes (the prefixes' elements), got "
             f"{out.dtype} of shape {tuple(out.shape)}"
         )
     if not total:
         return
-    prefixes = _flat_bytes(words).split(sizes)[::2]
+    prefixes = flat_bytes(words).split(both)[::2]
     if out.device == words.device:
         torch.cat(prefixes, out=out)
     else:

@@ -1,36 +1,24 @@
 """A buffer seen as one layout's leaves: typed tensor views, host arrays, bytes, str.
 
 A :class:`ViewSpec` is worked out once per distinct leaf table; a receiver's rebuild
-(``codec.build.Decoded``) and the sender's write (``codec.encode``) both go through one.
-A trimmed leaf is no view: :func:`leaf_views` rebuilds it from its stored bytes
-(``codec.untrim``), into memory a :class:`Reuses` hands out when there is one.
+(``codec.decode.leaf_views``) and the sender's write (``codec.encode``) both go through one.
+A trimmed leaf is no view: it is re-padded from its stored bytes (``codec.repad``), into
+memory a :class:`Reuses` hands out when there is one.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Hashable, Mapping, Sequence, Set
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence, Set
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
 import torch
 
-from tensorcast._errors import HeaderError
-from tensorcast.codec import untrim as _untrim
-from tensorcast.codec.dtypes import CODE_ITEMSIZE, numpy_dtype, torch_dtype
+from tensorcast.codec.dtypes import CODE_ITEMSIZE, TORCH_CODES
 
 if TYPE_CHECKING:
-    from tensorcast.codec.trim import Trim
+    pass
 
-__all__ = [
-    "Repad",
-    "Reuses",
-    "ViewSpec",
-    "host_block",
-    "leaf_views",
-    "untrimmed",
-]
+__all__ = ["MAX_ITEMSIZE", "Reuses", "ViewSpec"]
 
 
 class Reuses(Protocol):
@@ -53,7 +41,7 @@ class Reuses(Protocol):
         ...
 
 
-_MAX_ITEMSIZE = max(CODE_ITEMSIZE.values())
+MAX_ITEMSIZE = max(CODE_ITEMSIZE.values())
 
 _strides_cache: dict[tuple[int, ...], tuple[int, ...]] = {}
 
@@ -84,6 +72,7 @@ class ViewSpec:
     __slots__ = (
         "bools",
         "codes",
+        "count",
         "host_nbytes",
         "host_spans",
         "host_trimmed",
@@ -99,6 +88,7 @@ class ViewSpec:
         bool_as_bytes: bool = False,
         trimmed: Set[int] = frozenset(),
     ):
+        self.count = len(table)  # the leaves in the table
         self.specs: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
         self.codes: dict[str, int] = {}  # code -> itemsize, for the typed bases
         self.tensor_index: list[int] = []  # the leaf index of each spec
@@ -123,7 +113,7 @@ class ViewSpec:
             self.specs.append((code, shape_t, _contiguous_strides(shape_t), off // isz))
             self.tensor_index.append(i)
         #: where each other leaf's bytes sit in a *host block*: those bytes alone, one
-        #: after another (aligned), for a buffer that lives on a GPU (see :func:`leaf_views`)
+        #: after another (aligned), for a buffer that lives on a GPU (``decode.leaf_views``)
         #: trimmed ndarray leaves follow the others, their stored bytes (a host result)
         self.host_spans: list[tuple[int, int, int]] = []  # (offset, nbytes, host position)
         self.host_trimmed: dict[int, tuple[int, int]] = {}  # leaf index -> (position, nbytes)
@@ -133,13 +123,13 @@ class ViewSpec:
             self.host_spans.append((row[3], row[4], pos))
             if k >= len(self.others):
                 self.host_trimmed[i] = (pos, row[4])
-            pos = (pos + row[4] + _MAX_ITEMSIZE - 1) // _MAX_ITEMSIZE * _MAX_ITEMSIZE
+            pos = (pos + row[4] + MAX_ITEMSIZE - 1) // MAX_ITEMSIZE * MAX_ITEMSIZE
         self.host_nbytes = pos
 
-    def placed(self, tensors: list[Any], count: int) -> list[Any]:
-        """``tensors`` (one per spec) at their leaf indices in a list of ``count`` leaves;
-        the other leaves' places are None, for the caller to fill."""
-        values: list[Any] = [None] * count
+    def placed(self, tensors: list[Any]) -> list[Any]:
+        """``tensors`` (one per spec) at their leaf indices in a list of every leaf; the
+        other leaves' places are None, for the caller to fill."""
+        values: list[Any] = [None] * self.count
         for i, value in zip(self.tensor_index, tensors):
             values[i] = value
         return values
@@ -149,7 +139,7 @@ class ViewSpec:
         total = buffer.numel()
         base_offset = buffer.storage_offset()  # as_strided offsets count from the storage
         bases = {
-            code: buffer[: total - total % isz].view(torch_dtype(code))
+            code: buffer[: total - total % isz].view(TORCH_CODES[code])
             for code, isz in self.codes.items()
         }
         as_strided = torch.as_strided
@@ -164,144 +154,3 @@ class ViewSpec:
         if reuse is None:
             return self.tensor_views(buffer)
         return reuse.views(buffer, (self, buffer.storage_offset()), self.tensor_views)
-
-
-def host_block(spec: ViewSpec, buffer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Copy the bytes of the leaves that are not tensors from a host ``buffer`` into
-    ``out`` (at least ``spec.host_nbytes`` bytes), as :func:`leaf_views` reads them."""
-    src, dst = buffer.numpy(), out.numpy()
-    for off, n, pos in spec.host_spans:
-        dst[pos : pos + n] = src[off : off + n]
-    return out[: spec.host_nbytes]
-
-
-def leaf_views(
-    spec: ViewSpec,
-    count: int,
-    buffer: torch.Tensor,
-    reuse: Reuses | None = None,
-    host: torch.Tensor | None = None,
-    trims: Mapping[int, Trim] | None = None,
-    later: list[Repad] | None = None,
-) -> list[Any]:
-    """The ``count`` buffer leaves ``spec`` describes, as views into ``buffer`` (fresh
-    tensors on views ``reuse`` keeps, when it came from there).
-
-    The leaves that are not tensors (numpy arrays, bytes, str) come from ``host`` when
-    given: a host block of their bytes alone (``spec.host_spans``), which a buffer on a
-    GPU travels with, so that they need no copy back from the device; so do the stored
-    bytes of trimmed ndarray leaves, which are rebuilt on the host.
-
-    Trimmed leaves (``trims``, by leaf index) are rebuilt from their stored bytes on
-    ``buffer``'s device (arrays on the CPU), into ``reuse``'s memory when given; with
-    ``later``, their memory is taken now and their re-pads appended to it, to be run
-    before the tree is read (see :func:`untrimmed`).
-    """
-    if buffer.storage_offset() % _MAX_ITEMSIZE:
-        buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
-    tensors = spec.kept_views(buffer, reuse)
-    if not spec.others and not spec.trimmed:
-        return tensors
-    values = spec.placed(tensors, count)
-    if spec.trimmed:
-        if trims is None:
-            raise ValueError("a layout with trimmed leaves needs their side tables")
-        for i, (kind, code, shape, off, n) in spec.trimmed:
-            if host is not None and i in spec.host_trimmed:  # an ndarray: from the host
-                pos, _ = spec.host_trimmed[i]
-                stored = host[pos : pos + n]
-            else:
-                stored = buffer[off : off + n]
-            values[i] = untrimmed(kind, code, shape, stored, trims[i], reuse, i, later)
-    if not spec.others:
-        return values
-    if host is not None:
-        block = host.numpy()
-        for (i, (kind, code, shape, _off, n)), (_, _, pos) in zip(spec.others, spec.host_spans):
-            values[i] = _other(kind, code, shape, block[pos : pos + n])
-        return values
-    host_view: np.ndarray | None = None
-    on_cpu = buffer.device.type == "cpu"
-    for i, (kind, code, shape, off, n) in spec.others:
-        if on_cpu:
-            if host_view is None:
-                # One holder view for all host leaves: it keeps the storage's use count up
-                # while any array views it, so a pooled buffer is not reused under them.
-                host_view = buffer[:].numpy()
-            piece = host_view[off : off + n]
-        else:
-            piece = buffer[off : off + n].cpu().numpy()  # a copy back from the device
-        values[i] = _other(kind, code, shape, piece)
-    return values
-
-
-def untrimmed(
-    kind: str,
-    code: str,
-    shape: Any,
-    stored: torch.Tensor,
-    trim: Trim,
-    reuse: Reuses | None,
-    index: int,
-    later: list[Repad] | None = None,
-) -> Any:
-    """A trimmed leaf rebuilt from its ``stored`` prefixes: a tensor on their device (into
-    ``reuse``'s memory on a host), an array on the CPU.
-
-    With ``later``, only its memory is taken now: the re-pad, a write of the whole leaf,
-    is appended to ``later`` for the caller to run before anyone reads the leaf (a
-    source runs it while its payload is on the wire). Its sizes were checked when the
-    side table was made or validated, so running it cannot fail on them.
-    """
-    shape = tuple(shape)
-    result: Any
-    try:
-        if kind == "ndarray":
-            out = torch.from_numpy(np.empty(shape, numpy_dtype(code)))
-            dtype, result = out.dtype, out.numpy()
-        else:
-            dtype = torch_dtype(code)
-            into = None
-            if reuse is not None and stored.is_cpu:
-                into = reuse.output(index, shape, dtype)
-            out = torch.empty(shape, dtype=dtype, device=stored.device) if into is None else into
-            result = out
-    except (RuntimeError, MemoryError) as e:  # torch's out of memory is a RuntimeError
-        raise HeaderError(
-            f"the header's trimmed leaf {index} ({code} of shape {list(shape)}) could not be "
-            f"allocated: {type(e).__name__}: {e}"
-        ) from None
-    repad = Repad(out, functools.partial(_untrim.rebuild, stored, shape, dtype, trim, out=out))
-    if later is None:
-        repad()
-    else:
-        later.append(repad)
-    return result
-
-
-@dataclass(frozen=True, slots=True)
-class Repad:
-    """A trimmed leaf's re-pad, left to run (:func:`untrimmed` with ``later``).
-
-    Attributes:
-        out: the leaf's memory, taken already (on a GPU: on the stream that was current).
-        run: the re-pad, a write of all of ``out``.
-    """
-
-    out: torch.Tensor
-    run: Callable[[], Any]
-
-    def __call__(self) -> None:
-        self.run()
-
-
-def _other(kind: str, code: str, shape: Any, piece: np.ndarray) -> Any:
-    """A leaf that is not a tensor, from its bytes."""
-    if kind == "ndarray":
-        return piece.view(numpy_dtype(code)).reshape(shape)
-    if kind == "bytes":
-        return piece.tobytes()
-    try:
-        return piece.tobytes().decode("utf-8", "surrogatepass")
-    except UnicodeDecodeError as e:
-        raise HeaderError(f"a str leaf holds invalid UTF-8: {e}") from None

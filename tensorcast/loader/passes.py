@@ -233,7 +233,7 @@ class Pass:
     def _submit(self) -> None:
         """One more step: recorded, then queued (an interrupt between the two is settled)."""
         self._unsettled = self._opened = True
-        job: Job[Any] = Job(self._step)
+        job: Job[Any] = Job(self._step, guarded=True)
         self._pending.append(job)
         self._ledger.tail = weakref.ref(job)
         if _interrupts.hook is not None:
@@ -246,7 +246,7 @@ class Pass:
     def _run_inline(self) -> None:
         """``prefetch=0`` on an idle lane: the step runs right here (see :meth:`Lane.start`)."""
         self._unsettled = self._opened = True
-        job: Job[Any] = Job(self._step)
+        job: Job[Any] = Job(self._step, guarded=True)
         self._pending.append(job)
         self._ledger.tail = weakref.ref(job)  # queued after all, if the lane got busy
         self._lane.start(job, self._frames_taken)

@@ -170,8 +170,7 @@ class SourceSteps(Steps):
         sender = self.sender
         if self.ended:
             return END
-        sender.group.lane.check()
-        batch = self.pulled
+        batch = self.pulled  # on a whole lane: the step's job is guarded (``Job``)
         pulled = 0.0
         if batch is _NOTHING:
             try:

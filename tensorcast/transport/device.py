@@ -9,7 +9,7 @@ points that are the same on every rank, in lane order. A part's tree is built wh
 is posted, and what building refuses (a bad CRC) is kept and raised when it is taken:
 a loader posts the next frame's part before it hands this one out, so a frame refused
 on one rank only does not keep that rank from posting what its peers post. A trimmed
-leaf's re-pad (``codec.untrim``) is device work too: it is queued on the part's stream
+leaf's re-pad (``codec.repad``) is device work too: it is queued on the part's stream
 right after the transfer, before the part's event, into memory taken there. Each group's parts run on a
 stream of the group's own (uploads for a host wire, which wait on no peer, on one per
 device) that first waits on the caller's current stream, so a part starts after whatever
@@ -192,18 +192,18 @@ class Inflight:
     def __init__(self, watch: Callable[[], None] = lambda: None) -> None:
         self._watch = watch
         self._lock = threading.Lock()
-        # (deadline, streams, event, kept), in posting order
+        # (deadline, streams, event, holds), in posting order
         self._items: collections.deque[tuple[float, Streams, Any, Any]] = collections.deque()
-        # (streams, event, kept) of work no longer watched (see clear)
+        # (streams, event, holds) of work no longer watched (see clear)
         self._unwatched: list[tuple[Streams, Any, Any]] = []
 
     def __len__(self) -> int:
         """The work whose deadline is watched (the lane's worker stays for it)."""
         return len(self._items)
 
-    def add(self, streams: Streams, event: Any, kept: Any, timeout_s: float) -> None:
+    def add(self, streams: Streams, event: Any, holds: Any, timeout_s: float) -> None:
         with self._lock:
-            self._items.append((time.monotonic() + timeout_s, streams, event, kept))
+            self._items.append((time.monotonic() + timeout_s, streams, event, holds))
         self._watch()
 
     def clear(self) -> None:
@@ -246,14 +246,13 @@ class DevicePart:
     Args:
         streams: the device's streams.
         nbytes: the payload's size.
-        build: ``build(buffer, later=later)``, the tree of the payload once it is in
-            ``buffer``; the re-pads of its trimmed leaves left in ``later`` (a list) are
-            run on the transfer stream right after.
+        build: ``build(buffer)``, the tree of the payload once it is in ``buffer``, and
+            the re-pads of its trimmed leaves, run on the transfer stream right after.
         fill: ``fill(buffer)`` writes the payload on the transfer stream (an upload from
             pinned staging, or the source's CUDA batch packed), or None.
         send: ``send(buffer)`` posts the payload's collective and returns its handle,
             whose ``wait`` makes the current stream wait; or None.
-        kept: what the work reads on the host, held until it is seen done (staging).
+        holds: what the work reads on the host, held until it is seen done (staging).
         reads: device tensors of the caller's the work reads (the source's CUDA batch):
             recorded on the transfer stream when posted, then let go.
         ready: an event the work waits on first (a batch made on the lane's worker).
@@ -268,8 +267,8 @@ class DevicePart:
         "_error",
         "_event",
         "_fill",
+        "_holds",
         "_inflight",
-        "_kept",
         "_on_error",
         "_outputs",
         "_reads",
@@ -291,7 +290,7 @@ class DevicePart:
         *,
         fill: Callable[[torch.Tensor], Any] | None = None,
         send: Callable[[torch.Tensor], Any] | None = None,
-        kept: Any = None,
+        holds: Any = None,
         reads: tuple[torch.Tensor, ...] = (),
         ready: Any = None,
         buffer: torch.Tensor | None = None,
@@ -304,7 +303,7 @@ class DevicePart:
         self._build = build
         self._fill = fill
         self._send = send
-        self._kept = kept
+        self._holds = holds
         self._reads = reads
         self._ready = ready
         self._buffer = buffer
@@ -353,18 +352,18 @@ class DevicePart:
             raise
         self._event = event
         # The buffer is the allocator's, on the transfer stream: only host memory is held.
-        self._inflight.add(streams, event, self._kept, self._timeout_s)
-        self._fill = self._send = self._kept = self._ready = None
+        self._inflight.add(streams, event, self._holds, self._timeout_s)
+        self._fill = self._send = self._holds = self._ready = None
         self._reads = ()
 
     def _make(self, buffer: torch.Tensor) -> None:
         """Build the tree (on the transfer stream, after the transfer), and queue its
         trimmed leaves' re-pads there; what building raised is this step's alone, kept
         for :meth:`take`."""
-        later: list[Any] = []
+        repads: list[Any] = []
         try:
-            self._tree = self._build(buffer, later=later)
-            for repad in later:
+            self._tree, repads = self._build(buffer)
+            for repad in repads:
                 repad()
         except Exception as e:  # a refusal of this step: a bad CRC, bad values
             self._error = e
@@ -372,7 +371,7 @@ class DevicePart:
         else:  # record_stream takes the device's own memory only: a host output (a
             # trimmed ndarray, a tree asked for on the CPU) is the caller's at once
             kind = self.streams.device.type
-            self._outputs = tuple(r.out for r in later if r.out.device.type == kind)
+            self._outputs = tuple(r.out for r in repads if r.out.device.type == kind)
         self._build = None  # type: ignore[assignment]
 
     def take(self) -> Any:

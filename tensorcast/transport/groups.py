@@ -20,10 +20,10 @@ group while the world has groups closes them, and the heartbeat stops (NOTE [ A 
 default group ]).
 
 On an NCCL job a group's payloads travel on an NCCL backend bound to the rank's own
-device (:func:`rank_device`), connected eagerly when the group is made and
+device (``wire.rank_device``), connected eagerly when the group is made and
 non-blocking, so that a broken channel can abort it with kernels in flight.
 
-Each group's wire is made by :func:`make_wire`; :func:`wrapping_wires` wraps the wires
+Each group's wire is made by ``wire.make_wire``; :func:`wrapping_wires` wraps the wires
 of the groups made inside it (tests inject faults that way), and a group's ``wire`` is
 read at every message, so one can be wrapped later too.
 """
@@ -53,15 +53,13 @@ from tensorcast.transport.lane import Lane
 from tensorcast.transport.liveness import Heartbeat
 from tensorcast.transport.receiver import Receiver
 from tensorcast.transport.sender import Packing, Sender
-from tensorcast.transport.wire import GlooWire, NcclWire, Wire
+from tensorcast.transport.wire import ClosedWire, Wire, make_wire, rank_device
 
 __all__ = [
     "Group",
     "Role",
     "World",
-    "make_wire",
     "open_role",
-    "rank_device",
     "world",
     "wrapping_wires",
 ]
@@ -121,70 +119,6 @@ class Group:
 
     def local(self, global_rank: int) -> int:
         return self.ranks.index(global_rank)
-
-
-def rank_device(default: Any) -> torch.device:
-    """The CUDA device this rank's NCCL traffic uses: ``init_process_group(device_id=)``,
-    else the current device once the rank has chosen one.
-
-    Raises:
-        RuntimeError: the rank chose none (every rank would land on ``cuda:0``).
-    """
-    bound = getattr(default, "bound_device_id", None)
-    if bound is not None:
-        return torch.device(bound)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.device("cuda", torch.cuda.current_device())
-    raise RuntimeError(
-        "tensorcast on an NCCL process group needs this rank's GPU: call "
-        "torch.cuda.set_device(local_rank) before the first loader or broadcast (or pass "
-        "device_id=torch.device('cuda', local_rank) to init_process_group); without it "
-        "every rank would use cuda:0"
-    )
-
-
-def make_wire(
-    store: Any,
-    rank: int,
-    size: int,
-    *,
-    connect: datetime.timedelta,
-    timeout: datetime.timedelta,
-    device: torch.device | None,
-    name: str = "",
-    ranks: tuple[int, ...] = (),
-) -> Wire:
-    """The wire of a new group over ``store``: gloo heads, and payloads on gloo, or on an
-    NCCL backend bound to ``device``, connected now and non-blocking (see the module).
-
-    ``connect`` bounds how long the ranks wait for each other to connect; the group's
-    collectives then wait up to ``timeout``. ``name`` and ``ranks`` (global) name the
-    NCCL backend in torch's logs and flight-recorder dumps.
-    """
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, connect)
-    set_default = getattr(gloo, "_set_default_timeout", None)
-    if set_default is not None and connect != timeout:
-        set_default(timeout)
-    if device is None:
-        return GlooWire(gloo, rank)
-    opts = dist.ProcessGroupNCCL.Options()
-    # NCCL's watchdog ends the process when a collective outlives the group's timeout:
-    # give it twice the default group's, so that a channel's own deadline (NOTE [ Device
-    # work at next() ]) breaks the lane and raises PeerError first.
-    opts._timeout = 2 * timeout
-    opts.is_high_priority_stream = False
-    if name and hasattr(opts, "group_name"):
-        opts.group_name = f"tensorcast:{name}"  # type: ignore[assignment]
-    if ranks and hasattr(opts, "global_ranks_in_group"):
-        opts.global_ranks_in_group = list(ranks)
-    config = getattr(opts, "config", None)
-    if config is not None and hasattr(config, "blocking"):
-        config.blocking = 0  # abort() is safe with kernels in flight only when non-blocking
-    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, opts)
-    eager = getattr(nccl, "eager_connect_single_device", None)
-    if eager is not None:  # now, on the caller's thread, not inside the first batch
-        eager(device)
-    return NcclWire(gloo, nccl, rank, device)
 
 
 class World:
@@ -371,28 +305,6 @@ class _Reach:
         self.store: Any = store
 
 
-class _ClosedWire:
-    """The wire of a closed group: what it was, without its backend; messages raise."""
-
-    def __init__(self, wire: Wire, why: str) -> None:
-        self.device = wire.device
-        self.streams = wire.streams
-        self.size = wire.size
-        self._why = why
-
-    def head(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Any:
-        raise PeerError(self._why)
-
-    def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Any:
-        raise PeerError(self._why)
-
-    def abort(self) -> None:
-        """Nothing left to abort."""
-
-    def shutdown(self) -> None:
-        """Nothing left to release."""
-
-
 def _shut_down(groups: dict[tuple[int, ...], Group], why: str, reach: _Reach) -> None:
     """Close ``groups`` for good, and let go of the store (NOTE [ A destroyed default
     group ])."""
@@ -401,7 +313,7 @@ def _shut_down(groups: dict[tuple[int, ...], Group], why: str, reach: _Reach) ->
         group.lane.inflight.clear()  # deadlines no longer watched: the worker goes
         wire, group.wire = (
             group.wire,
-            _ClosedWire(group.wire, f"tensorcast's group over ranks {list(group.ranks)}: {why}"),
+            ClosedWire(group.wire, f"tensorcast's group over ranks {list(group.ranks)}: {why}"),
         )
         group.lane.wake()  # an idle worker leaves now
         with contextlib.suppress(Exception):

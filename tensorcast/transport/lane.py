@@ -57,7 +57,9 @@ class Job(Generic[T]):
 
     ``_taken`` is set, under the lane's lock, when a thread starts running it: with its
     presence in the lane's queue it tells whether a job is still owed a run (see
-    :meth:`Lane.settle`).
+    :meth:`Lane.settle`). A ``guarded`` job (a pass's step) does not run on a broken
+    lane: it fails with the lane's ``PeerError`` before it does anything (before a source
+    pulls a batch it could not send).
     """
 
     __slots__ = (
@@ -69,10 +71,12 @@ class Job(Generic[T]):
         "_waited",
         "done",
         "frames_at_start",
+        "guarded",
     )
 
-    def __init__(self, fn: Callable[[], T]) -> None:
+    def __init__(self, fn: Callable[[], T], *, guarded: bool = False) -> None:
         self._fn = fn
+        self.guarded = guarded
         # Held until the job is done. Not a threading.Event: its wait enters a Condition in
         # Python, and a signal handler that raises there leaves the Event's lock held, so
         # the job could never be marked done (a hang under a storm of signals). A waiter
@@ -103,8 +107,10 @@ class Job(Generic[T]):
             raise self._error
         return self._value  # type: ignore[no-any-return]
 
-    def _run(self) -> None:
+    def _run(self, guard: Callable[[], None] | None = None) -> None:
         try:
+            if guard is not None:
+                guard()  # a guarded job on a broken lane: the lane's PeerError is its error
             self._value = self._fn()
         except BaseException as e:  # handed to whoever waits, never swallowed
             self._error = e
@@ -312,11 +318,12 @@ class Lane:
         try:
             if _interrupts.hook is not None:
                 _interrupts.hook("lane.busy")
+            guard = self.check if job.guarded else None
             if torch.is_inference_mode_enabled():  # buffers made here must not be inference tensors
                 with torch.inference_mode(False):
-                    job._run()
+                    job._run(guard)
             else:
-                job._run()
+                job._run(guard)
         finally:
             with self._lock:
                 if self._inline == me:
@@ -386,7 +393,7 @@ class Lane:
                 self._check_deadlines()
                 continue
             try:
-                job._run()
+                job._run(self.check if job.guarded else None)
             finally:
                 job = None  # type: ignore[assignment]  # keeps no batch alive while idle
                 with self._cond:

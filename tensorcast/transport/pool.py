@@ -392,40 +392,27 @@ class FirstMessage(_Entry):
     leaves, and the slice of its inline payload, :meth:`inline_payload`).
 
     Attributes:
+        host: a numpy view of the whole buffer.
+        mem: a memoryview of the whole buffer.
         written: what the source's last frame wrote here: the end of its head, and the
             start and end of its inline payload (see ``Sender``).
+
+    ``host`` and ``mem`` view the bytes where they were when the message was made: a
+    message whose bytes moved (``share_memory_()``) is gone, never taken again
+    (:meth:`FramePool.take` hands out idle messages alone), so a message taken is read
+    and written through them as they are.
     """
 
-    __slots__ = ("_host", "_inline", "_inline_span", "_mem", "written")
+    __slots__ = ("_inline", "_inline_span", "host", "mem", "written")
 
     def __init__(self, capacity: int) -> None:
         super().__init__(torch.zeros(capacity, dtype=torch.uint8), 0)
-        self._host: np.ndarray = self.buffer.numpy()
-        self._mem: memoryview = self._host.data
+        self.host: np.ndarray = self.buffer.numpy()
+        self.mem: memoryview = self.host.data
         self._base = self.use_count()  # the host view counts as the entry's own
         self.written = (0, capacity, capacity)
         self._inline: torch.Tensor | None = None
         self._inline_span = (0, -1)
-
-    def _views(self) -> None:
-        """Make the host views again: the storage's bytes moved (``share_memory_()``), and
-        the kept ones point at freed memory (NOTE [ Memory handed out ])."""
-        self._host = self.buffer.numpy()
-        self._mem = self._host.data
-
-    @property
-    def host(self) -> np.ndarray:
-        """A numpy view of the whole buffer, checked against where its bytes are now."""
-        if self.storage.data_ptr() != self.pointer:
-            self._views()
-        return self._host
-
-    @property
-    def mem(self) -> memoryview:
-        """A memoryview of the whole buffer, checked as :attr:`host` is."""
-        if self.storage.data_ptr() != self.pointer:
-            self._views()
-        return self._mem
 
     def inline_payload(self, at: int, n: int) -> torch.Tensor:
         """The inline payload's bytes ``[at, at + n)`` as a 1-D tensor, kept: a frame cut

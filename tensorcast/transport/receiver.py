@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tensorcast import codec as _codec
 from tensorcast._errors import DesyncError, HeaderError, PeerError, SourceError, TensorcastError
-from tensorcast.codec import Decoded, Repad, Reuses, decode
+from tensorcast.codec import Decoded, Repad, Reuses
 from tensorcast.transport.device import DevicePart
 from tensorcast.transport.diagnosis import failed_after
 from tensorcast.transport.frame import (
@@ -250,7 +251,7 @@ class Receiver:
         header = self._header(first, prefix, cut, timeout)
         if prefix.kind != Kind.DATA:
             return _Incoming(prefix, cut, header)
-        decoded = decode(header)  # validated before its sizes allocate anything
+        decoded = _codec.decode(header)  # validated before its sizes allocate anything
         n = prefix.payload_len
         if decoded.nbytes != n:
             raise HeaderError(
@@ -354,10 +355,10 @@ class Receiver:
     ) -> DevicePart:
         prefix, host = frame.prefix, frame.host
 
-        def build(buffer: torch.Tensor, later: list[Repad]) -> Any:
+        def build(buffer: torch.Tensor) -> tuple[Any, list[Repad]]:
             if int(prefix.flags) & _CRC:  # verify=True: one copy to the host
                 self._check_crc(buffer, frame.header, prefix, step)
-            return decoded.rebuild(buffer, host=host, later=later)
+            return decoded.rebuild_later(buffer, host=host)
 
         return self._parts.part(prefix.payload_len, build, device, timeout)
 

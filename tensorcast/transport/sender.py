@@ -29,7 +29,7 @@ inference tensors) or none of them does.
 
 # NOTE [ The own tree's re-pads ]
 A trimmed leaf is no view: the source's own tree holds it rebuilt, a write of the whole
-leaf (``codec.untrim``), as a receiver's does. Its memory is taken in phase 1, with the
+leaf (``codec.repad``), as a receiver's does. Its memory is taken in phase 1, with the
 rest of the tree; the re-pad itself, which only reads the payload the wire is reading
 too, runs in phase 2 while the frame's largest message is in flight (the payload, or the
 first message that holds it), not before the first message: on a host wire the source
@@ -47,8 +47,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tensorcast import codec as _codec
 from tensorcast._errors import PeerError
-from tensorcast.codec import Decoded, Encoded, Encoder, Packed, Repad, decode
+from tensorcast.codec import Decoded, Encoded, Encoder, Packed, Repad
 from tensorcast.transport.frame import (
     DEFAULT_TIMEOUT,
     MAX_ERROR_BYTES,
@@ -120,7 +121,7 @@ class Outgoing:
     ref: Ref | None = None  # the shared-memory slot that holds the payload, if one does
     # the own tree's re-pads of trimmed leaves, run while the frame's largest message is
     # in flight (NOTE [ The own tree's re-pads ])
-    later: list[Repad] = field(default_factory=list)
+    repads: list[Repad] = field(default_factory=list)
 
 
 class Sender:
@@ -257,7 +258,7 @@ class Sender:
             lane.check()
         coded: Decoded | Encoded
         if isinstance(batch, Packed):
-            coded = decode(batch.header)
+            coded = _codec.decode(batch.header)
             coded.check_buffer(batch.buffer)
             header = batch.header
         else:
@@ -283,15 +284,15 @@ class Sender:
             return self._finish(message, cut, Kind.DATA, header, staging, n, block), part
         if slot is not None:
             slot[0].pack_into(message.mem, cut.payload_at)
-            payload, own, later = _in_slot(batch, coded, slot[1], self._reuse)
+            payload, (own, repads) = _in_slot(batch, coded, slot[1], self._reuse)
         else:
-            payload, own, later = _on_host(batch, coded, message, cut, self._pool, self._device)
+            payload, (own, repads) = _on_host(batch, coded, message, cut, self._pool, self._device)
         if device is not None and device != payload.device:
             own = self._parts.upload(payload, device, coded, wait)
-            later.clear()  # the host tree is not handed out
+            repads = []  # the host tree is not handed out
         ref = None if slot is None else slot[0]
         out = self._finish(message, cut, Kind.DATA, header, payload, n, ref=ref)
-        out.later.extend(later)
+        out.repads.extend(repads)
         return out, own
 
     def _control(self, kind: Kind, text: bytes) -> Outgoing:
@@ -380,7 +381,7 @@ class Sender:
             if out.cut.inline:  # the next frame like it views this message again
                 message.kept.detach_ahead()  # NOTE [ Views made ahead ]
             if out.payload is None:
-                _run(out.later)
+                _run(out.repads)
             head.wait(wait)
             if promised is not None:
                 promised.wait(wait)
@@ -395,7 +396,7 @@ class Sender:
                     if relay is None
                     else relay.send(wire, out.payload, out.cut.shm)
                 )
-                _run(out.later)
+                _run(out.repads)
                 posted.wait(wait)
         except RuntimeError as e:  # from the collective: a peer died or timed out
             self._broke(e)
@@ -441,21 +442,20 @@ def _on_host(
     cut: Cut,
     pool: BufferPool,
     device: torch.device,
-) -> tuple[torch.Tensor, Any, list[Repad]]:
+) -> tuple[torch.Tensor, tuple[Any, list[Repad]]]:
     """A host frame's payload, written where it travels (inline in ``message``, else a
-    buffer of ``pool``'s or the :class:`Packed` batch's own), this rank's tree of it, and
-    the tree's re-pads left to run (NOTE [ The own tree's re-pads ])."""
-    later: list[Repad] = []
+    buffer of ``pool``'s or the :class:`Packed` batch's own), and this rank's tree of it
+    with the tree's re-pads left to run (NOTE [ The own tree's re-pads ])."""
     n, reuse = coded.nbytes, pool.kept
     if isinstance(coded, Encoded):
         inline = message.inline_payload(cut.payload_at, n) if cut.inline else None
         payload = pool.take(n, device) if inline is None else inline
-        return payload, coded.write_tree(payload, reuse, later), later
+        return payload, coded.write_tree(payload, reuse)
     buffer = batch.buffer
     if cut.inline:
         payload = message.inline_payload(cut.payload_at, n)
         payload.copy_(buffer)
-        return payload, coded.rebuild(payload, reuse, later=later), later
+        return payload, coded.rebuild_later(payload, reuse)
     if not buffer.is_cpu:
         buffer = buffer.cpu()  # a host wire: the bytes travel from the host
     elif buffer.numel() <= _COPY_BELOW:
@@ -463,10 +463,10 @@ def _on_host(
         # while a buffer of the caller's needs each view made anew: for a small batch
         # of many leaves a copy into a pooled buffer is the cheaper of the two.
         copy = pool.take(buffer.numel(), device).copy_(buffer)
-        return copy, coded.rebuild(copy, reuse, later=later), later
+        return copy, coded.rebuild_later(copy, reuse)
     elif buffer.is_inference():
         buffer = buffer.clone()  # this rank's tree must not be made of inference tensors
-    return buffer, coded.rebuild(buffer, reuse, later=later), later
+    return buffer, coded.rebuild_later(buffer, reuse)
 
 
 def _no_staging() -> torch.Tensor:
@@ -479,19 +479,18 @@ def _no_staging() -> torch.Tensor:
 
 def _in_slot(
     batch: Any, coded: Decoded | Encoded, payload: torch.Tensor, reuse: Keeper
-) -> tuple[torch.Tensor, Any, list[Repad]]:
-    """A payload written into a shared-memory slot (``payload``, the slot's bytes), this
-    rank's tree of views of it (released by the rule its readers follow, ``transport.shm``)
-    and the tree's re-pads left to run."""
-    later: list[Repad] = []
+) -> tuple[torch.Tensor, tuple[Any, list[Repad]]]:
+    """A payload written into a shared-memory slot (``payload``, the slot's bytes), and
+    this rank's tree of views of it (released by the rule its readers follow,
+    ``transport.shm``) with the tree's re-pads left to run."""
     if isinstance(coded, Encoded):
-        return payload, coded.write_tree(payload, reuse, later), later
+        return payload, coded.write_tree(payload, reuse)
     payload.copy_(batch.buffer)
-    return payload, coded.rebuild(payload, reuse, later=later), later
+    return payload, coded.rebuild_later(payload, reuse)
 
 
-def _run(later: list[Repad]) -> None:
+def _run(repads: list[Repad]) -> None:
     """Run the own tree's re-pads (NOTE [ The own tree's re-pads ]), once."""
-    for repad in later:
+    for repad in repads:
         repad()
-    later.clear()
+    repads.clear()

@@ -93,7 +93,7 @@ class Staging:
             with torch.no_grad():
                 encoded.write(staging)
             fill = _upload_from(staging)
-            return self.part(n, own, device, timeout, fill=fill, kept=staging), staging, block
+            return self.part(n, own, device, timeout, fill=fill, holds=staging), staging, block
 
         def write(buffer: torch.Tensor) -> None:
             with torch.no_grad():
@@ -103,7 +103,7 @@ class Staging:
 
         ready = streams.record()  # the batch was made on this thread's stream
         reads = encoded.tensors
-        work: dict[str, Any] = {"fill": write, "kept": block, "reads": reads, "ready": ready}
+        work: dict[str, Any] = {"fill": write, "holds": block, "reads": reads, "ready": ready}
         return self.part(n, own, device, timeout, **work), None, block
 
     def prepacked(
@@ -124,11 +124,11 @@ class Staging:
             out = pool.take(host_nbytes, _CPU)
             # A GPU buffer's other leaves come back to the host once, here (a sync).
             block = decoded.host_block(buffer if buffer.is_cpu else buffer.cpu(), out)
-        build = functools.partial(decoded.rebuild, host=block)
+        build = functools.partial(decoded.rebuild_later, host=block)
         if buffer.is_cpu:
             staging = pool.take(n, _CPU).copy_(buffer)
             fill = _upload_from(staging)
-            return self.part(n, build, device, timeout, fill=fill, kept=staging), staging, block
+            return self.part(n, build, device, timeout, fill=fill, holds=staging), staging, block
         ready = streams.record()  # the buffer was made on this thread's stream
         work: dict[str, Any] = {"reads": (buffer,), "ready": ready}
         if buffer.is_inference() or buffer.device != streams.device:
@@ -175,11 +175,13 @@ class Staging:
             build = functools.partial(coded.device_tree, host=host)
         else:
             host = None if out is None else coded.host_block(payload, out)
-            build = functools.partial(coded.rebuild, host=host)
+            build = functools.partial(coded.rebuild_later, host=host)
         streams = streams_for(device)
         staging = self._pool(streams).take(payload.numel(), _CPU).copy_(payload)
         fill = _upload_from(staging)
-        return self._part(streams, payload.numel(), build, timeout, _local, fill=fill, kept=staging)
+        return self._part(
+            streams, payload.numel(), build, timeout, _local, fill=fill, holds=staging
+        )
 
     def _part(
         self,
@@ -198,4 +200,4 @@ class Staging:
 
 def _on_device(build: Callable[..., Any], device: torch.device) -> Any:
     """``build``, its tree made from a copy of the buffer on ``device`` (asked for)."""
-    return lambda buffer, later: build(buffer.to(device), later=later)
+    return lambda buffer: build(buffer.to(device))

@@ -28,6 +28,9 @@ posted: a promised payload is posted together with its first message (NOTE [ Pro
 payloads ]), and a rank does work of its own while a head is on the wire (NOTE [ Views
 made ahead ], ``transport.pool``). A failure or a timeout raises
 ``RuntimeError`` from torch, which the caller turns into a broken channel.
+
+A group's wire is made here (:func:`make_wire`, on the rank's own device for NCCL:
+:func:`rank_device`), and a closed group keeps a :class:`ClosedWire`, whose messages raise.
 """
 
 from __future__ import annotations
@@ -41,9 +44,19 @@ import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
+from tensorcast._errors import PeerError
 from tensorcast.transport.device import CudaStreams, Streams
 
-__all__ = ["HEAD_SENDS_MAX_RANKS", "GlooWire", "NcclWire", "Posted", "Wire"]
+__all__ = [
+    "HEAD_SENDS_MAX_RANKS",
+    "ClosedWire",
+    "GlooWire",
+    "NcclWire",
+    "Posted",
+    "Wire",
+    "make_wire",
+    "rank_device",
+]
 
 #: The largest group whose heads the source sends each receiver itself.
 HEAD_SENDS_MAX_RANKS = 4
@@ -253,3 +266,92 @@ class _StreamWait:
 
     def wait(self, timeout: datetime.timedelta) -> None:
         self._work.synchronize()
+
+
+# --------------------------------------------------------------------------- making one
+
+
+def rank_device(default: Any) -> torch.device:
+    """The CUDA device this rank's NCCL traffic uses: ``init_process_group(device_id=)``,
+    else the current device once the rank has chosen one.
+
+    Raises:
+        RuntimeError: the rank chose none (every rank would land on ``cuda:0``).
+    """
+    bound = getattr(default, "bound_device_id", None)
+    if bound is not None:
+        return torch.device(bound)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    raise RuntimeError(
+        "tensorcast on an NCCL process group needs this rank's GPU: call "
+        "torch.cuda.set_device(local_rank) before the first loader or broadcast (or pass "
+        "device_id=torch.device('cuda', local_rank) to init_process_group); without it "
+        "every rank would use cuda:0"
+    )
+
+
+def make_wire(
+    store: Any,
+    rank: int,
+    size: int,
+    *,
+    connect: datetime.timedelta,
+    timeout: datetime.timedelta,
+    device: torch.device | None,
+    name: str = "",
+    ranks: tuple[int, ...] = (),
+) -> Wire:
+    """The wire of a new group over ``store``: gloo heads, and payloads on gloo, or on an
+    NCCL backend bound to ``device``, connected now and non-blocking (see the module).
+
+    ``connect`` bounds how long the ranks wait for each other to connect; the group's
+    collectives then wait up to ``timeout``. ``name`` and ``ranks`` (global) name the
+    NCCL backend in torch's logs and flight-recorder dumps.
+    """
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, connect)
+    set_default = getattr(gloo, "_set_default_timeout", None)
+    if set_default is not None and connect != timeout:
+        set_default(timeout)
+    if device is None:
+        return GlooWire(gloo, rank)
+    opts = dist.ProcessGroupNCCL.Options()
+    # NCCL's watchdog ends the process when a collective outlives the group's timeout:
+    # give it twice the default group's, so that a channel's own deadline (NOTE [ Device
+    # work at next() ]) breaks the lane and raises PeerError first.
+    opts._timeout = 2 * timeout
+    opts.is_high_priority_stream = False
+    if name and hasattr(opts, "group_name"):
+        opts.group_name = f"tensorcast:{name}"  # type: ignore[assignment]
+    if ranks and hasattr(opts, "global_ranks_in_group"):
+        opts.global_ranks_in_group = list(ranks)
+    config = getattr(opts, "config", None)
+    if config is not None and hasattr(config, "blocking"):
+        config.blocking = 0  # abort() is safe with kernels in flight only when non-blocking
+    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, opts)
+    eager = getattr(nccl, "eager_connect_single_device", None)
+    if eager is not None:  # now, on the caller's thread, not inside the first batch
+        eager(device)
+    return NcclWire(gloo, nccl, rank, device)
+
+
+class ClosedWire:
+    """The wire of a closed group: what it was, without its backend; messages raise."""
+
+    def __init__(self, wire: Wire, why: str) -> None:
+        self.device = wire.device
+        self.streams = wire.streams
+        self.size = wire.size
+        self._why = why
+
+    def head(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Any:
+        raise PeerError(self._why)
+
+    def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Any:
+        raise PeerError(self._why)
+
+    def abort(self) -> None:
+        """Nothing left to abort."""
+
+    def shutdown(self) -> None:
+        """Nothing left to release."""

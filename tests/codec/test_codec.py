@@ -32,11 +32,11 @@ from trees import (
 import tensorcast as tc
 import tensorcast.codec
 from tensorcast.codec.build import _CONTAINER_TAGS
+from tensorcast.codec.decode import decode, leaf_views
 from tensorcast.codec.dtypes import NUMPY_CODES, TORCH_CODES
 from tensorcast.codec.encode import encode
 from tensorcast.codec.flatten import flatten
-from tensorcast.codec.schema import decode
-from tensorcast.codec.views import ViewSpec, leaf_views
+from tensorcast.codec.views import ViewSpec
 
 # --------------------------------------------------------------------------- helpers
 
@@ -819,7 +819,7 @@ def test_offsets_past_2_and_4_gib_are_exact() -> None:
     # leaves only: a str leaf is copied out, and a meta buffer has no bytes).
     buffer = torch.empty(schema.nbytes, dtype=torch.uint8, device="meta")
     table = decode(plan.header).structure.leaves[:4]
-    leaves = leaf_views(ViewSpec(table), len(table), buffer)
+    leaves, _ = leaf_views(ViewSpec(table), buffer)
     for spec, view in zip(schema.leaves[:4], leaves, strict=True):
         assert view.storage_offset() * view.element_size() == spec.offset
         assert view.numel() * view.element_size() == spec.nbytes

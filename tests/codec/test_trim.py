@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorcast import HeaderError
+from tensorcast.codec import repad as R
 from tensorcast.codec import trim as T
-from tensorcast.codec import untrim as U
 from tensorcast.codec.dtypes import CODE_ITEMSIZE, NUMPY_CODES, TORCH_CODES
 
 SETTINGS = settings(deadline=None, print_blob=True, max_examples=200)
@@ -55,17 +55,17 @@ def brute_kept(x: torch.Tensor | np.ndarray) -> list[int]:
     return out
 
 
-def round_trip(x, table: T.Trim, *, masked: bool = False) -> torch.Tensor:
+def round_trip(x, table: R.Trim, *, masked: bool = False) -> torch.Tensor:
     """``x`` compacted and rebuilt: as a host rebuilds it, or as a device does (through a
     mask of the kept elements: the same ops on the CPU)."""
     stored = torch.empty(table.nbytes, dtype=torch.uint8)
-    T.compact_into(stored, x, table.kept)
+    T.compact_into(stored, x, table.prefix_lens)
     dtype = x.dtype if isinstance(x, torch.Tensor) else TORCH_CODES[_code(x)]
     if not masked:
-        return U.rebuild(stored, tuple(x.shape), dtype, table)
+        return R.repad(stored, tuple(x.shape), dtype, table)
     out = torch.empty(tuple(x.shape), dtype=dtype)
     if out.numel():
-        U._rebuild_masked(stored, out, table)
+        R._rebuild_masked(stored, out, table)
     return out
 
 
@@ -107,7 +107,7 @@ def test_probe_looks_at_a_few_elements_only() -> None:
 def test_scan_finds_each_rows_run() -> None:
     x = torch.tensor([[1, 2, 3, 3], [5, 5, 5, 5], [1, 2, 3, 4], [7, 0, 0, 0]], dtype=torch.int32)
     runs = T.scan(x)
-    assert runs.kept.tolist() == [2, 0, 3, 1]
+    assert runs.prefix_lens.tolist() == [2, 0, 3, 1]
     assert runs.runs.tolist() == [2, 4, 1, 3]
     assert runs.elements.view(np.int32).ravel().tolist() == [3, 5, 4, 0]
 
@@ -120,7 +120,7 @@ def test_scan_agrees_with_one_element_at_a_time(dtype: torch.dtype, n: int) -> N
     cuts = [0, n - 1, n // 2, 7, n]
     for i, cut in enumerate(cuts):
         x[i, cut:] = x[i, -1]
-    assert T.scan(x).kept.tolist() == brute_kept(x)
+    assert T.scan(x).prefix_lens.tolist() == brute_kept(x)
 
 
 def test_side_table_keeps_one_element_when_the_rows_share_it() -> None:
@@ -170,7 +170,7 @@ def test_find_trims_padded_audio_to_its_samples() -> None:
     x = padded_audio(rows=16, n=100_000, share=0.6)
     table = T.find(x)
     assert table is not None
-    assert table.kept == [100_000, *brute_kept(x)[1:]]  # the longest row whole
+    assert table.prefix_lens == [100_000, *brute_kept(x)[1:]]  # the longest row whole
     assert raw(round_trip(x, table)) == raw(x)
     assert T.find(torch.randn(16, 100_000)) is None
 
@@ -179,9 +179,9 @@ def test_rebuild_into_reused_memory() -> None:
     x = padded_audio(pad=-100.0)
     table = T.find(x, receiver="device")
     stored = torch.empty(table.nbytes, dtype=torch.uint8)
-    T.compact_into(stored, x, table.kept)
+    T.compact_into(stored, x, table.prefix_lens)
     out = torch.full_like(x, 7.0)
-    assert U.rebuild(stored, x.shape, x.dtype, table, out=out) is out
+    assert R.repad(stored, x.shape, x.dtype, table, out=out) is out
     assert raw(out) == raw(x)
 
 
@@ -189,9 +189,9 @@ def test_masked_rebuild_of_an_unaligned_slice() -> None:
     x = padded_audio(pad=-100.0)
     table = T.find(x, receiver="device")
     buffer = torch.empty(table.nbytes + 1, dtype=torch.uint8)
-    T.compact_into(buffer[1:], x, table.kept)
+    T.compact_into(buffer[1:], x, table.prefix_lens)
     out = torch.full_like(x, 7.0)
-    U._rebuild_masked(buffer[1:], out, table)
+    R._rebuild_masked(buffer[1:], out, table)
     assert raw(out) == raw(x)
 
 
@@ -200,22 +200,22 @@ def test_rebuild_and_compact_reject_what_does_not_fit() -> None:
     table = T.find(x, receiver="device")
     stored = torch.empty(table.nbytes, dtype=torch.uint8)
     with pytest.raises(ValueError, match="bytes"):
-        T.compact_into(stored[:-1], x, table.kept)
-    with pytest.raises(ValueError, match="kept lengths"):
-        T.compact_into(stored, x, table.kept[:-1])
-    with pytest.raises(ValueError, match="kept lengths"):
+        T.compact_into(stored[:-1], x, table.prefix_lens)
+    with pytest.raises(ValueError, match="prefix lengths"):
+        T.compact_into(stored, x, table.prefix_lens[:-1])
+    with pytest.raises(ValueError, match="prefix lengths"):
         T.compact_into(stored, x, [x.shape[1] + 1] * x.shape[0])
-    T.compact_into(stored, x, table.kept)
+    T.compact_into(stored, x, table.prefix_lens)
     with pytest.raises(ValueError, match="stored"):
-        U.rebuild(stored[:-1], x.shape, x.dtype, table)
+        R.repad(stored[:-1], x.shape, x.dtype, table)
     with pytest.raises(ValueError, match="rows"):
-        U.rebuild(stored, (x.shape[0] + 1, x.shape[1]), x.dtype, table)
+        R.repad(stored, (x.shape[0] + 1, x.shape[1]), x.dtype, table)
     with pytest.raises(ValueError, match="byte elements"):
-        U.rebuild(stored, x.shape, torch.float64, table)
+        R.repad(stored, x.shape, torch.float64, table)
     with pytest.raises(ValueError, match="contiguous"):
-        U.rebuild(stored, x.shape, x.dtype, table, out=torch.empty(x.shape[::-1]).T)
+        R.repad(stored, x.shape, x.dtype, table, out=torch.empty(x.shape[::-1]).T)
     with pytest.raises(ValueError, match="device"):
-        U.rebuild(stored, x.shape, x.dtype, table, out=torch.empty_like(x), device="meta")
+        R.repad(stored, x.shape, x.dtype, table, out=torch.empty_like(x), device="meta")
 
 
 def test_ndarray_leaves_read_only_too() -> None:
@@ -234,7 +234,7 @@ def test_record_round_trips_through_json() -> None:
     table = T.side_table(T.scan(x))
     record = json.loads(json.dumps(table.record(), separators=(",", ":")))
     assert record == [[50, 90, 100], "000001020201", [2, 1, 0]]
-    assert U.validate(record, (3, 100), 2, table.nbytes) == table
+    assert R.validate(record, (3, 100), 2, table.nbytes) == table
 
 
 # --------------------------------------------------------------------------- validate
@@ -244,9 +244,9 @@ GOOD = ([[2, 0, 4], "0000803f", None], (3, 2, 2), 4, (12 - 6) * 4)  # float32 1.
 
 def test_validate_accepts_a_good_record() -> None:
     record, shape, isz, nbytes = GOOD
-    table = U.validate(record, shape, isz, nbytes)
-    assert table == T.Trim(4, 4, (2, 0, 4), bytes.fromhex("0000803f"))
-    assert table.kept == [2, 4, 0]
+    table = R.validate(record, shape, isz, nbytes)
+    assert table == R.Trim(4, 4, (2, 0, 4), bytes.fromhex("0000803f"))
+    assert table.prefix_lens == [2, 4, 0]
 
 
 @pytest.mark.parametrize(
@@ -282,7 +282,7 @@ def test_validate_accepts_a_good_record() -> None:
 def test_validate_rejects(record, shape, nbytes, message) -> None:
     good_record, good_shape, isz, good_nbytes = GOOD
     with pytest.raises(HeaderError, match=message):
-        U.validate(
+        R.validate(
             good_record if record is None else record,
             good_shape if shape is None else shape,
             isz,
@@ -332,7 +332,7 @@ def padded_leaves(draw: st.DrawFn, max_dim: int = 9) -> torch.Tensor | np.ndarra
         nc = torch.empty((*x.shape[:-1], 2 * x.shape[-1]), dtype=dtype)[..., ::2]
     else:
         nc = torch.empty(x.shape, dtype=dtype)
-    T._words(nc).copy_(T._words(x))  # bit for bit, whatever the dtype
+    R.as_words(nc).copy_(R.as_words(x))  # bit for bit, whatever the dtype
     return nc.numpy() if as_array else nc
 
 
@@ -344,7 +344,7 @@ def test_law_rebuild_of_compact_is_the_leaf(x, min_elements) -> None:
     elements and as data, rows with no run and rows all run, zero-length dims,
     non-contiguous tensors and ndarrays. And ``scan`` finds each row's run exactly."""
     runs = T.scan(x)
-    assert runs.kept.tolist() == brute_kept(x)
+    assert runs.prefix_lens.tolist() == brute_kept(x)
     table = T.side_table(runs, min_elements=min_elements)
     assert raw(round_trip(x, table)) == raw(x)
     assert raw(round_trip(x, table, masked=True)) == raw(x)
@@ -356,7 +356,7 @@ def test_law_the_record_validates_to_the_table(x) -> None:
     """``validate(json(record(t))) == t``: what the encoder writes, a receiver accepts."""
     table = T.side_table(T.scan(x), min_elements=1)
     record = json.loads(json.dumps(table.record()))
-    assert U.validate(record, tuple(x.shape), x.itemsize, table.nbytes) == table
+    assert R.validate(record, tuple(x.shape), x.itemsize, table.nbytes) == table
 
 
 @st.composite
@@ -413,5 +413,5 @@ def test_law_two_level_scan_is_exact(dtype, rows, seed, cuts) -> None:
     chunk = T._CHUNK_BYTES // dtype.itemsize
     for i in range(rows):
         cut = [0, n, 17, 17 + chunk, n - chunk, n * cuts[i] // 100][cuts[i] % 6]
-        T._words(x)[i, cut:] = T._words(x)[i, -1]
-    assert T.scan(x).kept.tolist() == brute_kept(x)
+        R.as_words(x)[i, cut:] = R.as_words(x)[i, -1]
+    assert T.scan(x).prefix_lens.tolist() == brute_kept(x)

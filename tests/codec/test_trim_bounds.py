@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from trees import assert_same
 
 import tensorcast as tc
+from tensorcast.codec import repad as R
 from tensorcast.codec import trim as T
-from tensorcast.codec import untrim as U
 
 FEW = settings(deadline=None, print_blob=True, max_examples=30)
 
@@ -104,10 +104,10 @@ def test_a_header_over_the_rebuild_limit_is_refused(monkeypatch: pytest.MonkeyPa
     leaf = torch.from_numpy(padded(n=40_000))
     packed = tc.pack({"x": leaf})
     assert tc.read_header(packed.header).leaves[0].trimmed
-    monkeypatch.setenv(U.REBUILD_LIMIT_ENV, str(leaf.nbytes - 1))
-    with pytest.raises(tc.HeaderError, match=U.REBUILD_LIMIT_ENV):
+    monkeypatch.setenv(R.REBUILD_LIMIT_ENV, str(leaf.nbytes - 1))
+    with pytest.raises(tc.HeaderError, match=R.REBUILD_LIMIT_ENV):
         tc.unpack(packed)
-    monkeypatch.setenv(U.REBUILD_LIMIT_ENV, str(leaf.nbytes))
+    monkeypatch.setenv(R.REBUILD_LIMIT_ENV, str(leaf.nbytes))
     assert_same(tc.unpack(packed), {"x": leaf})
 
 
@@ -136,15 +136,15 @@ def test_a_failing_allocation_is_a_header_error_naming_the_leaf(
         tc.unpack(packed)
 
 
-def _table(rows: int, n: int, itemsize: int, seed: int, pads: int) -> T.Trim:
+def _table(rows: int, n: int, itemsize: int, seed: int, pads: int) -> R.Trim:
     g = np.random.default_rng(seed)
     runs = tuple(int(r) for r in g.integers(0, n + 1, rows))
     elements = b"".join(bytes([k + 1]) * itemsize for k in range(pads))
     which = None if pads == 1 else tuple(int(w) for w in g.integers(0, pads, rows))
-    return T.Trim(n, itemsize, runs, elements, which)
+    return R.Trim(n, itemsize, runs, elements, which)
 
 
-def _reference(stored: torch.Tensor, table: T.Trim, dtype: torch.dtype) -> bytes:
+def _reference(stored: torch.Tensor, table: R.Trim, dtype: torch.dtype) -> bytes:
     """The leaf row by row in Python: the prefix, then the run's element."""
     isz, out, at = table.itemsize, bytearray(), 0
     data = stored.numpy().tobytes()
@@ -172,14 +172,14 @@ def test_short_rows_rebuild_by_chunks_on_host_and_device_paths(
     table = _table(rows, n, dtype.itemsize, seed, pads)
     stored = torch.randint(0, 256, (table.nbytes,), dtype=torch.uint8)
     want = _reference(stored, table, dtype)
-    saved = U._HOST_CHUNK, U._DEVICE_CHUNK
-    U._HOST_CHUNK = U._DEVICE_CHUNK = chunk
+    saved = R._HOST_CHUNK, R._DEVICE_CHUNK
+    R._HOST_CHUNK = R._DEVICE_CHUNK = chunk
     try:
-        host = U.rebuild(stored, (rows, n), dtype, table)
+        host = R.repad(stored, (rows, n), dtype, table)
         device = torch.empty((rows, n), dtype=dtype)
-        U._rebuild_masked(stored, device, table)
+        R._rebuild_masked(stored, device, table)
     finally:
-        U._HOST_CHUNK, U._DEVICE_CHUNK = saved
+        R._HOST_CHUNK, R._DEVICE_CHUNK = saved
     for got in (host, device):
         words = torch.view_as_real(got) if got.is_complex() else got
         assert words.contiguous().view(torch.uint8).numpy().tobytes() == want
@@ -189,7 +189,7 @@ def test_many_short_rows_rebuild_with_no_view_per_row(monkeypatch: pytest.Monkey
     """A header of many rows (at the header cap, millions) rebuilds in time bounded by its
     bytes: no Python object, tensor view or list entry per row on either path."""
     rows, n = 100_000, 16
-    table = T.Trim(n, 4, tuple([n // 2] * rows), bytes(4))
+    table = R.Trim(n, 4, tuple([n // 2] * rows), bytes(4))
     stored = torch.zeros(table.nbytes, dtype=torch.uint8)
     lists: list[int] = []
     for name in ("_foreach_copy_", "_foreach_zero_"):
@@ -209,9 +209,9 @@ def test_many_short_rows_rebuild_with_no_view_per_row(monkeypatch: pytest.Monkey
         return out
 
     monkeypatch.setattr(torch.Tensor, "split", counted_split)
-    out = U.rebuild(stored, (rows, n), torch.float32, table)
+    out = R.repad(stored, (rows, n), torch.float32, table)
     device = torch.empty((rows, n))
-    U._rebuild_masked(stored, device, table)
+    R._rebuild_masked(stored, device, table)
     assert max(lists + splits, default=0) < 100
     assert not out.any() and not device.any()
 
@@ -219,11 +219,11 @@ def test_many_short_rows_rebuild_with_no_view_per_row(monkeypatch: pytest.Monkey
 def test_the_device_rebuild_masks_a_bounded_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     """``masked_scatter_`` takes an int64 prefix sum of its mask: a chunk of rows at a time
     keeps that scratch bounded whatever the leaf (gpu-path-3 G-3)."""
-    monkeypatch.setattr(U, "_DEVICE_CHUNK", 1000)
+    monkeypatch.setattr(R, "_DEVICE_CHUNK", 1000)
     x = torch.from_numpy(padded(rows=64, n=300))
     table = T.side_table(T.scan(x))
     stored = torch.empty(table.nbytes, dtype=torch.uint8)
-    T.compact_into(stored, x, table.kept)
+    T.compact_into(stored, x, table.prefix_lens)
     masks: list[int] = []
     real = torch.Tensor.masked_scatter_
 
@@ -233,6 +233,6 @@ def test_the_device_rebuild_masks_a_bounded_chunk(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(torch.Tensor, "masked_scatter_", counted)
     out = torch.empty_like(x)
-    U._rebuild_masked(stored, out, table)
+    R._rebuild_masked(stored, out, table)
     assert torch.equal(out, x)
     assert masks and max(masks) <= 1000

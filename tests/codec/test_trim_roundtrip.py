@@ -7,10 +7,8 @@ are ``test_trim.py``.
 
 from __future__ import annotations
 
-import datetime
 import math
 import pickle
-import threading
 from typing import Any
 
 import numpy as np
@@ -23,14 +21,9 @@ from trees import assert_same
 import tensorcast as tc
 from tensorcast.codec import schema as _schema
 from tensorcast.codec import trim as T
+from tensorcast.codec.decode import decode
 from tensorcast.codec.dtypes import NUMPY_CODES, TORCH_CODES
 from tensorcast.codec.encode import encode
-from tensorcast.transport.groups import Group
-from tensorcast.transport.lane import Lane
-from tensorcast.transport.pool import Keeper
-from tensorcast.transport.receiver import Receiver
-from tensorcast.transport.sender import Sender
-from tensorcast.transport.testing import FakeWire
 
 SETTINGS = settings(deadline=None, print_blob=True, max_examples=40)
 DTYPES = sorted(TORCH_CODES.items())
@@ -137,7 +130,7 @@ def test_padded_trees_round_trip_bit_identical(case: Any, trim: bool) -> None:
         assert trim
         saved = full - spec.nbytes
         assert saved >= T.MIN_SAVED_BYTES and saved * T.MIN_SAVED_FRACTION >= full
-        kept = T.scan(leaf).kept
+        kept = T.scan(leaf).prefix_lens
         isz = leaf.itemsize
         assert spec.nbytes % isz == 0 and spec.nbytes >= int(kept.sum()) * isz
 
@@ -162,8 +155,10 @@ def test_device_rule_trims_small_leaves_and_rebuilds_them(
     leaf = padded_leaf(dtype, (len(runs), n), runs, element, seed)
     encoded = encode({"x": leaf, "y": [1, 2.5]}, receiver="device")
     buffer = torch.empty(encoded.nbytes, dtype=torch.uint8)
-    own = encoded.write_tree(buffer)
-    decoded = _schema.decode(encoded.header)
+    own, repads = encoded.write_tree(buffer)
+    for repad in repads:
+        repad()
+    decoded = decode(encoded.header)
     assert_same(decoded.rebuild(buffer), {"x": leaf, "y": [1, 2.5]})
     assert_same(own, {"x": leaf, "y": [1, 2.5]})
     assert (decoded.trims is not None) == (encoded.trims is not None)
@@ -212,7 +207,7 @@ def test_one_structure_with_changing_trims_reuses_its_program() -> None:
         tree = audio(seed=seed)
         tree["after"] = torch.arange(10)
         packed = tc.pack(tree)
-        decoded = _schema.decode(packed.header)
+        decoded = decode(packed.header)
         programs.append(decoded.compiled()[0])
         assert_same(tc.unpack(packed), tree)
     assert all(p is programs[0] for p in programs)
@@ -256,56 +251,6 @@ def test_packed_collate_trims_and_pickles() -> None:
     tree = audio()
     assert collate(tree).nbytes < plain(tree).nbytes
     assert_same(tc.unpack(collate(tree)), tree)
-
-
-def test_kept_outputs_reuse_memory_the_caller_let_go_of() -> None:
-    kept = Keeper(max_outputs=2)
-    a = kept.output(0, (4, 5), torch.float32)
-    b = kept.output(0, (4, 5), torch.float32)
-    assert a.data_ptr() != b.data_ptr()
-    ptr = a.data_ptr()
-    del a
-    c = kept.output(0, (4, 5), torch.float32)
-    assert c.data_ptr() == ptr  # reused: the caller dropped it
-    d = kept.output(0, (4, 5), torch.float32)
-    assert d.data_ptr() not in (ptr, b.data_ptr())  # both held: fresh memory
-
-
-def test_kept_outputs_are_reused_by_size_whatever_the_shape() -> None:
-    """Batches whose shapes change every step reuse the memory of their rebuilt leaves:
-    it is taken by size, and one piece serves a leaf of another shape and dtype."""
-    kept = Keeper(max_outputs=2)
-    a = kept.output(0, (64, 1000), torch.float32)
-    ptr = a.data_ptr()
-    del a
-    b = kept.output(3, (60, 1050), torch.int32)  # 252_000 bytes: the same size class
-    assert b.data_ptr() == ptr and b.shape == (60, 1050) and b.is_contiguous()
-
-
-def receive_into(got: list[Any], receiver: Receiver, timeout: datetime.timedelta) -> None:
-    got.append(receiver.recv(None, timeout))
-
-
-def test_sender_and_receiver_rebuild_trimmed_leaves_into_reused_memory() -> None:
-    wires = FakeWire.pair()
-    groups = [Group((0, 1), w, Lane(f"fake{w.rank}", w.abort)) for w in wires]
-    sender = Sender(groups[0], 0, 1)
-    receiver = Receiver(groups[1], 0, rank=1, channel_id=1, diagnose=lambda *_: "fine")
-    timeout = datetime.timedelta(seconds=10)
-    ptrs = []
-    for step in range(4):
-        tree = audio(seed=step)
-        got: list[Any] = []
-        t = threading.Thread(target=receive_into, args=(got, receiver, timeout))
-        t.start()
-        own = sender.send_batch(tree, None, timeout, trim=step != 3)
-        t.join(20)
-        assert_same(got[0], tree)
-        assert_same(own, tree)
-        assert receiver.last_nbytes < tree["audio"].nbytes / 2 or step == 3
-        ptrs.append(got[0]["audio"].data_ptr())
-        del got, own  # the caller lets go of the batch
-    assert ptrs[1] == ptrs[2] == ptrs[0], "a CPU receiver re-pads into reused memory"
 
 
 def test_numpy_trimmed_leaf_comes_back_as_an_array() -> None:

@@ -164,6 +164,7 @@ from tensorcast.transport.receiver import Receiver
 from tensorcast.transport.sender import Sender
 from tensorcast.transport.staging import Staging
 from tensorcast.transport.testing import FakeWire
+from tensorcast.transport.wire import make_wire
 
 _STARTED = time.monotonic()  # the first part's clock starts with this process
 ROOT = Path(__file__).resolve().parents[2]
@@ -846,9 +847,9 @@ def t3_pinned_staging(dev: torch.device) -> dict[str, Any]:
             part = DevicePart(
                 streams,
                 n,
-                lambda buffer, later: buffer,
+                lambda buffer: (buffer, []),
                 fill=upload,
-                kept=staging,
+                holds=staging,
                 inflight=inflight,
                 timeout_s=60.0,
                 on_error=lambda e: None,
@@ -2025,7 +2026,7 @@ def t20_blocking_wait(store_dir: str, sleeper: Sleeper) -> dict[str, Any]:
 
 
 def t21_groups_apart(sleeper: Sleeper) -> dict[str, Any]:
-    """Two NCCL wires made as tensorcast makes a group's (``groups.make_wire``), each with
+    """Two NCCL wires made as tensorcast makes a group's (``wire.make_wire``), each with
     a lane: group A's part first waits on a slow peer (an event behind a 1.5 s sleep on a
     side stream), group B's is posted after it. Each group has its own transfer stream,
     so B is done at once and A is not (review N-4); both carry the right bytes."""
@@ -2033,7 +2034,7 @@ def t21_groups_apart(sleeper: Sleeper) -> dict[str, Any]:
     base = dist.distributed_c10d._get_default_store()
     td = datetime.timedelta(seconds=30)
     wires = [
-        _groups.make_wire(
+        make_wire(
             dist.PrefixStore(f"t21/{name}/", base),
             0,
             1,
@@ -2062,7 +2063,7 @@ def t21_groups_apart(sleeper: Sleeper) -> dict[str, Any]:
         def part(i: int, **work: Any) -> DevicePart:
             src = sources[i]
             fill = lambda buffer: buffer.copy_(src, non_blocking=True)  # noqa: E731
-            build = lambda buffer, later: buffer  # noqa: E731  # as the codec's: later=
+            build = lambda buffer: (buffer, [])  # noqa: E731  # as the codec's: (tree, re-pads)
             return stagings[i].part(n, build, None, TD, fill=fill, **work)
 
         a, b = part(0, ready=late), part(1)

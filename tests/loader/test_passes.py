@@ -13,53 +13,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
+from pass_pairs import Counter, batch, passes, roles
 from trees import assert_same
 
-from tensorcast import DesyncError, HeaderError, SourceError
+from tensorcast import HeaderError
 from tensorcast.loader.passes import Ledger, Pass
 from tensorcast.loader.stats import Recorder
-from tensorcast.transport import Receiver, Sender
 from tensorcast.transport.testing import FakeWire, fake_roles
-
-
-def batch(i: int) -> dict[str, Any]:
-    return {"x": torch.arange(6.0) + i, "audio": torch.full((70_000,), float(i)), "i": i}
-
-
-class Counter:
-    """A resumable source of ``n`` batches that fails at ``fail_at`` (if given)."""
-
-    def __init__(self, n: int, fail_at: int | None = None) -> None:
-        self.n, self.fail_at, self.pos = n, fail_at, 0
-        self.error = ValueError("shard 3 is corrupt")
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        while self.pos < self.n:
-            if self.pos == self.fail_at:
-                raise self.error
-            self.pos += 1
-            yield batch(self.pos - 1)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"pos": self.pos}
-
-
-def roles() -> tuple[Sender, Receiver]:
-    return fake_roles(5, idle_exit_s=0.2)
-
-
-def passes(source: Any, prefetch: int, index: int = 1) -> tuple[Pass, Pass, Ledger]:
-    sender, receiver = roles()
-    ledger = Ledger()
-
-    def make(role: Any, source: Any, ledger: Ledger) -> Pass:
-        return Pass(
-            role, index, source=source, prefetch=prefetch, device=None, ledger=ledger,
-            stats=Recorder(),
-        )  # fmt: skip
-
-    return make(sender, source, ledger), make(receiver, None, Ledger()), ledger
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 3])
@@ -82,41 +42,6 @@ def test_the_state_describes_the_last_batch_yielded_with_steps_prefetched() -> N
     assert ledger.state == {"pos": 1}, "two more pulled ahead, the state is after batch 0"
     assert next(source_pass)["i"] == 1
     assert ledger.state == {"pos": 2}
-
-
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_a_failing_source_is_raised_there_and_a_source_error_elsewhere(prefetch: int) -> None:
-    source = Counter(5, fail_at=2)
-    source_pass, receiver_pass, _ = passes(source, prefetch)
-    assert [b["i"] for b in (next(source_pass), next(source_pass))] == [0, 1]
-    with pytest.raises(ValueError) as raised:
-        next(source_pass)
-    assert raised.value is source.error, "the very exception object"
-    assert [b["i"] for b in (next(receiver_pass), next(receiver_pass))] == [0, 1]
-    with pytest.raises(SourceError, match="source iterator failed: ValueError: shard 3"):
-        next(receiver_pass)
-    with pytest.raises(StopIteration):
-        next(receiver_pass)
-
-
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_a_pass_left_after_the_same_batch_closes_on_both_sides(prefetch: int) -> None:
-    source_pass, receiver_pass, _ = passes(Counter(8), prefetch)
-    assert next(source_pass)["i"] == 0
-    source_pass.close()
-    assert next(receiver_pass)["i"] == 0
-    receiver_pass.close()  # expects the CLOSE frame after the steps it owes
-    assert receiver_pass._lane.broken is None and source_pass._lane.broken is None
-
-
-def test_a_receiver_that_goes_on_past_the_source_s_close_is_a_desync() -> None:
-    source_pass, receiver_pass, _ = passes(Counter(8), prefetch=0)
-    assert next(source_pass)["i"] == 0
-    source_pass.close()
-    assert next(receiver_pass)["i"] == 0
-    with pytest.raises(DesyncError, match="closed the pass at step 1"):
-        next(receiver_pass)
-    assert receiver_pass._lane.broken is not None, "the lane breaks on a desync"
 
 
 def test_a_batch_refused_on_one_rank_skips_no_post_its_peers_make() -> None:

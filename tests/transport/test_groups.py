@@ -1,30 +1,14 @@
-"""Choices made when tensorcast makes a group, without a process group: the device an NCCL
-group is bound to, and the groups shut down with the default group."""
+"""tensorcast's groups, without a process group: shut down with the default group."""
 
 from __future__ import annotations
 
 import gc
 import time
-import types
 from typing import Any
 
-import pytest
-import torch
 import torch.distributed as dist
 
 from tensorcast.transport import groups as _groups
-from tensorcast.transport.groups import rank_device
-
-
-def test_an_nccl_group_is_bound_to_the_device_the_rank_chose() -> None:
-    chosen = torch.device("cuda", 3)
-    assert rank_device(types.SimpleNamespace(bound_device_id=chosen)) == chosen
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a rank with CUDA has a current device")
-def test_a_rank_that_chose_no_device_is_told_how_to_choose_one() -> None:
-    with pytest.raises(RuntimeError, match=r"torch.cuda.set_device\(local_rank\).*device_id"):
-        rank_device(types.SimpleNamespace(bound_device_id=None))
 
 
 def test_groups_are_shut_down_when_the_default_group_is_destroyed(tmp_path: Any) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorcast.transport.pool import BufferPool, FramePool
+from tensorcast.transport.pool import BufferPool, FramePool, Keeper
 
 CPU = torch.device("cpu")
 
@@ -217,8 +217,8 @@ def test_a_first_message_keeps_no_pointer_its_bytes_moved_from() -> None:
     payload = message.inline_payload(1024, 64)
     old = message.host.ctypes.data
     payload.share_memory_()  # the caller shares a leaf of an inline payload
-    assert message.host.ctypes.data == message.buffer.data_ptr() != old
-    assert message.is_gone() and not message.is_idle()
+    assert message.buffer.data_ptr() != old  # the message's views point at freed bytes:
+    assert message.is_gone() and not message.is_idle()  # it is never taken again
     del payload
     assert pool.take(4096) is not message
 
@@ -237,3 +237,27 @@ def test_reusable_is_the_rule_other_pools_call() -> None:
     storage.share_memory_()
     assert not reusable(storage, pointer, held)  # moved
     assert not reusable(storage, storage.data_ptr(), held)  # shared
+
+
+def test_kept_outputs_reuse_memory_the_caller_let_go_of() -> None:
+    kept = Keeper(max_outputs=2)
+    a = kept.output(0, (4, 5), torch.float32)
+    b = kept.output(0, (4, 5), torch.float32)
+    assert a.data_ptr() != b.data_ptr()
+    ptr = a.data_ptr()
+    del a
+    c = kept.output(0, (4, 5), torch.float32)
+    assert c.data_ptr() == ptr  # reused: the caller dropped it
+    d = kept.output(0, (4, 5), torch.float32)
+    assert d.data_ptr() not in (ptr, b.data_ptr())  # both held: fresh memory
+
+
+def test_kept_outputs_are_reused_by_size_whatever_the_shape() -> None:
+    """Batches whose shapes change every step reuse the memory of their rebuilt leaves:
+    it is taken by size, and one piece serves a leaf of another shape and dtype."""
+    kept = Keeper(max_outputs=2)
+    a = kept.output(0, (64, 1000), torch.float32)
+    ptr = a.data_ptr()
+    del a
+    b = kept.output(3, (60, 1050), torch.int32)  # 252_000 bytes: the same size class
+    assert b.data_ptr() == ptr and b.shape == (60, 1050) and b.is_contiguous()

@@ -16,7 +16,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from taps import first_message_problems
-from trees import STEADY_STEPS, big_header, every_kind, payload_batch, steady_batch, tiny
+from trees import (
+    STEADY_STEPS,
+    assert_same,
+    big_header,
+    every_kind,
+    payload_batch,
+    steady_batch,
+    tiny,
+)
 
 from tensorcast._errors import DesyncError, HeaderError, PeerError, SourceError
 from tensorcast.transport import frame as _frame
@@ -428,3 +436,41 @@ def test_ranks_that_disagree_on_promises_fail_loudly(source_promises: bool) -> N
     assert isinstance(got[2], DesyncError), got[2]
     assert "TENSORCAST_PROMISES" in str(got[2])
     assert rgroup.lane.broken is not None and rwire.aborted
+
+
+# -- trimmed leaves: re-padded into memory the caller let go of
+
+
+def padded_audio(rows: int = 8, n: int = 200_000, seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g)
+    lens = torch.randint(n // 10, n // 2, (rows,), generator=g)
+    for i, length in enumerate(lens.tolist()):
+        x[i, length:] = 0
+    return {"audio": x, "audio_lens": lens, "id": [f"cut-{seed}"]}
+
+
+def receive_into(got: list[Any], receiver: Receiver, timeout: datetime.timedelta) -> None:
+    got.append(receiver.recv(None, timeout))
+
+
+def test_sender_and_receiver_rebuild_trimmed_leaves_into_reused_memory() -> None:
+    wires = FakeWire.pair()
+    groups = [Group((0, 1), w, Lane(f"fake{w.rank}", w.abort)) for w in wires]
+    sender = Sender(groups[0], 0, 1)
+    receiver = Receiver(groups[1], 0, rank=1, channel_id=1, diagnose=lambda *_: "fine")
+    timeout = datetime.timedelta(seconds=10)
+    ptrs = []
+    for step in range(4):
+        tree = padded_audio(seed=step)
+        got: list[Any] = []
+        t = threading.Thread(target=receive_into, args=(got, receiver, timeout))
+        t.start()
+        own = sender.send_batch(tree, None, timeout, trim=step != 3)
+        t.join(20)
+        assert_same(got[0], tree)
+        assert_same(own, tree)
+        assert receiver.last_nbytes < tree["audio"].nbytes / 2 or step == 3
+        ptrs.append(got[0]["audio"].data_ptr())
+        del got, own  # the caller lets go of the batch
+    assert ptrs[1] == ptrs[2] == ptrs[0], "a CPU receiver re-pads into reused memory"

@@ -4,6 +4,7 @@ and that each is waited for with the timeout. No process group."""
 from __future__ import annotations
 
 import datetime
+import types
 from typing import Any
 
 import pytest
@@ -152,3 +153,17 @@ def test_broadcast_options_of_older_bindings(monkeypatch: pytest.MonkeyPatch) ->
     timeout = datetime.timedelta(seconds=3)
     opts = _wire._broadcast_options(1, timeout)
     assert (opts.rootRank, opts.rootTensor, opts.timeout) == (1, 0, timeout)
+
+
+# -- making a wire: the device an NCCL group is bound to
+
+
+def test_an_nccl_group_is_bound_to_the_device_the_rank_chose() -> None:
+    chosen = torch.device("cuda", 3)
+    assert _wire.rank_device(types.SimpleNamespace(bound_device_id=chosen)) == chosen
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a rank with CUDA has a current device")
+def test_a_rank_that_chose_no_device_is_told_how_to_choose_one() -> None:
+    with pytest.raises(RuntimeError, match=r"torch.cuda.set_device\(local_rank\).*device_id"):
+        _wire.rank_device(types.SimpleNamespace(bound_device_id=None))

@@ -1,9 +1,18 @@
-"""The decode side of trimmed leaves: a header's side table checked, and the leaf rebuilt.
+"""The re-pad: a trimmed leaf rebuilt from its stored prefixes, bit-identical, on both roles.
 
-The encode side (probe, scan, decide, compact) is :mod:`tensorcast.codec.trim`, with
-NOTE [ Trimmed leaves ]; the record's bytes are specified in ``docs/format.md``. The two
-meet only in :class:`~tensorcast.codec.trim.Trim` and the bit views of an element: a
-receiver runs this module alone, a source that module (and this one for its own tree).
+Trimming (NOTE [ Trimmed leaves ]) has two sides. The source's, :mod:`tensorcast.codec.trim`
+(probe, scan, decide, compact), runs on the source alone. This one runs on every rank: a
+receiver checks a header's side tables (:func:`check_trims`, before anything is
+allocated) and re-pads each trimmed leaf (:func:`repad`); a source re-pads its own
+tree's leaves the same way. So the vocabulary both sides share lives here: the side
+table (:class:`Trim`), the bounds a header must keep, and the bit views of an element
+(:func:`as_words`, :func:`flat_bytes`, :func:`sizes`). The record's bytes are specified in
+``docs/format.md``.
+
+A :class:`Repad` is one leaf's re-pad with its memory taken (:meth:`Repad.taken`), left
+for its caller to run when it pays: a receiver at once, a source while its payload is on
+the wire (NOTE [ The own tree's re-pads ] in ``transport/sender.py``), a device part on
+its stream.
 """
 
 from __future__ import annotations
@@ -13,25 +22,115 @@ import math
 import os
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from tensorcast._errors import HeaderError
-from tensorcast.codec.trim import (
-    _WORD,
-    MAX_LEAF_BYTES,
-    MAX_REBUILD_RATIO,
-    Trim,
-    _flat_bytes,
-    _sizes,
-    _words,
-)
+from tensorcast.codec.dtypes import CODE_ITEMSIZE, NUMPY_CODES, TORCH_CODES
 
-__all__ = ["REBUILD_LIMIT", "REBUILD_LIMIT_ENV", "check_rebuild", "rebuild", "validate"]
+if TYPE_CHECKING:
+    from tensorcast.codec.views import Reuses
+
+__all__ = [
+    "MAX_LEAF_BYTES",
+    "MAX_REBUILD_RATIO",
+    "REBUILD_LIMIT",
+    "REBUILD_LIMIT_ENV",
+    "WORD",
+    "Repad",
+    "Trim",
+    "check_rebuild",
+    "check_trims",
+    "flat_bytes",
+    "repad",
+    "sizes",
+    "validate",
+    "as_words",
+]
+
+#: the largest full leaf a side table may describe (the format's buffer cap)
+MAX_LEAF_BYTES = 1 << 44
+#: a header's trimmed leaves rebuild to at most this many times the bytes that travelled
+#: (its buffer and the header itself): the encoder trims no leaf past it, receivers refuse
+#: a header past it (:func:`check_rebuild`, ``docs/format.md``)
+MAX_REBUILD_RATIO = 1024
 
 _HEX = re.compile(r"(?:[0-9a-f]{2})+")
+
+
+@dataclass(frozen=True, slots=True)
+class Trim:
+    """A trimmed leaf's side table: what travels in the header beside its prefixes.
+
+    Attributes:
+        row_len: ``n = prod(shape[1:])`` (from the leaf table, not the record).
+        itemsize: the leaf's element size (from its dtype code, not the record).
+        runs: each row's run length in elements; the row keeps ``row_len - run``.
+        elements: the distinct run elements, ``itemsize`` bytes each, in increasing order.
+        which: each row's index into ``elements``; None when there is one element.
+        prefix_lens: each row's prefix length in elements, ``row_len - run`` (made
+            with the table).
+        nbytes: the bytes stored: every row's prefix (made with the table).
+        full_nbytes: the bytes of the full leaf (made with the table).
+    """
+
+    row_len: int
+    itemsize: int
+    runs: tuple[int, ...]
+    elements: bytes
+    which: tuple[int, ...] | None = None
+    prefix_lens: list[int] = field(init=False, compare=False, repr=False)
+    nbytes: int = field(init=False, compare=False, repr=False)
+    full_nbytes: int = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # plain fields, not properties: the re-pad and the encoder read them at every leaf
+        full = len(self.runs) * self.row_len
+        object.__setattr__(self, "prefix_lens", list(map(self.row_len.__sub__, self.runs)))
+        object.__setattr__(self, "nbytes", (full - sum(self.runs)) * self.itemsize)
+        object.__setattr__(self, "full_nbytes", full * self.itemsize)
+
+    def record(self) -> list[Any]:
+        """The JSON-able record the header carries (``docs/format.md``)."""
+        which = None if self.which is None else list(self.which)
+        return [list(self.runs), self.elements.hex(), which]
+
+
+# --------------------------------------------------------------------------- bits
+
+#: an element's bits as an integer of its width
+WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of the same width, bit for bit: a view, any strides.
+    A 16-byte element (complex128) becomes a trailing pair of int64."""
+    isz = t.element_size()
+    if isz == 16:
+        return torch.view_as_real(t).view(torch.int64)
+    return t.view(WORD[isz])
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, 1-D (``view(-1)`` keeps the odd stride a dim of size 1
+    may have, and a view as bytes then fails)."""
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+
+
+def sizes(prefix_lens: Sequence[int], row_len: int, itemsize: int) -> tuple[list[int], list[int]]:
+    """Each row's prefix bytes, and each row's (prefix, run) bytes interleaved: the sizes
+    that split the stored bytes into prefixes, and a full leaf into prefixes and runs."""
+    prefix_bytes = list(map(itemsize.__mul__, prefix_lens))
+    both = [0] * (2 * len(prefix_bytes))
+    both[::2] = prefix_bytes
+    both[1::2] = map((row_len * itemsize).__sub__, prefix_bytes)
+    return prefix_bytes, both
+
+
+# --------------------------------------------------------------------------- checks
 
 #: the environment variable that sets :func:`rebuild_limit`, in bytes
 REBUILD_LIMIT_ENV = "TENSORCAST_REBUILD_LIMIT"
@@ -77,6 +176,33 @@ def check_rebuild(full: int, travelled: int, limit: int | None = None) -> None:
             f"the trimmed leaves rebuild to {full} bytes, over this process's limit of "
             f"{limit} bytes: set {REBUILD_LIMIT_ENV} (bytes) higher for larger batches"
         )
+
+
+def check_trims(records: list[Any], leaves: list[Any], travelled: int) -> dict[int, Trim] | None:
+    """A header's side tables by leaf index, each record checked against its leaf's row
+    (whose kind, dtype code and shape are valid; ``codec.schema``): their full leaves
+    within the format's buffer cap, and within a bounded multiple of the ``travelled``
+    bytes and the rebuild limit (:func:`check_rebuild`). None when no leaf is trimmed.
+
+    Raises:
+        HeaderError: a record is malformed, disagrees with its leaf, or is over a bound.
+    """
+    if not records:
+        return None
+    tables = {}
+    full = 0
+    for i, *record in records:
+        _kind, code, shape, _off, size = leaves[i]
+        table = validate(record, shape, CODE_ITEMSIZE[code], size)
+        full += table.full_nbytes
+        if full > MAX_LEAF_BYTES:
+            raise _invalid(f"the trimmed leaves rebuild to over {MAX_LEAF_BYTES} bytes")
+        tables[i] = table
+    try:
+        check_rebuild(full, travelled)
+    except ValueError as e:  # the limit's variable is set wrong: say so as the header's
+        raise _invalid(str(e)) from None
+    return tables
 
 
 def validate(
@@ -148,7 +274,7 @@ def _invalid(what: str) -> HeaderError:
     return HeaderError(f"invalid tensorcast header: {what}")
 
 
-def rebuild(
+def repad(
     stored: torch.Tensor,
     shape: Sequence[int],
     dtype: torch.dtype,
@@ -161,14 +287,14 @@ def rebuild(
     to its element, its prefix copied before it, in a few vectorised ops.
 
     Every size comes from ``trim``, which the host holds: on a GPU the ops queue on the
-    current stream with no host sync (the kept lengths, and a table of several elements,
+    current stream with no host sync (the prefix lengths, and a table of several elements,
     go up as small copies). A host copies each row's prefix with one memcpy; a device
     scatters them through a mask, a few kernels whatever the rows. An ndarray leaf is
-    ``rebuild(...).numpy()`` on the CPU.
+    ``repad(...).numpy()`` on the CPU.
 
     Args:
         stored: 1-D uint8 of exactly ``trim.nbytes``: the prefixes as :func:`compact_into`
-            wrote them, on any device (copied to the output's device if elsewhere).
+            (``codec.trim``) wrote them, on any device (copied to the output's device if elsewhere).
         shape: the leaf's full shape.
         dtype: the leaf's dtype.
         trim: the leaf's side table (from :func:`validate`, on a receiver).
@@ -222,73 +348,73 @@ def _rebuild_split(stored: torch.Tensor, out: torch.Tensor, trim: Trim) -> None:
     flat index, a chunk of rows at a time: no Python object a row."""
     isz = trim.itemsize
     if trim.row_len * isz >= _LONG_ROW_BYTES:
-        pieces = _flat_bytes(_words(out)).split(_sizes(trim.kept, trim.row_len, isz)[1])
+        pieces = flat_bytes(as_words(out)).split(sizes(trim.prefix_lens, trim.row_len, isz)[1])
         if trim.which is None and not any(trim.elements):
             torch._foreach_zero_(list(pieces[1::2]))  # write the runs alone
         else:
             _fill(_row_view(out, trim), trim)
         if trim.nbytes:
-            kept_bytes = list(map(isz.__mul__, trim.kept))
-            torch._foreach_copy_(list(pieces[::2]), list(stored.split(kept_bytes)))
+            prefix_bytes = list(map(isz.__mul__, trim.prefix_lens))
+            torch._foreach_copy_(list(pieces[::2]), list(stored.split(prefix_bytes)))
         return
-    words = _row_view(out, trim)
+    row_words = _row_view(out, trim)
     if trim.which is None and not any(trim.elements):
-        words.zero_()
+        row_words.zero_()
     else:
-        _fill(words, trim)
+        _fill(row_words, trim)
     if not trim.nbytes:
         return
     n = trim.row_len
-    pair = words.shape[2:]
-    dst = words.numpy().reshape(-1, *pair)
+    pair = row_words.shape[2:]
+    dst = row_words.numpy().reshape(-1, *pair)
     src = stored.numpy().view(dst.dtype).reshape(-1, *pair)
-    for r0, r1, s0, s1, kept in _chunks(trim, _HOST_CHUNK):
-        starts = np.cumsum(kept) - kept  # each row's first element within the chunk
+    for r0, r1, s0, s1, lens in _chunks(trim, _HOST_CHUNK):
+        starts = np.cumsum(lens) - lens  # each row's first element within the chunk
         rows = np.arange(r0, r1, dtype=np.int64) * n
-        dst[np.repeat(rows - starts, kept) + np.arange(s1 - s0)] = src[s0:s1]
+        dst[np.repeat(rows - starts, lens) + np.arange(s1 - s0)] = src[s0:s1]
 
 
 def _chunks(trim: Trim, most: int) -> Iterator[tuple[int, int, int, int, np.ndarray]]:
     """The rows cut into chunks of about ``most`` elements (a row longer than that alone):
-    ``(first row, end row, first stored element, end stored element, kept lengths)``."""
-    kept = trim.row_len - np.asarray(trim.runs, dtype=np.int64)
+    ``(first row, end row, first stored element, end stored element, prefix lengths)``."""
+    lens = trim.row_len - np.asarray(trim.runs, dtype=np.int64)
     per_chunk = max(1, most // max(trim.row_len, 1))
-    ends = np.cumsum(kept)
-    rows = len(kept)
+    ends = np.cumsum(lens)
+    rows = len(lens)
     for r0 in range(0, rows, per_chunk):
         r1 = min(rows, r0 + per_chunk)
         s1 = int(ends[r1 - 1])
-        part = kept[r0:r1]
+        part = lens[r0:r1]
         yield r0, r1, s1 - int(part.sum()), s1, part
 
 
 def _rebuild_masked(stored: torch.Tensor, out: torch.Tensor, trim: Trim) -> None:
     """On a device: every element filled, then the prefixes scattered through a mask of
-    the kept elements made from the kept lengths (one small upload, no host sync), a chunk
+    the prefixes' elements made from their lengths (one small upload, no host sync), a chunk
     of rows at a time: a few kernels a chunk, where per-row views would cost the host a few
     us each, and scratch bounded whatever the leaf (``masked_scatter_`` takes an int64
     prefix sum of its mask)."""
-    words = _row_view(out, trim)
+    row_words = _row_view(out, trim)
     if trim.which is None and not any(trim.elements):
-        words.zero_()
+        row_words.zero_()
     else:
-        _fill(words, trim)
+        _fill(row_words, trim)
     if not trim.nbytes:
         return
-    if stored.storage_offset() % words.element_size():
+    if stored.storage_offset() % row_words.element_size():
         stored = stored.clone()  # a view as words needs their alignment
-    values = stored.view(words.dtype)
-    if words.dim() == 3:
+    values = stored.view(row_words.dtype)
+    if row_words.dim() == 3:
         values = values.view(-1, 2)
-    kept = _upload(torch.tensor(trim.kept, dtype=torch.int64), out.device)
+    lens = _upload(torch.tensor(trim.prefix_lens, dtype=torch.int64), out.device)
     columns = torch.arange(trim.row_len, device=out.device)
     for r0, r1, s0, s1, _ in _chunks(trim, _DEVICE_CHUNK):
         if s0 == s1:
             continue
-        mask = columns < kept[r0:r1].unsqueeze(1)
-        if words.dim() == 3:
+        mask = columns < lens[r0:r1].unsqueeze(1)
+        if row_words.dim() == 3:
             mask = mask.unsqueeze(2)  # both words of an element
-        words[r0:r1].masked_scatter_(mask, values[s0:s1])
+        row_words[r0:r1].masked_scatter_(mask, values[s0:s1])
 
 
 def _upload(small: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -302,21 +428,83 @@ def _upload(small: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _row_view(out: torch.Tensor, trim: Trim) -> torch.Tensor:
     """A contiguous output's rows as words: ``(B, n)``, or ``(B, n, 2)`` for 16 bytes."""
     pair = (2,) if trim.itemsize == 16 else ()
-    return _words(out).view(len(trim.runs), trim.row_len, *pair)
+    return as_words(out).view(len(trim.runs), trim.row_len, *pair)
 
 
-def _fill(words: torch.Tensor, trim: Trim) -> None:
-    """Every element of ``words`` (an output's rows as integers) set to its row's run
+def _fill(row_words: torch.Tensor, trim: Trim) -> None:
+    """Every element of ``row_words`` (an output's rows as integers) set to its row's run
     element: one fill for a single element, one broadcast copy for several."""
     isz = trim.itemsize
     if trim.which is None and isz <= 8:
-        words.fill_(int.from_bytes(trim.elements, "little", signed=isz > 1))
+        row_words.fill_(int.from_bytes(trim.elements, "little", signed=isz > 1))
         return
     palette = torch.frombuffer(bytearray(trim.elements), dtype=torch.uint8)
-    palette = palette.view(_WORD[min(isz, 8)]).view(len(trim.elements) // isz, -1)
+    palette = palette.view(WORD[min(isz, 8)]).view(len(trim.elements) // isz, -1)
     per_row = palette if trim.which is None else palette[torch.tensor(trim.which)]
-    per_row = _upload(per_row, words.device)  # (B or 1, words an element)
-    if words.dim() == 2:
-        words.copy_(per_row.expand_as(words))  # one word an element: (B or 1, 1)
+    per_row = _upload(per_row, row_words.device)  # (B or 1, words an element)
+    if row_words.dim() == 2:
+        row_words.copy_(per_row.expand_as(row_words))  # one word an element: (B or 1, 1)
     else:
-        words.copy_(per_row.unsqueeze(1).expand_as(words))
+        row_words.copy_(per_row.unsqueeze(1).expand_as(row_words))
+
+
+# --------------------------------------------------------------------------- left to run
+
+
+@dataclass(frozen=True, slots=True)
+class Repad:
+    """One trimmed leaf's re-pad, its memory taken, left for the caller to run before
+    anyone reads the leaf (:meth:`taken`).
+
+    Attributes:
+        value: the leaf as the tree holds it: ``out``, or an ndarray viewing it.
+        out: the leaf's memory (on a GPU: taken on the stream that was current).
+        stored: its stored prefixes.
+        trim: its side table, checked when it was made or validated, so running the
+            re-pad cannot fail on its sizes.
+    """
+
+    value: Any
+    out: torch.Tensor
+    stored: torch.Tensor
+    trim: Trim
+
+    @staticmethod
+    def taken(
+        kind: str,
+        code: str,
+        shape: Any,
+        stored: torch.Tensor,
+        trim: Trim,
+        reuse: Reuses | None,
+        index: int,
+    ) -> Repad:
+        """Trimmed leaf ``index``'s re-pad, its memory taken now: a tensor on the device
+        of its ``stored`` prefixes (into ``reuse``'s memory on a host), an array on the
+        CPU.
+
+        Raises:
+            HeaderError: its memory cannot be allocated.
+        """
+        shape = tuple(shape)
+        try:
+            if kind == "ndarray":
+                out = torch.from_numpy(np.empty(shape, NUMPY_CODES[code]))
+                return Repad(out.numpy(), out, stored, trim)
+            dtype = TORCH_CODES[code]
+            into = None
+            if reuse is not None and stored.is_cpu:
+                into = reuse.output(index, shape, dtype)
+            if into is None:
+                into = torch.empty(shape, dtype=dtype, device=stored.device)
+        except (RuntimeError, MemoryError) as e:  # torch's out of memory is a RuntimeError
+            raise HeaderError(
+                f"the header's trimmed leaf {index} ({code} of shape {list(shape)}) could not "
+                f"be allocated: {type(e).__name__}: {e}"
+            ) from None
+        return Repad(into, into, stored, trim)
+
+    def __call__(self) -> None:
+        """Write all of ``out``: the leaf, bit-identical (:func:`repad`)."""
+        out = self.out
+        repad(self.stored, out.shape, out.dtype, self.trim, out=out)

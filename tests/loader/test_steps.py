@@ -1,0 +1,45 @@
+"""The steps of a pass (``loader.steps``), each one job on the lane: a source's failure
+sent as an ERROR frame and raised as ``SourceError`` on the receivers, and the early
+close (NOTE [ An early close ]): a CLOSE frame both sides agree on, or a desync."""
+
+from __future__ import annotations
+
+import pytest
+from pass_pairs import Counter, passes
+
+from tensorcast import DesyncError, SourceError
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_failing_source_is_raised_there_and_a_source_error_elsewhere(prefetch: int) -> None:
+    source = Counter(5, fail_at=2)
+    source_pass, receiver_pass, _ = passes(source, prefetch)
+    assert [b["i"] for b in (next(source_pass), next(source_pass))] == [0, 1]
+    with pytest.raises(ValueError) as raised:
+        next(source_pass)
+    assert raised.value is source.error, "the very exception object"
+    assert [b["i"] for b in (next(receiver_pass), next(receiver_pass))] == [0, 1]
+    with pytest.raises(SourceError, match="source iterator failed: ValueError: shard 3"):
+        next(receiver_pass)
+    with pytest.raises(StopIteration):
+        next(receiver_pass)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_pass_left_after_the_same_batch_closes_on_both_sides(prefetch: int) -> None:
+    source_pass, receiver_pass, _ = passes(Counter(8), prefetch)
+    assert next(source_pass)["i"] == 0
+    source_pass.close()
+    assert next(receiver_pass)["i"] == 0
+    receiver_pass.close()  # expects the CLOSE frame after the steps it owes
+    assert receiver_pass._lane.broken is None and source_pass._lane.broken is None
+
+
+def test_a_receiver_that_goes_on_past_the_source_s_close_is_a_desync() -> None:
+    source_pass, receiver_pass, _ = passes(Counter(8), prefetch=0)
+    assert next(source_pass)["i"] == 0
+    source_pass.close()
+    assert next(receiver_pass)["i"] == 0
+    with pytest.raises(DesyncError, match="closed the pass at step 1"):
+        next(receiver_pass)
+    assert receiver_pass._lane.broken is not None, "the lane breaks on a desync"

@@ -6,7 +6,7 @@ receiver checks a header's side tables (:func:`check_trims`, before anything is
 allocated) and re-pads each trimmed leaf (:func:`repad`); a source re-pads its own
 tree's leaves the same way. So the vocabulary both sides share lives here: the side
 table (:class:`Trim`), the bounds a header must keep, and the bit views of an element
-(:func:`as_words`, :func:`flat_bytes`, :func:`sizes`). The record's bytes are specified in
+(:func:`as_words`, :func:`row_pieces`). The record's bytes are specified in
 ``docs/format.md``.
 
 A :class:`Repad` is one leaf's re-pad with its memory taken (:meth:`Repad.taken`), left
@@ -44,9 +44,8 @@ __all__ = [
     "Trim",
     "check_rebuild",
     "check_trims",
-    "flat_bytes",
     "repad",
-    "sizes",
+    "row_pieces",
     "validate",
     "as_words",
 ]
@@ -114,20 +113,24 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
     return t.view(WORD[isz])
 
 
-def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes, 1-D (``view(-1)`` keeps the odd stride a dim of size 1
     may have, and a view as bytes then fails)."""
     return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
-def sizes(prefix_lens: Sequence[int], row_len: int, itemsize: int) -> tuple[list[int], list[int]]:
-    """Each row's prefix bytes, and each row's (prefix, run) bytes interleaved: the sizes
-    that split the stored bytes into prefixes, and a full leaf into prefixes and runs."""
+def row_pieces(
+    t: torch.Tensor, prefix_lens: Sequence[int], row_len: int, itemsize: int
+) -> tuple[torch.Tensor, ...]:
+    """A contiguous leaf's bytes cut row by row into its (prefix, run) pieces, interleaved:
+    views of ``t`` (the leaf, or its rows as :func:`as_words`), the prefixes ``[::2]`` and
+    the runs ``[1::2]``. One ``split``: what the encoder compacts from, and what the
+    re-pad writes into."""
     prefix_bytes = list(map(itemsize.__mul__, prefix_lens))
     both = [0] * (2 * len(prefix_bytes))
     both[::2] = prefix_bytes
     both[1::2] = map((row_len * itemsize).__sub__, prefix_bytes)
-    return prefix_bytes, both
+    return _flat_bytes(as_words(t)).split(both)
 
 
 # --------------------------------------------------------------------------- checks
@@ -348,7 +351,7 @@ def _rebuild_split(stored: torch.Tensor, out: torch.Tensor, trim: Trim) -> None:
     flat index, a chunk of rows at a time: no Python object a row."""
     isz = trim.itemsize
     if trim.row_len * isz >= _LONG_ROW_BYTES:
-        pieces = flat_bytes(as_words(out)).split(sizes(trim.prefix_lens, trim.row_len, isz)[1])
+        pieces = row_pieces(out, trim.prefix_lens, trim.row_len, isz)
         if trim.which is None and not any(trim.elements):
             torch._foreach_zero_(list(pieces[1::2]))  # write the runs alone
         else:

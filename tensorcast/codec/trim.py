@@ -70,7 +70,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorcast.codec.repad import MAX_REBUILD_RATIO, Trim, as_words, flat_bytes, sizes
+from tensorcast.codec.repad import MAX_REBUILD_RATIO, Trim, as_words, row_pieces
 
 __all__ = [
     "HOST_MIN_SAVED_BYTES",
@@ -421,8 +421,7 @@ def compact_into(out: torch.Tensor, leaf: Any, prefix_lens: Sequence[int]) -> No
     lens = prefix_lens
     if len(lens) != rows or (rows and not 0 <= min(lens) <= max(lens) <= n):
         raise ValueError(f"expected {rows} prefix lengths, one per row, each in [0, {n}]")
-    prefix_bytes, both = sizes(lens, n, leaf.itemsize)
-    total = sum(prefix_bytes)
+    total = sum(lens) * leaf.itemsize
     if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != total:
         raise ValueError(
             f"out must be a 1-D uint8 tensor of {total} bytes (the prefixes' elements), got "
@@ -430,7 +429,7 @@ def compact_into(out: torch.Tensor, leaf: Any, prefix_lens: Sequence[int]) -> No
         )
     if not total:
         return
-    prefixes = flat_bytes(words).split(both)[::2]
+    prefixes = row_pieces(words, lens, n, leaf.itemsize)[::2]
     if out.device == words.device:
         torch.cat(prefixes, out=out)
     else:

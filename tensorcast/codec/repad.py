@@ -74,6 +74,8 @@ class Trim:
             with the table).
         nbytes: the bytes stored: every row's prefix (made with the table).
         full_nbytes: the bytes of the full leaf (made with the table).
+        record: the JSON-able record the header carries (``docs/format.md``; made with
+            the table: the encoder sizes it, then the header holds it).
     """
 
     row_len: int
@@ -84,6 +86,7 @@ class Trim:
     prefix_lens: list[int] = field(init=False, compare=False, repr=False)
     nbytes: int = field(init=False, compare=False, repr=False)
     full_nbytes: int = field(init=False, compare=False, repr=False)
+    record: list[Any] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # plain fields, not properties: the re-pad and the encoder read them at every leaf
@@ -91,11 +94,8 @@ class Trim:
         object.__setattr__(self, "prefix_lens", list(map(self.row_len.__sub__, self.runs)))
         object.__setattr__(self, "nbytes", (full - sum(self.runs)) * self.itemsize)
         object.__setattr__(self, "full_nbytes", full * self.itemsize)
-
-    def record(self) -> list[Any]:
-        """The JSON-able record the header carries (``docs/format.md``)."""
         which = None if self.which is None else list(self.which)
-        return [list(self.runs), self.elements.hex(), which]
+        object.__setattr__(self, "record", [list(self.runs), self.elements.hex(), which])
 
 
 # --------------------------------------------------------------------------- bits

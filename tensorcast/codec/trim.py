@@ -369,7 +369,7 @@ def decide(runs: Runs, *, receiver: str = "host") -> Trim | None:
     _check_receiver(receiver)
     table = side_table(runs)
     full = table.full_nbytes
-    travels = table.nbytes + len(_dumps(table.record()))
+    travels = table.nbytes + len(_dumps(table.record))
     if full > MAX_REBUILD_RATIO * travels:  # receivers would refuse it: it travels whole
         return None
     return table if _pays(full - travels, full, len(table.runs), receiver) else None

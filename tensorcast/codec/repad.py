@@ -122,15 +122,16 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 def row_pieces(
     t: torch.Tensor, prefix_lens: Sequence[int], row_len: int, itemsize: int
 ) -> tuple[torch.Tensor, ...]:
-    """A contiguous leaf's bytes cut row by row into its (prefix, run) pieces, interleaved:
-    views of ``t`` (the leaf, or its rows as :func:`as_words`), the prefixes ``[::2]`` and
-    the runs ``[1::2]``. One ``split``: what the encoder compacts from, and what the
-    re-pad writes into."""
+    """A leaf's bytes cut row by row into its (prefix, run) pieces, interleaved, the
+    prefixes ``[::2]`` and the runs ``[1::2]``: views of ``t`` when it is contiguous, else
+    of a contiguous copy made through :func:`as_words` (a bool copy would turn bytes other
+    than 0 / 1 into 1). One ``split``: what the encoder compacts from, and what the re-pad
+    writes into."""
     prefix_bytes = list(map(itemsize.__mul__, prefix_lens))
     both = [0] * (2 * len(prefix_bytes))
     both[::2] = prefix_bytes
     both[1::2] = map((row_len * itemsize).__sub__, prefix_bytes)
-    return _flat_bytes(as_words(t)).split(both)
+    return _flat_bytes(as_words(t).contiguous()).split(both)
 
 
 # --------------------------------------------------------------------------- checks

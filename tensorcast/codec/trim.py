@@ -416,8 +416,8 @@ def compact_into(out: torch.Tensor, leaf: Any, prefix_lens: Sequence[int]) -> No
     Raises:
         ValueError: ``prefix_lens`` or ``out`` does not fit the leaf.
     """
-    words = _row_words(leaf)
-    rows, n = words.shape[0], words.shape[1]
+    t = _tensor(leaf)
+    rows, n = t.shape[0], math.prod(t.shape[1:])
     lens = prefix_lens
     if len(lens) != rows or (rows and not 0 <= min(lens) <= max(lens) <= n):
         raise ValueError(f"expected {rows} prefix lengths, one per row, each in [0, {n}]")
@@ -429,8 +429,8 @@ def compact_into(out: torch.Tensor, leaf: Any, prefix_lens: Sequence[int]) -> No
         )
     if not total:
         return
-    prefixes = row_pieces(words, lens, n, leaf.itemsize)[::2]
-    if out.device == words.device:
+    prefixes = row_pieces(t, lens, n, leaf.itemsize)[::2]
+    if out.device == t.device:
         torch.cat(prefixes, out=out)
     else:
         out.copy_(torch.cat(prefixes), non_blocking=True)

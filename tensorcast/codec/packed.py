@@ -14,8 +14,7 @@ import torch
 from tensorcast.codec import schema as _schema
 from tensorcast.codec.build import compile_tokens
 from tensorcast.codec.decode import decode
-from tensorcast.codec.encode import encode
-from tensorcast.codec.layout import DEFAULT_ALIGN
+from tensorcast.codec.encode import DEFAULT_ALIGN, encode
 from tensorcast.codec.paths import render_path
 from tensorcast.codec.schema import LeafSpec, Schema
 

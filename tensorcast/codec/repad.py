@@ -6,7 +6,7 @@ receiver checks a header's side tables (:func:`check_trims`, before anything is
 allocated) and re-pads each trimmed leaf (:func:`repad`); a source re-pads its own
 tree's leaves the same way. So the vocabulary both sides share lives here: the side
 table (:class:`Trim`), the bounds a header must keep, and the bit views of an element
-(:func:`as_words`, :func:`flat_bytes`, :func:`sizes`). The record's bytes are specified in
+(:func:`as_words`, :func:`row_pieces`). The record's bytes are specified in
 ``docs/format.md``.
 
 A :class:`Repad` is one leaf's re-pad with its memory taken (:meth:`Repad.taken`), left
@@ -44,9 +44,8 @@ __all__ = [
     "Trim",
     "check_rebuild",
     "check_trims",
-    "flat_bytes",
     "repad",
-    "sizes",
+    "row_pieces",
     "validate",
     "as_words",
 ]
@@ -75,6 +74,8 @@ class Trim:
             with the table).
         nbytes: the bytes stored: every row's prefix (made with the table).
         full_nbytes: the bytes of the full leaf (made with the table).
+        record: the JSON-able record the header carries (``docs/format.md``; made with
+            the table: the encoder sizes it, then the header holds it).
     """
 
     row_len: int
@@ -85,6 +86,7 @@ class Trim:
     prefix_lens: list[int] = field(init=False, compare=False, repr=False)
     nbytes: int = field(init=False, compare=False, repr=False)
     full_nbytes: int = field(init=False, compare=False, repr=False)
+    record: list[Any] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # plain fields, not properties: the re-pad and the encoder read them at every leaf
@@ -92,11 +94,8 @@ class Trim:
         object.__setattr__(self, "prefix_lens", list(map(self.row_len.__sub__, self.runs)))
         object.__setattr__(self, "nbytes", (full - sum(self.runs)) * self.itemsize)
         object.__setattr__(self, "full_nbytes", full * self.itemsize)
-
-    def record(self) -> list[Any]:
-        """The JSON-able record the header carries (``docs/format.md``)."""
         which = None if self.which is None else list(self.which)
-        return [list(self.runs), self.elements.hex(), which]
+        object.__setattr__(self, "record", [list(self.runs), self.elements.hex(), which])
 
 
 # --------------------------------------------------------------------------- bits
@@ -114,20 +113,25 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
     return t.view(WORD[isz])
 
 
-def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes, 1-D (``view(-1)`` keeps the odd stride a dim of size 1
     may have, and a view as bytes then fails)."""
     return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
-def sizes(prefix_lens: Sequence[int], row_len: int, itemsize: int) -> tuple[list[int], list[int]]:
-    """Each row's prefix bytes, and each row's (prefix, run) bytes interleaved: the sizes
-    that split the stored bytes into prefixes, and a full leaf into prefixes and runs."""
+def row_pieces(
+    t: torch.Tensor, prefix_lens: Sequence[int], row_len: int, itemsize: int
+) -> tuple[torch.Tensor, ...]:
+    """A leaf's bytes cut row by row into its (prefix, run) pieces, interleaved, the
+    prefixes ``[::2]`` and the runs ``[1::2]``: views of ``t`` when it is contiguous, else
+    of a contiguous copy made through :func:`as_words` (a bool copy would turn bytes other
+    than 0 / 1 into 1). One ``split``: what the encoder compacts from, and what the re-pad
+    writes into."""
     prefix_bytes = list(map(itemsize.__mul__, prefix_lens))
     both = [0] * (2 * len(prefix_bytes))
     both[::2] = prefix_bytes
     both[1::2] = map((row_len * itemsize).__sub__, prefix_bytes)
-    return prefix_bytes, both
+    return _flat_bytes(as_words(t).contiguous()).split(both)
 
 
 # --------------------------------------------------------------------------- checks
@@ -348,7 +352,7 @@ def _rebuild_split(stored: torch.Tensor, out: torch.Tensor, trim: Trim) -> None:
     flat index, a chunk of rows at a time: no Python object a row."""
     isz = trim.itemsize
     if trim.row_len * isz >= _LONG_ROW_BYTES:
-        pieces = flat_bytes(as_words(out)).split(sizes(trim.prefix_lens, trim.row_len, isz)[1])
+        pieces = row_pieces(out, trim.prefix_lens, trim.row_len, isz)
         if trim.which is None and not any(trim.elements):
             torch._foreach_zero_(list(pieces[1::2]))  # write the runs alone
         else:

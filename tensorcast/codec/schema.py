@@ -232,7 +232,7 @@ def encode(
     side tables of its trimmed leaves. The caller guarantees the leaf table is consistent."""
     values_json = (values_encoder or _encode_values)(values).encode("ascii")
     if trims:
-        records = [[i, *trims[i].record()] for i in sorted(trims)]
+        records = [[i, *trims[i].record] for i in sorted(trims)]
         body = structure + values_json + b"," + _dumps(records).encode("ascii") + b"]"
     else:
         body = structure + values_json + NO_TRIMS

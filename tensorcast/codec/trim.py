@@ -70,7 +70,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorcast.codec.repad import MAX_REBUILD_RATIO, Trim, as_words, flat_bytes, sizes
+from tensorcast.codec.repad import MAX_REBUILD_RATIO, Trim, as_words, row_pieces
 
 __all__ = [
     "HOST_MIN_SAVED_BYTES",
@@ -369,7 +369,7 @@ def decide(runs: Runs, *, receiver: str = "host") -> Trim | None:
     _check_receiver(receiver)
     table = side_table(runs)
     full = table.full_nbytes
-    travels = table.nbytes + len(_dumps(table.record()))
+    travels = table.nbytes + len(_dumps(table.record))
     if full > MAX_REBUILD_RATIO * travels:  # receivers would refuse it: it travels whole
         return None
     return table if _pays(full - travels, full, len(table.runs), receiver) else None
@@ -416,13 +416,12 @@ def compact_into(out: torch.Tensor, leaf: Any, prefix_lens: Sequence[int]) -> No
     Raises:
         ValueError: ``prefix_lens`` or ``out`` does not fit the leaf.
     """
-    words = _row_words(leaf)
-    rows, n = words.shape[0], words.shape[1]
+    t = _tensor(leaf)
+    rows, n = t.shape[0], math.prod(t.shape[1:])
     lens = prefix_lens
     if len(lens) != rows or (rows and not 0 <= min(lens) <= max(lens) <= n):
         raise ValueError(f"expected {rows} prefix lengths, one per row, each in [0, {n}]")
-    prefix_bytes, both = sizes(lens, n, leaf.itemsize)
-    total = sum(prefix_bytes)
+    total = sum(lens) * leaf.itemsize
     if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != total:
         raise ValueError(
             f"out must be a 1-D uint8 tensor of {total} bytes (the prefixes' elements), got "
@@ -430,8 +429,8 @@ def compact_into(out: torch.Tensor, leaf: Any, prefix_lens: Sequence[int]) -> No
         )
     if not total:
         return
-    prefixes = flat_bytes(words).split(both)[::2]
-    if out.device == words.device:
+    prefixes = row_pieces(t, lens, n, leaf.itemsize)[::2]
+    if out.device == t.device:
         torch.cat(prefixes, out=out)
     else:
         out.copy_(torch.cat(prefixes), non_blocking=True)

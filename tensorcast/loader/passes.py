@@ -207,8 +207,8 @@ class Pass:
         if not self._started:
             self._start()
         if not self._pending:
-            if not self._depth and self._lane.idle():
-                self._run_inline()
+            if not self._depth:
+                self._run_inline()  # queued by the lane if it is busy (Lane.start)
             else:
                 self._submit()
         job = self._pending[0]
@@ -244,7 +244,8 @@ class Pass:
         self._unsettled = False
 
     def _run_inline(self) -> None:
-        """``prefetch=0`` on an idle lane: the step runs right here (see :meth:`Lane.start`)."""
+        """``prefetch=0``: the step runs right here when the lane is idle, else on its worker
+        after what is queued (:meth:`Lane.start` decides, under the lane's lock)."""
         self._unsettled = self._opened = True
         job: Job[Any] = Job(self._step, guarded=True)
         self._pending.append(job)

@@ -361,11 +361,7 @@ def _rebuild_split(stored: torch.Tensor, out: torch.Tensor, trim: Trim) -> None:
             prefix_bytes = list(map(isz.__mul__, trim.prefix_lens))
             torch._foreach_copy_(list(pieces[::2]), list(stored.split(prefix_bytes)))
         return
-    row_words = _row_view(out, trim)
-    if trim.which is None and not any(trim.elements):
-        row_words.zero_()
-    else:
-        _fill(row_words, trim)
+    row_words = _filled_rows(out, trim)
     if not trim.nbytes:
         return
     n = trim.row_len
@@ -398,11 +394,7 @@ def _rebuild_masked(stored: torch.Tensor, out: torch.Tensor, trim: Trim) -> None
     of rows at a time: a few kernels a chunk, where per-row views would cost the host a few
     us each, and scratch bounded whatever the leaf (``masked_scatter_`` takes an int64
     prefix sum of its mask)."""
-    row_words = _row_view(out, trim)
-    if trim.which is None and not any(trim.elements):
-        row_words.zero_()
-    else:
-        _fill(row_words, trim)
+    row_words = _filled_rows(out, trim)
     if not trim.nbytes:
         return
     if stored.storage_offset() % row_words.element_size():
@@ -433,6 +425,17 @@ def _row_view(out: torch.Tensor, trim: Trim) -> torch.Tensor:
     """A contiguous output's rows as words: ``(B, n)``, or ``(B, n, 2)`` for 16 bytes."""
     pair = (2,) if trim.itemsize == 16 else ()
     return as_words(out).view(len(trim.runs), trim.row_len, *pair)
+
+
+def _filled_rows(out: torch.Tensor, trim: Trim) -> torch.Tensor:
+    """``out``'s rows as integers, every element set to its row's run element (zeros in
+    one write where the run is of zero bytes)."""
+    row_words = _row_view(out, trim)
+    if trim.which is None and not any(trim.elements):
+        row_words.zero_()
+    else:
+        _fill(row_words, trim)
+    return row_words
 
 
 def _fill(row_words: torch.Tensor, trim: Trim) -> None:

@@ -1,7 +1,7 @@
 """The methods a run compares, and their interleaved timing.
 
 Each timed iteration runs every method once, in an order rotated per iteration, with a
-barrier before each; each full cycle of rotations starts from a new seeded shuffle of
+barrier before and after each; each full cycle of rotations starts from a new seeded shuffle of
 the methods (with one fixed order, a method always pays for the one before it). An
 iteration's time for a method is the slowest rank's. On CUDA a method is timed with CUDA
 events on the current stream, from an idle device to the moment its output is there.
@@ -281,6 +281,9 @@ def time_methods(
             dist.barrier(group=slot.control)
             out, seconds = timed(methods[name], cuda)
             elapsed[names.index(name)] = seconds
+            # Every rank's call ends before any checks its batch: a rank whose call returned
+            # early must not take the cores from one still in its call.
+            dist.barrier(group=slot.control)
             after(it, name, out)
             del out  # a training loop drops the batch before fetching the next
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=slot.control)

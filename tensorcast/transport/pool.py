@@ -18,6 +18,10 @@ it was pooled. :func:`reusable` is true only when
 
 - the storage's use count is ``held``: no tensor, numpy array (which holds the storage
   through its base), DLPack capsule or slice of it is alive in this process;
+- no caller holds the storage *object*: torch hands out one Python storage object per
+  storage while it lives, so a caller's ``t.untyped_storage()`` kept after ``t`` is the
+  keeper's own object and adds no use count; its Python references tell it apart (the
+  count read when the piece was pooled, from a frame like the check's);
 - the storage is not shared with another process: ``share_memory_()``, which a
   ``torch.multiprocessing`` queue runs on every CPU tensor it sends, leaves it
   ``is_shared()`` and mapped by the consumer, whose references this count never sees
@@ -78,6 +82,7 @@ the layout ``K`` (each holds a storage reference, counted in ``held``):
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -100,20 +105,26 @@ _detach = torch.Tensor.detach
 _CPU = torch.device("cpu")
 
 
-def reusable(storage: torch.UntypedStorage, pointer: int, held: int) -> bool:
+def reusable(storage: torch.UntypedStorage, pointer: int, held: int, refs: int) -> bool:
     """Whether memory tensorcast handed out may be written again (NOTE [ Memory handed
     out ]): nothing but its keeper's own ``held`` references holds ``storage`` in this
     process, no other process maps it, and its bytes are still at ``pointer``, where they
     were when it was pooled.
 
     Args:
-        storage: the memory's storage object, kept by its keeper (one of the ``held``).
+        storage: the memory's storage object (one of the ``held``).
         pointer: ``storage.data_ptr()`` when the memory was pooled.
         held: the references the keeper holds itself (its tensor, the storage object,
             any views it keeps).
+        refs: ``sys.getrefcount(storage)`` as the caller read it when nothing but
+            tensorcast could see the memory, from a frame that holds it as its call of
+            this does. torch hands out one storage object per storage while it lives, so a
+            caller's ``t.untyped_storage()`` kept after ``t`` is that same object, which
+            the use count cannot tell from the keeper's: its Python references can.
     """
     return (
-        _use_count(storage._cdata) == held
+        sys.getrefcount(storage) - 1 <= refs  # 1: this call's parameter
+        and _use_count(storage._cdata) == held
         and storage.data_ptr() == pointer
         and (storage.device.type == "cuda" or not storage.is_shared())
     )
@@ -185,6 +196,7 @@ class _Entry:
 
     __slots__ = (
         "_base",
+        "_refs",
         "buffer",
         "capacity",
         "cuda",
@@ -198,8 +210,9 @@ class _Entry:
         self.last_used = now
         self.buffer = buffer
         self.capacity = buffer.numel()
-        self.storage = buffer.untyped_storage()
-        self.pointer = self.storage.data_ptr()
+        storage = self.storage = buffer.untyped_storage()
+        self._refs = sys.getrefcount(storage)  # read as is_idle reads it
+        self.pointer = storage.data_ptr()
         self.cuda = buffer.is_cuda  # CUDA storages say is_shared() always
         self.kept = KeptViews()
         self._base = self.use_count()  # the references of the buffer and its storage
@@ -216,7 +229,8 @@ class _Entry:
         it of every buffer that fits)."""
         storage = self.storage
         return (
-            _use_count(storage._cdata) == self._base + self.kept.held
+            sys.getrefcount(storage) <= self._refs  # no caller keeps the object (reusable)
+            and _use_count(storage._cdata) == self._base + self.kept.held
             and storage.data_ptr() == self.pointer
             and (self.cuda or not storage.is_shared())
         )

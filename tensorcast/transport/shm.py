@@ -72,6 +72,7 @@ import mmap
 import os
 import secrets
 import struct
+import sys
 import threading
 import warnings
 import weakref
@@ -178,14 +179,15 @@ def available() -> str | None:
     return None
 
 
-def released(storage: torch.UntypedStorage, pointer: int, held: int) -> bool:
+def released(storage: torch.UntypedStorage, pointer: int, held: int, refs: int) -> bool:
     """Whether a slot this process viewed may be written again: the rule of any memory
     tensorcast hands out (``pool.reusable``, NOTE [ Memory handed out ]). A slot is shared
     with the host's other ranks by design, but its storage is ``torch.frombuffer`` over the
     mapping, which never says ``is_shared()``: that clause sees only a ``share_memory_()``
     of the caller's, which also moves the bytes (:meth:`_Mapping.idle` handles that first:
-    the caller's tensor then no longer views the slot)."""
-    return reusable(storage, pointer, held)
+    the caller's tensor then no longer views the slot). ``refs`` is read one frame up from
+    the rule's own caller, hence the 1 less."""
+    return reusable(storage, pointer, held, refs + 1)
 
 
 def _fence(lock: threading.Lock) -> None:
@@ -218,7 +220,7 @@ class _Mapping:
     ``data`` holds the storage every view handed out shares; ``base`` is how many
     references tensorcast itself holds to it (:func:`released`)."""
 
-    __slots__ = ("address", "base", "capacity", "cells", "data", "mm", "readers")
+    __slots__ = ("address", "base", "capacity", "cells", "data", "mm", "readers", "refs")
 
     def __init__(self, fd: int, size: int) -> None:
         self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -230,17 +232,36 @@ class _Mapping:
         self.cells = words[_LINE // 8 :].reshape(-1, _LINE // 8)[:readers, :2]
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8, count=capacity, offset=at)
         self.address = self.data.data_ptr()
-        self.base = _use_count(self.data.untyped_storage()._cdata)
+        self._counted()
 
     def idle(self) -> bool:
-        storage = self.data.untyped_storage()
-        if storage.data_ptr() != self.address:  # moved away: the slot is no one's
-            self.data = torch.frombuffer(
-                self.mm, dtype=torch.uint8, count=self.capacity, offset=_data_at(self.readers)
-            )
-            self.base = _use_count(self.data.untyped_storage()._cdata)
+        """Whether nothing in this process sees the slot (:func:`released`)."""
+        if self._moved():  # the slot is no one's
             return True
-        return released(storage, self.address, self.base)
+        storage = self.data.untyped_storage()
+        return released(storage, self.address, self.base, self.refs)
+
+    def _counted(self) -> None:
+        """Count what tensorcast itself holds of ``data``'s storage, as :meth:`idle` reads it."""
+        storage = self.data.untyped_storage()
+        self.base = _use_count(storage._cdata)
+        self.refs = sys.getrefcount(storage)
+
+    def current(self) -> torch.Tensor:
+        """The slot's bytes: ``data``, made anew when it no longer views the mapping."""
+        self._moved()
+        return self.data
+
+    def _moved(self) -> bool:
+        """Whether a caller's ``share_memory_()`` moved ``data``'s storage (and with it the
+        views tensorcast handed out) off the mapping: then ``data`` is made anew over it."""
+        if self.data.data_ptr() == self.address:
+            return False
+        self.data = torch.frombuffer(
+            self.mm, dtype=torch.uint8, count=self.capacity, offset=_data_at(self.readers)
+        )
+        self._counted()
+        return True
 
 
 class _Slot:
@@ -274,7 +295,8 @@ class Writer:
         #: whether the last payload offered went into a slot (the encoder trims otherwise)
         self.last_used = False
         self._cleanup = weakref.finalize(self, _unlink_all, self._slots, os.getpid())
-        _writers.add(self)
+        with _writers_lock:
+            _writers.add(self)
 
     @property
     def nbytes(self) -> int:
@@ -305,7 +327,7 @@ class Writer:
             return None
         slot = self._slots[best]
         assert slot is not None
-        return Ref(best, slot.segment, slot.generation + 1), slot.mapping.data[:nbytes]
+        return Ref(best, slot.segment, slot.generation + 1), slot.mapping.current()[:nbytes]
 
     def sent(self, ref: Ref) -> None:
         """The frame of ``ref`` goes out now: its readers release that generation."""
@@ -329,7 +351,8 @@ class Writer:
         size = _data_at(self.readers) + capacity
         old = self._slots[at]
         # the cap is the process's: every arena it writes counts
-        taken = sum(w.nbytes for w in list(_writers))
+        with _writers_lock:  # a writer made on another thread changes the set
+            taken = sum(w.nbytes for w in list(_writers))
         room = self.cap - taken + (old.mapping.mm.size() if old is not None else 0)
         if size > room:
             if size > self.cap and not self._warned:
@@ -400,6 +423,7 @@ class Writer:
 
 #: every arena this process writes (their bytes count against one cap)
 _writers: weakref.WeakSet[Writer] = weakref.WeakSet()
+_writers_lock = threading.Lock()
 
 
 def _unlink_all(slots: list[_Slot | None], pid: int) -> None:
@@ -444,7 +468,7 @@ class Reader:
                 f"for {mapping.readers} readers (this is reader {self.index})"
             )
         self._held[ref.slot] = ref.generation
-        return mapping.data[:nbytes]
+        return mapping.current()[:nbytes]
 
     def _map(self, segment: int) -> _Mapping:
         path = f"{SHM_DIR}/{self.token}-{segment}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from tensorcast.transport.pool import BufferPool, FramePool, Keeper
@@ -27,6 +29,21 @@ def test_a_buffer_is_reused_once_nothing_views_it() -> None:
     first = pool.take(100_000, CPU)
     address = first.data_ptr()
     del first
+    assert pool.take(90_000, CPU).data_ptr() == address
+
+
+def test_a_storage_object_kept_alone_keeps_its_buffer() -> None:
+    """``t.untyped_storage()`` is the very object the pool keeps (torch hands out one
+    while it lives): kept after ``t``, it adds no use count, yet it sees the bytes."""
+    pool = BufferPool()
+    first = pool.take(100_000, CPU).fill_(7)
+    kept = first.untyped_storage()
+    address = first.data_ptr()
+    del first
+    second = pool.take(90_000, CPU).fill_(1)
+    assert second.data_ptr() != address
+    assert set(torch.empty(0, dtype=torch.uint8).set_(kept)[:100_000].tolist()) == {7}
+    del kept
     assert pool.take(90_000, CPU).data_ptr() == address
 
 
@@ -229,14 +246,18 @@ def test_reusable_is_the_rule_other_pools_call() -> None:
     buffer = torch.empty(4096, dtype=torch.uint8)
     storage = buffer.untyped_storage()
     held = int(torch._C._storage_Use_Count(storage._cdata))
+    refs = sys.getrefcount(storage)
     pointer = storage.data_ptr()
-    assert reusable(storage, pointer, held)
+    assert reusable(storage, pointer, held, refs)
     view = buffer[10:20]
-    assert not reusable(storage, pointer, held)
+    assert not reusable(storage, pointer, held, refs)
     del view
+    also = storage  # the storage object kept elsewhere
+    assert not reusable(storage, pointer, held, refs)
+    del also
     storage.share_memory_()
-    assert not reusable(storage, pointer, held)  # moved
-    assert not reusable(storage, storage.data_ptr(), held)  # shared
+    assert not reusable(storage, pointer, held, refs)  # moved
+    assert not reusable(storage, storage.data_ptr(), held, refs)  # shared
 
 
 def test_kept_outputs_reuse_memory_the_caller_let_go_of() -> None:

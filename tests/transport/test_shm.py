@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -112,15 +113,39 @@ def test_a_moved_storage_releases_the_slot_and_keeps_its_own_bytes() -> None:
     assert bytes(reader.payload(ref2, 5000).numpy()) == b"n" * 5000
 
 
+def test_a_storage_object_kept_alone_keeps_its_slot_then_moves_off_it() -> None:
+    """A caller that keeps only a batch leaf's ``untyped_storage()`` keeps the slot's own
+    storage object: the slot is not written again while it lives. Its ``share_memory_()``
+    then moves that storage, the slot's view included, off the mapping: later frames in
+    the slot still arrive as written."""
+    token = new_token()
+    writer, reader = Writer(token, 1, 1 << 24), Reader(token, 0)
+    ref = _send(writer, b"a" * 5000) or pytest.fail("no slot")
+    kept = reader.payload(ref, 5000).untyped_storage()
+    reader.release()
+    ref2 = _send(writer, b"b" * 5000) or pytest.fail("no slot")
+    assert ref2.slot != ref.slot
+    assert bytes(torch.empty(0, dtype=torch.uint8).set_(kept)[:5000].numpy()) == b"a" * 5000
+    kept.share_memory_()
+    reader.release()
+    for fill in b"cdefg":
+        ref3 = _send(writer, bytes([fill]) * 5000) or pytest.fail("no slot")
+        assert bytes(reader.payload(ref3, 5000).numpy()) == bytes([fill]) * 5000
+        reader.release()
+    del kept
+    writer.close()
+
+
 def test_the_released_rule_sees_every_view() -> None:
     data = torch.zeros(100, dtype=torch.uint8)
     storage = data.untyped_storage()
     base = torch._C._storage_Use_Count(storage._cdata)
+    refs = sys.getrefcount(storage)
     view = data[3:7]
-    assert not shm.released(storage, data.data_ptr(), base)
+    assert not shm.released(storage, data.data_ptr(), base, refs)
     del view
-    assert shm.released(storage, data.data_ptr(), base)
-    assert not shm.released(storage, data.data_ptr() + 1, base)
+    assert shm.released(storage, data.data_ptr(), base, refs)
+    assert not shm.released(storage, data.data_ptr() + 1, base, refs)
 
 
 def test_a_reader_sweeps_what_a_dead_writer_left() -> None:

@@ -59,8 +59,10 @@ _NAMED_MAX = 16  # ranks named in a message about a whole scope, at most
 
 def host_id() -> str:
     """Which host this process is on, for the shared-memory lane: ``TENSORCAST_HOST_ID`` when
-    set (containers that share ``/dev/shm`` under other host names; tests), else the boot id
-    and the host name. Told to the other ranks as an ``extra`` of the agreement."""
+    set (containers that share ``/dev/shm`` under other host names; tests), else the boot id,
+    the host name and the device of ``/dev/shm`` (two containers of one machine with
+    ``--net=host`` share the first two, each with a ``/dev/shm`` of its own). Told to the
+    other ranks as an ``extra`` of the agreement."""
     told = os.environ.get("TENSORCAST_HOST_ID", "").strip()
     if told:
         return told
@@ -69,7 +71,11 @@ def host_id() -> str:
             boot = f.read().strip()
     except OSError:
         boot = "?"
-    return f"{boot}/{os.uname().nodename}"
+    try:
+        shm = os.stat("/dev/shm").st_dev
+    except OSError:
+        shm = -1
+    return f"{boot}/{os.uname().nodename}/{shm}"
 
 
 def ranks_name(ranks: Sequence[int]) -> str:

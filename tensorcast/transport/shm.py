@@ -477,6 +477,11 @@ class Reader:
             mapping = _Mapping(fd, os.fstat(fd).st_size)
         finally:
             os.close(fd)
+        if self.index >= mapping.readers:
+            raise HeaderError(
+                f"a shared-memory segment for {mapping.readers} readers (this is reader "
+                f"{self.index}): not this channel's"
+            )
         mapping.cells[self.index, 0] = 1
         if bool(mapping.cells[:, 0].all()):  # the last reader to map it: nobody needs the name
             _unlink(path)

@@ -350,6 +350,12 @@ class ClosedWire:
     def payload(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> Any:
         raise PeerError(self._why)
 
+    def send(self, tensor: torch.Tensor, peers: tuple[int, ...]) -> Any:
+        raise PeerError(self._why)
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> Any:
+        raise PeerError(self._why)
+
     def abort(self) -> None:
         """Nothing left to abort."""
 

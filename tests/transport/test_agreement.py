@@ -384,3 +384,25 @@ def test_a_store_whose_host_exited_is_a_peer_error_naming_it() -> None:
     assert f"TCPStore at 127.0.0.1:{port}" in said and "rank 0's process hosts it" in said, said
     assert not isinstance(raised.value, dist.DistNetworkError)
     assert "setting up BroadcastingDataLoader" in said, said
+
+
+def test_a_host_is_its_boot_its_name_and_its_dev_shm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two containers of one machine with ``--net=host`` share the boot id and the host
+    name, each with a ``/dev/shm`` of its own: they are two hosts to the lane."""
+    from types import SimpleNamespace
+
+    from tensorcast.transport import agreement
+
+    monkeypatch.delenv("TENSORCAST_HOST_ID", raising=False)
+    real = os.stat
+    seen = []
+    for device in (41, 42):
+        monkeypatch.setattr(
+            agreement.os,
+            "stat",
+            lambda path, d=device: SimpleNamespace(st_dev=d) if path == "/dev/shm" else real(path),
+        )
+        seen.append(agreement.host_id())
+    assert seen[0] != seen[1] and seen[0].rsplit("/", 1)[0] == seen[1].rsplit("/", 1)[0]
+    monkeypatch.setenv("TENSORCAST_HOST_ID", "rack-3")
+    assert agreement.host_id() == "rack-3"

@@ -167,3 +167,23 @@ def test_an_nccl_group_is_bound_to_the_device_the_rank_chose() -> None:
 def test_a_rank_that_chose_no_device_is_told_how_to_choose_one() -> None:
     with pytest.raises(RuntimeError, match=r"torch.cuda.set_device\(local_rank\).*device_id"):
         _wire.rank_device(types.SimpleNamespace(bound_device_id=None))
+
+
+def test_a_closed_wire_refuses_every_message_with_peer_error() -> None:
+    """A group closed between a frame's head and its relayed payload raises what any
+    message on it raises, not an AttributeError."""
+    from tensorcast import PeerError
+
+    was = types.SimpleNamespace(device=None, streams=None, size=4)
+    closed = _wire.ClosedWire(was, "the default group was destroyed")  # type: ignore[arg-type]
+    t, wait = torch.zeros(4, dtype=torch.uint8), datetime.timedelta(seconds=1)
+    for post in (
+        lambda: closed.head(t, 0, wait),
+        lambda: closed.payload(t, 0, wait),
+        lambda: closed.send(t, (1, 2)),
+        lambda: closed.recv(t, 0),
+    ):
+        with pytest.raises(PeerError, match="destroyed"):
+            post()
+    closed.abort()
+    closed.shutdown()

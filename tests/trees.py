@@ -116,6 +116,16 @@ def assert_same(got: Any, want: Any, where: str = "batch") -> None:
             assert a == b, f"{where}: {a!r:.200} != {b!r:.200}"
 
 
+def padded_audio(rows: int = 8, n: int = 200_000, seed: int = 0) -> dict[str, Any]:
+    """A speech batch whose rows end in zeros from a random length on: trimmed on the wire."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g)
+    lens = torch.randint(n // 10, n // 2, (rows,), generator=g)
+    for i, length in enumerate(lens.tolist()):
+        x[i, length:] = 0
+    return {"audio": x, "audio_lens": lens, "id": [f"cut-{seed}"]}
+
+
 def batch_past_4_gib() -> dict[str, Any]:
     """A batch over 4 GiB of stride-0 tensors, so nothing is allocated: a leaf that
     crosses 2 GiB, one of 4 GiB that ends past 6 GiB, and leaves after them."""

@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from trees import assert_same
+from trees import assert_same, padded_audio
 
 import tensorcast as tc
 from tensorcast.codec import schema as _schema
@@ -178,17 +178,8 @@ def test_audio_padded_packs_to_at_most_half_its_tensor_bytes() -> None:
     assert whole.nbytes >= tensor_bytes
 
 
-def audio(rows: int = 8, n: int = 200_000, seed: int = 0) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, n, generator=g)
-    lens = torch.randint(n // 10, n // 2, (rows,), generator=g)
-    for i, length in enumerate(lens.tolist()):
-        x[i, length:] = 0
-    return {"audio": x, "audio_lens": lens, "id": [f"cut-{seed}"]}
-
-
 def test_trimmed_leaves_are_new_tensors_untrimmed_stay_views() -> None:
-    packed = tc.pack(audio())
+    packed = tc.pack(padded_audio())
     (a, lens) = tc.read_header(packed.header).leaves
     assert a.trimmed and not lens.trimmed and a.nbytes < 8 * 200_000 * 4 / 2
     out = tc.unpack(packed)
@@ -204,7 +195,7 @@ def test_one_structure_with_changing_trims_reuses_its_program() -> None:
     rebuilds its own runs (a stale layout would shift the leaves after the trimmed one)."""
     programs = []
     for seed in range(4):
-        tree = audio(seed=seed)
+        tree = padded_audio(seed=seed)
         tree["after"] = torch.arange(10)
         packed = tc.pack(tree)
         decoded = decode(packed.header)
@@ -217,7 +208,7 @@ def test_a_known_structure_with_other_trims_is_checked_whole() -> None:
     """Headers of a structure read before with other trims (or none) are checked whole:
     runs within rows, one per row; a leaf table that stores fewer bytes than its shape's
     without a trim that says so."""
-    tree = audio(rows=2, n=300_000)
+    tree = padded_audio(rows=2, n=300_000)
     packed = tc.pack(tree)
     assert tc.read_header(packed.header).leaves[0].trimmed
     header = packed.header
@@ -248,7 +239,7 @@ def test_packed_collate_trims_and_pickles() -> None:
     collate = tc.packed_collate(torch.utils.data.default_convert)
     plain = tc.packed_collate(torch.utils.data.default_convert, trim=False)
     collate = pickle.loads(pickle.dumps(collate))
-    tree = audio()
+    tree = padded_audio()
     assert collate(tree).nbytes < plain(tree).nbytes
     assert_same(tc.unpack(collate(tree)), tree)
 

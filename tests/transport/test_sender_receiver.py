@@ -21,6 +21,7 @@ from trees import (
     assert_same,
     big_header,
     every_kind,
+    padded_audio,
     payload_batch,
     steady_batch,
     tiny,
@@ -439,15 +440,6 @@ def test_ranks_that_disagree_on_promises_fail_loudly(source_promises: bool) -> N
 
 
 # -- trimmed leaves: re-padded into memory the caller let go of
-
-
-def padded_audio(rows: int = 8, n: int = 200_000, seed: int = 0) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, n, generator=g)
-    lens = torch.randint(n // 10, n // 2, (rows,), generator=g)
-    for i, length in enumerate(lens.tolist()):
-        x[i, length:] = 0
-    return {"audio": x, "audio_lens": lens, "id": [f"cut-{seed}"]}
 
 
 def receive_into(got: list[Any], receiver: Receiver, timeout: datetime.timedelta) -> None:

@@ -32,7 +32,8 @@ it was pooled. :func:`reusable` is true only when
 
 Anything else is *gone*: forgotten, never written again (it stays with whoever holds
 it). No raw pointer into pooled memory is used unchecked: a first message's host views
-are made again whenever its storage's data pointer is not the one it was pooled with.
+are read and written only while it is taken, and only an idle message, its data pointer
+the one it was pooled with, is taken.
 The life of one pooled piece:
 
     ==========  ==============================  =========================================

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from models import dp_tp_mesh, model_step
 from taps import WireTap, tapped
 
 import tensorcast as tc
@@ -117,6 +118,49 @@ def _rank_keeps_and_shares(rank: int, world: int) -> list[str]:
 
 def test_kept_or_queued_batches_never_change(pool2: Any) -> None:
     assert pool2.run(_rank_keeps_and_shares, timeout=60) == [[], []]
+
+
+def _rank_under_a_model(rank: int, world: int) -> list[str]:
+    """A (dp=2, tp=2) mesh with the lane on: each slot's loader at prefetch 0 and 2, the
+    model's own collectives on the TP group after each batch (at moments that differ per
+    rank), and a tc.broadcast through the lane on that group between. Half the batches
+    are kept, some as their storage object alone: none ever changes."""
+    mesh = dp_tp_mesh(world)
+    tp = mesh.get_group("tp")
+    dp, _ = tc.dp_rank_and_size(mesh, ("tp",))
+    tp_root = dist.get_process_group_ranks(tp)[0]
+    mine = tc.is_dp_source_rank(mesh, ("tp",))
+    kept: list[tuple[int, Any]] = []
+    bad: list[str] = []
+    with lane():
+        for prefetch in (0, 2):
+            source = [_batch(1000 * dp + s) for s in range(6)] if mine else None
+            loader = tc.BroadcastingDataLoader(
+                source, mesh, axes=("tp",), prefetch=prefetch, timeout=20
+            )
+            for step, batch in enumerate(loader):
+                want = _batch(1000 * dp + step)
+                if not torch.equal(batch["x"], want["x"]):
+                    bad.append(f"prefetch={prefetch} step {step}: wrong batch")
+                model_step(rank, step, tp)
+                got = tc.broadcast(_batch(500 + step) if rank == tp_root else None, tp_root, tp)
+                if not torch.equal(got["x"], _batch(500 + step)["x"]):
+                    bad.append(f"prefetch={prefetch} step {step}: wrong tc.broadcast")
+                if step % 2:
+                    kept.append((1000 * dp + step, batch["x"].untyped_storage()))
+                else:
+                    kept.append((1000 * dp + step, batch["x"]))
+            if loader.stats().shm_bytes == 0:
+                bad.append(f"prefetch={prefetch}: nothing went through shared memory")
+    for step, held in kept:
+        x = held if isinstance(held, torch.Tensor) else torch.empty(0).set_(held)[:_BIG]
+        if not torch.equal(x, _batch(step)["x"]):
+            bad.append(f"kept batch {step} changed")
+    return bad
+
+
+def test_the_lane_under_a_model_with_its_own_collectives(pool4: Any) -> None:
+    assert pool4.run(_rank_under_a_model, timeout=90) == [[], [], [], []]
 
 
 _KILL_TIMEOUT = 5.0

@@ -22,7 +22,9 @@ grammar ] below is the grammar of its tokens and values.
 transport or the loader, and they import this face alone, never an inner module (``make
 lint`` checks both): an :class:`Encoder` and the :class:`Encoded` batches it makes on the
 source, :func:`decode` and the :class:`Decoded` header it returns on the receivers
-(and a :class:`Repad`, a trimmed leaf's re-pad the transport runs where it pays); and,
+(and a :class:`Repad`, a trimmed leaf's re-pad the transport runs where it pays); the
+:class:`Reuses` the transport's pools are to the codec, and the :class:`KeptViews` they
+keep for each piece of memory; and,
 for the bench, :func:`padding_bytes`, what trimming a leaf would drop.
 """
 
@@ -67,7 +69,7 @@ from tensorcast.codec.packed import Packed, resolve_device, unpack
 from tensorcast.codec.repad import Repad
 from tensorcast.codec.schema import FORMAT_VERSION, MAX_HEADER_BYTES, PREFIX_BYTES
 from tensorcast.codec.trim import padding_bytes
-from tensorcast.codec.views import Reuses
+from tensorcast.codec.views import KeptViews, Reuses
 
 __all__ = [
     "FORMAT_VERSION",
@@ -76,6 +78,7 @@ __all__ = [
     "Decoded",
     "Encoded",
     "Encoder",
+    "KeptViews",
     "Packed",
     "Repad",
     "Reuses",

@@ -367,10 +367,9 @@ def leaf_views(
     """
     if buffer.storage_offset() % MAX_ITEMSIZE:
         buffer = buffer.clone()  # a buffer sliced at an odd offset cannot be viewed as F64
-    tensors = spec.kept_views(buffer, reuse)
+    values, memory = spec.leaves(buffer, reuse)
     if not spec.others and not spec.trimmed:
-        return tensors, []
-    values = spec.placed(tensors)
+        return values, []
     repads = []
     if spec.trimmed:
         if trims is None:
@@ -381,7 +380,7 @@ def leaf_views(
                 stored = host[pos : pos + n]
             else:
                 stored = buffer[off : off + n]
-            repad = Repad.taken(kind, code, shape, stored, trims[i], reuse, i)
+            repad = Repad.taken(kind, code, shape, stored, trims[i], memory.get(i), i)
             values[i] = repad.value
             repads.append(repad)
     if spec.others:

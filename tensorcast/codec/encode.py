@@ -26,6 +26,7 @@ program; its structure's layout stays as it was for the next batch.
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -360,9 +361,10 @@ class Encoded:
         re-pads are returned with the tree, their memory taken, for the caller to run
         before anyone reads it (``codec.repad.Repad``)."""
         spec = self.layout.write_spec
+        views, memory = spec.kept_views(buffer, reuse)
         with torch.no_grad():  # copies of leaves that require grad stay out of autograd
-            tensor_views = self.write(buffer, views=spec.kept_views(buffer, reuse))
-        values, repads = self._leaf_values(buffer, tensor_views, reuse)
+            tensor_views = self.write(buffer, views=views)
+        values, repads = self._leaf_values(buffer, tensor_views, memory)
         return self._tree(values), repads
 
     def host_block(self, out: torch.Tensor) -> torch.Tensor:
@@ -407,10 +409,11 @@ class Encoded:
         self,
         buffer: torch.Tensor,
         tensor_views: list[torch.Tensor],
-        reuse: Reuses | None = None,
+        memory: Mapping[int, torch.Tensor],
     ) -> tuple[list[Any], list[Repad]]:
         """The leaf values the receivers will see, built from what :meth:`write` returned,
-        and the re-pads of the trimmed ones."""
+        and the re-pads of the trimmed ones (into ``memory``'s tensors, by leaf index,
+        where it has one)."""
         spec = self.layout.write_spec
         out: list[Any] = list(tensor_views)
         for j in spec.bools:
@@ -422,7 +425,7 @@ class Encoded:
         for i, (kind, code, shape, off, n) in spec.trimmed:
             stored = buffer[off : off + n]
             trim = self.trims[i]  # type: ignore[index]
-            repad = Repad.taken(kind, code, shape, stored, trim, reuse, i)
+            repad = Repad.taken(kind, code, shape, stored, trim, memory.get(i), i)
             values[i] = repad.value
             repads.append(repad)
         host: np.ndarray | None = None

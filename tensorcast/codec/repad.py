@@ -23,16 +23,13 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from tensorcast._errors import HeaderError
 from tensorcast.codec.dtypes import CODE_ITEMSIZE, NUMPY_CODES, TORCH_CODES
-
-if TYPE_CHECKING:
-    from tensorcast.codec.views import Reuses
 
 __all__ = [
     "MAX_LEAF_BYTES",
@@ -483,12 +480,12 @@ class Repad:
         shape: Any,
         stored: torch.Tensor,
         trim: Trim,
-        reuse: Reuses | None,
+        into: torch.Tensor | None,
         index: int,
     ) -> Repad:
         """Trimmed leaf ``index``'s re-pad, its memory taken now: a tensor on the device
-        of its ``stored`` prefixes (into ``reuse``'s memory on a host), an array on the
-        CPU.
+        of its ``stored`` prefixes (``into``, reused memory of its shape and dtype, when
+        given), an array on the CPU.
 
         Raises:
             HeaderError: its memory cannot be allocated.
@@ -498,12 +495,8 @@ class Repad:
             if kind == "ndarray":
                 out = torch.from_numpy(np.empty(shape, NUMPY_CODES[code]))
                 return Repad(out.numpy(), out, stored, trim)
-            dtype = TORCH_CODES[code]
-            into = None
-            if reuse is not None and stored.is_cpu:
-                into = reuse.output(index, shape, dtype)
             if into is None:
-                into = torch.empty(shape, dtype=dtype, device=stored.device)
+                into = torch.empty(shape, dtype=TORCH_CODES[code], device=stored.device)
         except (RuntimeError, MemoryError) as e:  # torch's out of memory is a RuntimeError
             raise HeaderError(
                 f"the header's trimmed leaf {index} ({code} of shape {list(shape)}) could not "

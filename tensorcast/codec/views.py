@@ -3,41 +3,125 @@
 A :class:`ViewSpec` is worked out once per distinct leaf table; a receiver's rebuild
 (``codec.decode.leaf_views``) and the sender's write (``codec.encode``) both go through one.
 A trimmed leaf is no view: it is re-padded from its stored bytes (``codec.repad``), into
-memory a :class:`Reuses` hands out when there is one.
+memory a :class:`Reuses` hands out when there is one. Views made once are kept with the
+memory they view (:class:`KeptViews`), and handed out again as fresh tensors.
+
+# NOTE [ Views made ahead ]
+Memory whose views are handed out again (a pooled buffer, a first message) keeps the
+views it was last viewed as, under a key naming the layout, and hands out ``detach()``-ed
+copies of them (:class:`KeptViews`): with many small leaves, making one view per leaf is
+most of a rank's work on a batch. Making the copies is itself one ``detach()`` per leaf,
+so both roles make the next ones while a head is on the wire, where they would only
+wait: a receiver once it has posted the receive of the first message it is about to
+read, for the layout that message carried last; the source once it has posted its first
+message, for the next frame of the same layout that comes back to that message (its
+batch dropped by then). When the frame has that layout they are its leaves; when not,
+they are dropped. The life of one buffer's kept views, ``n`` views of the layout ``K``
+(each holds a storage reference, counted in ``held``, which the memory's keeper adds to
+its own: NOTE [ Memory handed out ] in ``transport/pool.py``):
+
+    =====================  ====  ======  ==================================================
+    state                  key   held    what happens next
+    =====================  ====  ======  ==================================================
+    no views               None  0       ``views(K)``: None; the codec makes them,
+                                         ``keep(K, views)`` -> kept
+    kept                   K     n       ``views(K)``: n fresh copies handed out (stays);
+                                         ``detach_ahead()``: n copies made -> ahead
+    kept + ahead           K     2n      ``views(K)``: the copies handed out -> kept;
+                                         ``drop_ahead()`` (the frame had another layout,
+                                         or none) -> kept
+    another key asked      K     n       ``views(K')``: None; ``keep(K', views')``: all
+                                         dropped, the new ones kept -> kept (n')
+    =====================  ====  ======  ==================================================
+
+``held`` is lowered before a reference is dropped or handed out and raised after one is
+made, so it never counts more than is there: a keeper that reads it from another thread
+may see the memory busy a moment too long, never idle too early.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence, Set
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Hashable, Sequence, Set
+from typing import Any, Protocol
 
 import torch
 
 from tensorcast.codec.dtypes import CODE_ITEMSIZE, TORCH_CODES
 
-if TYPE_CHECKING:
-    pass
+__all__ = ["MAX_ITEMSIZE", "KeptViews", "Reuses", "ViewSpec"]
 
-__all__ = ["MAX_ITEMSIZE", "Reuses", "ViewSpec"]
+_detach = torch.Tensor.detach
+_NO_OUTPUTS: dict[int, torch.Tensor] = {}  # never written
+
+
+class KeptViews:
+    """The views one piece of reused memory was last viewed as, and copies of them made
+    ahead (NOTE [ Views made ahead ]).
+
+    Used by whichever thread holds the memory, one at a time (its keeper hands it to one
+    taker).
+    """
+
+    __slots__ = ("ahead", "held", "kept", "key")
+
+    def __init__(self) -> None:
+        self.key: Hashable = None
+        self.kept: list[torch.Tensor] = []  # views never handed out: each holds a reference
+        self.ahead: list[torch.Tensor] | None = None  # see detach_ahead
+        #: the storage references held here: the kept views and the copies made ahead
+        self.held = 0
+
+    def views(self, key: Hashable) -> list[torch.Tensor] | None:
+        """Fresh tensors on the views kept under ``key`` (the copies made ahead, if any),
+        or None when the views kept are not ``key``'s: then :meth:`keep` them."""
+        if self.key != key:
+            return None
+        ahead = self.ahead
+        if ahead is not None:
+            self.held = len(self.kept)  # handed to the caller
+            self.ahead = None
+            return ahead
+        return list(map(_detach, self.kept))
+
+    def keep(self, key: Hashable, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Keep ``views`` (made for this memory) under ``key``, in place of what was kept,
+        and return fresh tensors on them. Kept detached: a view made from another one
+        would keep that one alive too, a reference ``held`` does not count."""
+        self.held = 0  # lowered first
+        self.ahead = None
+        self.kept = kept = list(map(_detach, views))
+        self.key = key
+        self.held = len(kept)
+        return list(map(_detach, kept))
+
+    def detach_ahead(self) -> None:
+        """Make the fresh tensors of the kept views now, for the next :meth:`views` of the
+        same key, while a head is on the wire. Held here, they count as the memory's own."""
+        kept = self.kept
+        if kept:
+            self.held = len(kept)
+            ahead = self.ahead = list(map(_detach, kept))
+            self.held = len(kept) + len(ahead)
+        elif self.ahead is not None:
+            self.drop_ahead()
+
+    def drop_ahead(self) -> None:
+        """Let go of the copies made ahead (the frame did not use them)."""
+        self.held = len(self.kept)
+        self.ahead = None
 
 
 class Reuses(Protocol):
     """What reuses the memory a tree is built on, once nobody can see it (the transport's
     ``Keeper``, NOTE [ Memory handed out ] in ``transport/pool.py``)."""
 
-    def views(
-        self,
-        buffer: torch.Tensor,
-        key: Hashable,
-        make: Callable[[torch.Tensor], list[torch.Tensor]],
-    ) -> list[torch.Tensor]:
-        """Fresh tensors on the views ``make(buffer)`` made the last time this buffer was
-        viewed as ``key``, when the buffer is one it keeps views for; else ``make(buffer)``."""
-        ...
-
-    def output(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """A contiguous host tensor of ``shape`` and ``dtype`` to rebuild trimmed leaf
-        ``index`` into (reused memory), or None for fresh memory."""
+    def memory(
+        self, buffer: torch.Tensor, outputs: Sequence[tuple[tuple[int, ...], torch.dtype]]
+    ) -> tuple[KeptViews | None, list[torch.Tensor]]:
+        """What one tree on ``buffer`` is built on, asked once per tree: the views kept for
+        ``buffer``'s memory (None when it is not memory this keeps views for), and one
+        contiguous host tensor of each ``(shape, dtype)`` of ``outputs``, reused memory,
+        to re-pad a trimmed leaf into."""
         ...
 
 
@@ -77,6 +161,7 @@ class ViewSpec:
         "host_spans",
         "host_trimmed",
         "others",
+        "outputs",
         "specs",
         "tensor_index",
         "trimmed",
@@ -125,6 +210,10 @@ class ViewSpec:
                 self.host_trimmed[i] = (pos, row[4])
             pos = (pos + row[4] + MAX_ITEMSIZE - 1) // MAX_ITEMSIZE * MAX_ITEMSIZE
         self.host_nbytes = pos
+        #: the trimmed tensor leaves, rebuilt into memory a Reuses hands out on a host
+        self.outputs = [
+            (i, tuple(row[2]), TORCH_CODES[row[1]]) for i, row in self.trimmed if row[0] == "tensor"
+        ]
 
     def placed(self, tensors: list[Any]) -> list[Any]:
         """``tensors`` (one per spec) at their leaf indices in a list of every leaf; the
@@ -148,9 +237,32 @@ class ViewSpec:
         shift = {code: base_offset // isz for code, isz in self.codes.items()}
         return [as_strided(bases[c], sh, st, o + shift[c]) for c, sh, st, o in self.specs]
 
-    def kept_views(self, buffer: torch.Tensor, reuse: Reuses | None) -> list[torch.Tensor]:
-        """:meth:`tensor_views`, as fresh tensors on views ``reuse`` keeps for ``buffer``
-        when it came from there (:class:`Reuses`)."""
+    def kept_views(
+        self, buffer: torch.Tensor, reuse: Reuses | None
+    ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+        """:meth:`tensor_views`, as fresh tensors on the views ``reuse`` keeps for
+        ``buffer``'s memory, when it keeps them (:class:`KeptViews`); and the memory
+        ``reuse`` hands out for the trimmed tensor leaves on a host, by leaf index (none
+        without ``reuse``: each re-pad takes fresh memory)."""
         if reuse is None:
-            return self.tensor_views(buffer)
-        return reuse.views(buffer, (self, buffer.storage_offset()), self.tensor_views)
+            return self.tensor_views(buffer), _NO_OUTPUTS
+        outputs = self.outputs if buffer.is_cpu else ()
+        kept, into = reuse.memory(buffer, [(shape, dtype) for _, shape, dtype in outputs])
+        memory = {i: t for (i, _, _), t in zip(outputs, into)} if outputs else _NO_OUTPUTS
+        if kept is None:
+            return self.tensor_views(buffer), memory
+        key = (self, buffer.storage_offset())
+        views = kept.views(key)
+        if views is None:
+            views = kept.keep(key, self.tensor_views(buffer))
+        return views, memory
+
+    def leaves(
+        self, buffer: torch.Tensor, reuse: Reuses | None
+    ) -> tuple[list[Any], dict[int, torch.Tensor]]:
+        """:meth:`kept_views` :meth:`placed` among every leaf (as they are when every leaf
+        is a tensor), and the memory for the trimmed ones."""
+        tensors, memory = self.kept_views(buffer, reuse)
+        if len(tensors) == self.count:
+            return tensors, memory
+        return self.placed(tensors), memory

@@ -4,16 +4,16 @@ they keep, and the memory trimmed leaves are rebuilt into, under one rule for re
 Writing a large batch into fresh memory costs more than its transfer (page faults), so
 both sides take payload buffers from a :class:`BufferPool`, first messages from a
 :class:`FramePool`, and the host memory of rebuilt trimmed leaves from their role's
-:class:`Keeper`, which also keeps the views a pooled buffer was last viewed as (with
-many small leaves, making one view per leaf is most of a rank's work on a batch) and is
-the codec's ``Reuses``. Every piece of it is written again only under
-NOTE [ Memory handed out ], whose rule is :func:`reusable`.
+:class:`Keeper`, which also finds the views a pooled buffer was last viewed as (the
+codec's ``KeptViews``, NOTE [ Views made ahead ] in ``codec/views.py``) and is the codec's
+``Reuses``. Every piece of it is written again only under NOTE [ Memory handed out ],
+whose rule is :func:`reusable`.
 
 # NOTE [ Memory handed out ]
 Memory whose views went to the caller (a payload buffer, a first message, a rebuilt
 trimmed leaf) is the caller's until nobody can see it any more. The pool keeps, for each
 piece, its storage object, the references it holds itself (``held``: the buffer, the
-storage, the kept views and the copies made ahead), and the storage's data pointer when
+storage, and its ``KeptViews``' own: the kept views and the copies made ahead), and the storage's data pointer when
 it was pooled. :func:`reusable` is true only when
 
 - the storage's use count is ``held``: no tensor, numpy array (which holds the storage
@@ -56,29 +56,6 @@ the size it was taken for, and drops idle ones not reused within 64 takes: at mo
 small multiple of the largest batch, whatever the batches' shapes. The memory of
 rebuilt trimmed leaves is taken by size (a rounded capacity, viewed as the leaf's shape
 and dtype), so batches whose shapes change every step reuse it as they reuse buffers.
-
-# NOTE [ Views made ahead ]
-A pooled buffer keeps the views it was last viewed as, under a key naming the layout,
-and hands out ``detach()``-ed copies of them (:class:`KeptViews`). Making the copies is
-itself one ``detach()`` per leaf, so both sides make the next ones while a head is on the
-wire, where they would only wait: a receiver once it has posted the receive of the first
-message it is about to read, for the layout that message carried last; the source once it
-has posted its first message, for the next frame of the same layout that comes back to
-that message (its batch dropped by then). When the frame has that layout they are its
-leaves; when not, they are dropped. The life of one buffer's kept views, ``n`` views of
-the layout ``K`` (each holds a storage reference, counted in ``held``):
-
-    =====================  ====  ======  ==================================================
-    state                  key   held    what happens next
-    =====================  ====  ======  ==================================================
-    no views               None  0       ``views(K)``: made by the codec, kept -> kept
-    kept                   K     n       ``views(K)``: n fresh copies handed out (stays);
-                                         ``detach_ahead()``: n copies made -> ahead
-    kept + ahead           K     2n      ``views(K)``: the copies handed out -> kept;
-                                         ``drop_ahead()`` (the frame had another layout,
-                                         or none) -> kept
-    another key asked      K'    0       all dropped, then made for ``K'`` -> kept (n')
-    =====================  ====  ======  ==================================================
 """
 
 from __future__ import annotations
@@ -86,12 +63,14 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["BufferPool", "FirstMessage", "FramePool", "Keeper", "KeptViews", "reusable"]
+from tensorcast.codec import KeptViews
+
+__all__ = ["BufferPool", "FirstMessage", "FramePool", "Keeper", "reusable"]
 
 _MIN_CAPACITY = 4096
 _LARGE = 1 << 20
@@ -129,62 +108,6 @@ def reusable(storage: torch.UntypedStorage, pointer: int, held: int, refs: int) 
         and storage.data_ptr() == pointer
         and (storage.device.type == "cuda" or not storage.is_shared())
     )
-
-
-class KeptViews:
-    """The views one pooled buffer was last viewed as, and copies of them made ahead
-    (NOTE [ Views made ahead ]).
-
-    Used by whichever thread holds the buffer, one at a time (the pool hands a buffer to
-    one taker).
-    """
-
-    __slots__ = ("ahead", "held", "kept", "key")
-
-    def __init__(self) -> None:
-        self.key: Hashable = None
-        self.kept: list[torch.Tensor] = []  # detached views: each holds a reference
-        self.ahead: list[torch.Tensor] | None = None  # see detach_ahead
-        #: the storage references held here: the kept views and the copies made ahead
-        self.held = 0
-
-    def views(
-        self,
-        buffer: torch.Tensor,
-        key: Hashable,
-        make: Callable[[torch.Tensor], list[torch.Tensor]],
-    ) -> list[torch.Tensor]:
-        """Fresh tensors on the views ``make(buffer)`` returned the last time ``key`` was
-        asked; ``buffer`` views the storage these views are kept for."""
-        ahead = self.ahead
-        if self.key != key:
-            self.held = 0  # lowered first (NOTE [ Memory handed out ])
-            self.ahead = None  # made for another key
-            self.kept = []
-            kept = [v.detach() for v in make(buffer)]
-            self.kept, self.key = kept, key
-            self.held = len(kept)
-        elif ahead is not None:
-            self.held = len(self.kept)  # handed to the caller
-            self.ahead = None
-            return ahead
-        return list(map(_detach, self.kept))
-
-    def detach_ahead(self) -> None:
-        """Make the fresh tensors of the kept views now, for the next :meth:`views` of the
-        same key, while a head is on the wire. Held here, they count as the buffer's own."""
-        kept = self.kept
-        if kept:
-            self.held = len(kept)
-            ahead = self.ahead = list(map(_detach, kept))
-            self.held = len(kept) + len(ahead)
-        elif self.ahead is not None:
-            self.drop_ahead()
-
-    def drop_ahead(self) -> None:
-        """Let go of the copies made ahead (the frame did not use them)."""
-        self.held = len(self.kept)
-        self.ahead = None
 
 
 class _Entry:
@@ -274,32 +197,28 @@ class Keeper:
         if self._by_storage.get(cdata) is kept:
             del self._by_storage[cdata]
 
-    def views(
-        self,
-        buffer: torch.Tensor,
-        key: Hashable,
-        make: Callable[[torch.Tensor], list[torch.Tensor]],
-    ) -> list[torch.Tensor]:
-        """:meth:`KeptViews.views` of the pooled buffer ``buffer`` views; ``key`` must name
-        everything the views depend on but the storage (the layout, and where ``buffer``
-        starts in it)."""
+    def memory(
+        self, buffer: torch.Tensor, outputs: Sequence[tuple[tuple[int, ...], torch.dtype]]
+    ) -> tuple[KeptViews | None, list[torch.Tensor]]:
+        """The codec's ``Reuses``: the kept views of the pooled buffer ``buffer`` views
+        (None for a buffer that is not the role's), and a piece of host memory for each
+        ``(shape, dtype)`` of ``outputs`` (trimmed leaves to re-pad): pooled memory taken by
+        size, viewed as that shape and dtype, reused once nobody can see it."""
         kept = self._by_storage.get(buffer.untyped_storage()._cdata)
-        if kept is None:
-            return make(buffer)
-        return kept.views(buffer, key, make)
-
-    def output(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A contiguous host tensor of ``shape`` and ``dtype`` for trimmed leaf ``index``:
-        a view of pooled memory taken by size, reused once nobody can see it."""
-        outputs = self._outputs
-        if outputs is None:
-            outputs = self._outputs = BufferPool(
+        if not outputs:
+            return kept, []
+        pool = self._outputs
+        if pool is None:
+            pool = self._outputs = BufferPool(
                 max_buffers=self._max_outputs, keeper=self, wait=False
             )
-        numel = 1
-        for d in shape:
-            numel *= d
-        return outputs.take(numel * dtype.itemsize, _CPU).view(dtype).view(shape)
+        into = []
+        for shape, dtype in outputs:
+            numel = 1
+            for d in shape:
+                numel *= d
+            into.append(pool.take(numel * dtype.itemsize, _CPU).view(dtype).view(shape))
+        return kept, into
 
 
 class BufferPool:

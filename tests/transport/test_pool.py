@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 
+from tensorcast.codec import Encoder, KeptViews
 from tensorcast.transport.pool import BufferPool, FramePool, Keeper
 
 CPU = torch.device("cpu")
@@ -75,6 +77,29 @@ def test_slices_are_exactly_the_requested_size() -> None:
         assert t.dtype == torch.uint8 and t.dim() == 1 and t.numel() == n
 
 
+def _viewed(
+    kept: Keeper | KeptViews,
+    buffer: torch.Tensor,
+    key: str,
+    make: Callable[[torch.Tensor], list[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """The views a rebuild hands out for ``buffer``, asked as the codec asks (a role's
+    ``Keeper``, or the memory's own ``KeptViews``)."""
+    if isinstance(kept, Keeper):
+        found, _ = kept.memory(buffer, [])
+        if found is None:
+            return make(buffer)
+        kept = found
+    views = kept.views(key)
+    return kept.keep(key, make(buffer)) if views is None else views
+
+
+def _output(kept: Keeper, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The memory ``kept`` hands out to re-pad one trimmed leaf into."""
+    _, (out,) = kept.memory(torch.empty(0, dtype=torch.uint8), [(shape, dtype)])
+    return out
+
+
 def _as_floats(buffer: torch.Tensor) -> list[torch.Tensor]:
     return [buffer[i * 64 : i * 64 + 16].view(torch.float32) for i in range(3)]
 
@@ -86,13 +111,13 @@ def test_views_kept_for_a_buffer_are_handed_out_fresh_and_do_not_pin_it() -> Non
     pool = BufferPool()
     buffer = pool.take(100_000, CPU)
     address = buffer.data_ptr()
-    first = pool.kept.views(buffer, "layout", _as_floats)
+    first = _viewed(pool.kept, buffer, "layout", _as_floats)
     first[1].fill_(2.0)
-    again = pool.kept.views(buffer, "layout", _as_floats)
+    again = _viewed(pool.kept, buffer, "layout", _as_floats)
     assert all(a is not b and a.data_ptr() == b.data_ptr() for a, b in zip(first, again))
     assert again[1].tolist() == [2.0] * 4
     again[1].resize_(1)  # a caller's own metadata change stays with its tensor
-    assert pool.kept.views(buffer, "layout", _as_floats)[1].shape == (4,)
+    assert _viewed(pool.kept, buffer, "layout", _as_floats)[1].shape == (4,)
     del buffer, again
     assert pool.take(100_000, CPU).data_ptr() != address  # `first` still views it
     del first
@@ -105,9 +130,9 @@ def test_views_kept_for_a_buffer_are_handed_out_fresh_and_do_not_pin_it() -> Non
         made.append(1)
         return _as_floats(buffer)
 
-    pool.kept.views(reused, "layout", count)
-    pool.kept.views(reused, "other layout", count)
-    pool.kept.views(reused, "other layout", count)
+    _viewed(pool.kept, reused, "layout", count)
+    _viewed(pool.kept, reused, "other layout", count)
+    _viewed(pool.kept, reused, "other layout", count)
     assert len(made) == 1  # kept across takes; made again only for a new key
     del reused
     assert address in [pool.take(100_000, CPU).data_ptr() for _ in range(2)]
@@ -116,7 +141,10 @@ def test_views_kept_for_a_buffer_are_handed_out_fresh_and_do_not_pin_it() -> Non
 def test_views_of_a_buffer_from_elsewhere_are_made_each_time() -> None:
     pool = BufferPool()
     outside = torch.zeros(4096, dtype=torch.uint8)
-    one, two = pool.kept.views(outside, "k", _as_floats), pool.kept.views(outside, "k", _as_floats)
+    one, two = (
+        _viewed(pool.kept, outside, "k", _as_floats),
+        _viewed(pool.kept, outside, "k", _as_floats),
+    )
     assert one[0] is not two[0] and one[0].data_ptr() == two[0].data_ptr()
 
 
@@ -127,7 +155,7 @@ def test_a_first_message_is_reused_only_once_nothing_made_from_it_is_alive() -> 
     frames = FramePool()
     message = frames.take(4096)
     assert message.buffer.numel() == 4096 and message.host.shape == (4096,)
-    leaf = message.kept.views(message.buffer[4032:4048], "layout", _as_floats)[0]
+    leaf = _viewed(message.kept, message.buffer[4032:4048], "layout", _as_floats)[0]
     assert frames.take(4096) is not message  # the leaf views its bytes
     del leaf
     assert frames.take(4096) is message  # kept views do not count
@@ -136,10 +164,10 @@ def test_a_first_message_is_reused_only_once_nothing_made_from_it_is_alive() -> 
 def test_a_first_message_hands_out_fresh_tensors_on_its_kept_views() -> None:
     message = FramePool().take(4096)
     payload = message.buffer[0:4096]
-    first = message.kept.views(payload, "layout", _as_floats)
-    again = message.kept.views(payload, "layout", _as_floats)
+    first = _viewed(message.kept, payload, "layout", _as_floats)
+    again = _viewed(message.kept, payload, "layout", _as_floats)
     assert all(a is not b and a.data_ptr() == b.data_ptr() for a, b in zip(first, again))
-    other = message.kept.views(payload, "another layout", lambda b: [b[:8]])
+    other = _viewed(message.kept, payload, "another layout", lambda b: [b[:8]])
     assert len(other) == 1
     del first, again, other, payload  # a slice of the buffer holds it too, while alive
     assert message.is_idle()
@@ -156,17 +184,17 @@ def test_views_detached_ahead_are_the_next_views_of_that_key_and_else_dropped() 
 
     message.kept.detach_ahead()  # nothing kept yet: nothing to make
     assert message.kept.ahead is None
-    first = message.kept.views(payload(), "layout", _as_floats)
+    first = _viewed(message.kept, payload(), "layout", _as_floats)
     del first
     message.kept.detach_ahead()
     assert message.kept.ahead and message.is_idle()
     made = [id(t) for t in message.kept.ahead]
-    again = message.kept.views(payload(), "layout", _as_floats)
+    again = _viewed(message.kept, payload(), "layout", _as_floats)
     assert [id(t) for t in again] == made and message.kept.ahead is None
     assert again[0].data_ptr() == message.buffer.data_ptr()
     assert not message.is_idle()  # handed out: the caller holds them
     message.kept.detach_ahead()
-    other = message.kept.views(payload(), "another layout", lambda b: [b[:8]])
+    other = _viewed(message.kept, payload(), "another layout", lambda b: [b[:8]])
     assert len(other) == 1 and message.kept.ahead is None  # the layout changed: made anew
     message.kept.detach_ahead()
     message.kept.drop_ahead()
@@ -174,10 +202,34 @@ def test_views_detached_ahead_are_the_next_views_of_that_key_and_else_dropped() 
     assert message.is_idle()
 
 
+def test_a_first_message_a_tree_was_built_on_is_idle_once_the_tree_is_dropped() -> None:
+    """The codec's views of a payload slice (strided views of typed views of it) are kept
+    detached: nothing kept holds the slice itself, so the message is taken again, and so
+    is the memory a trimmed leaf was re-padded into."""
+    keeper = Keeper()
+    frames = FramePool(keeper=keeper)
+    audio = torch.zeros(8, 64_000)
+    audio[:, :1000] = 1.0  # rows that end in zeros: trimmed
+    coded = Encoder().encode({"x": torch.arange(16.0), "n": torch.ones(3).long(), "a": audio})
+    assert coded.trims  # the audio leaf travels trimmed
+    taken = set()
+    for _ in range(3):
+        message = frames.take(coded.nbytes + 4096)
+        tree, repads = coded.write_tree(message.buffer[64 : 64 + coded.nbytes], keeper)
+        for run in repads:
+            run()
+        del run
+        assert torch.equal(tree["a"], audio) and torch.equal(tree["x"], torch.arange(16.0))
+        taken.add((id(message), tree["a"].data_ptr()))
+        del tree, repads
+        assert message.is_idle()
+    assert len(taken) == 1
+
+
 def test_first_messages_of_an_outgrown_capacity_are_dropped_once_idle() -> None:
     frames = FramePool()
     small = frames.take(4096)
-    held = small.kept.views(small.buffer[0:64], "layout", lambda b: [b[:8]])
+    held = _viewed(small.kept, small.buffer[0:64], "layout", lambda b: [b[:8]])
     big = frames.take(8192)
     assert big.capacity == 8192
     assert small in frames._messages  # still viewed: kept until its user lets go
@@ -191,7 +243,7 @@ def test_the_frame_pool_forgets_its_oldest_buffer_beyond_its_bound() -> None:
     held = []
     for _ in range(4):
         message = frames.take(4096)
-        held.append(message.kept.views(message.buffer[0:64], "layout", lambda b: [b[:8]]))
+        held.append(_viewed(message.kept, message.buffer[0:64], "layout", lambda b: [b[:8]]))
     assert len(frames._messages) == 2
 
 
@@ -262,14 +314,14 @@ def test_reusable_is_the_rule_other_pools_call() -> None:
 
 def test_kept_outputs_reuse_memory_the_caller_let_go_of() -> None:
     kept = Keeper(max_outputs=2)
-    a = kept.output(0, (4, 5), torch.float32)
-    b = kept.output(0, (4, 5), torch.float32)
+    a = _output(kept, (4, 5), torch.float32)
+    b = _output(kept, (4, 5), torch.float32)
     assert a.data_ptr() != b.data_ptr()
     ptr = a.data_ptr()
     del a
-    c = kept.output(0, (4, 5), torch.float32)
+    c = _output(kept, (4, 5), torch.float32)
     assert c.data_ptr() == ptr  # reused: the caller dropped it
-    d = kept.output(0, (4, 5), torch.float32)
+    d = _output(kept, (4, 5), torch.float32)
     assert d.data_ptr() not in (ptr, b.data_ptr())  # both held: fresh memory
 
 
@@ -277,8 +329,8 @@ def test_kept_outputs_are_reused_by_size_whatever_the_shape() -> None:
     """Batches whose shapes change every step reuse the memory of their rebuilt leaves:
     it is taken by size, and one piece serves a leaf of another shape and dtype."""
     kept = Keeper(max_outputs=2)
-    a = kept.output(0, (64, 1000), torch.float32)
+    a = _output(kept, (64, 1000), torch.float32)
     ptr = a.data_ptr()
     del a
-    b = kept.output(3, (60, 1050), torch.int32)  # 252_000 bytes: the same size class
+    b = _output(kept, (60, 1050), torch.int32)  # 252_000 bytes: the same size class
     assert b.data_ptr() == ptr and b.shape == (60, 1050) and b.is_contiguous()

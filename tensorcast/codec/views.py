@@ -161,6 +161,7 @@ class ViewSpec:
         "host_spans",
         "host_trimmed",
         "others",
+        "output_shapes",
         "outputs",
         "specs",
         "tensor_index",
@@ -214,6 +215,7 @@ class ViewSpec:
         self.outputs = [
             (i, tuple(row[2]), TORCH_CODES[row[1]]) for i, row in self.trimmed if row[0] == "tensor"
         ]
+        self.output_shapes = [(shape, dtype) for _, shape, dtype in self.outputs]
 
     def placed(self, tensors: list[Any]) -> list[Any]:
         """``tensors`` (one per spec) at their leaf indices in a list of every leaf; the
@@ -247,7 +249,7 @@ class ViewSpec:
         if reuse is None:
             return self.tensor_views(buffer), _NO_OUTPUTS
         outputs = self.outputs if buffer.is_cpu else ()
-        kept, into = reuse.memory(buffer, [(shape, dtype) for _, shape, dtype in outputs])
+        kept, into = reuse.memory(buffer, self.output_shapes if outputs else ())
         memory = {i: t for (i, _, _), t in zip(outputs, into)} if outputs else _NO_OUTPUTS
         if kept is None:
             return self.tensor_views(buffer), memory

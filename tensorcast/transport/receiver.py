@@ -9,7 +9,7 @@ message, then a spilled header, then a separate payload. The prefix and the head
 allocated from their sizes. Until the whole frame is in, any failure breaks the lane
 (this rank cannot skip the rest of a frame it cannot read); once it is in, a bad CRC is
 an error of that step alone. The frame's leaves were made while its head was on the wire
-(NOTE [ Views made ahead ], ``transport.pool``).
+(NOTE [ Views made ahead ], ``codec.views``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ broadcast tree.
 Ranks here are *group-local*. Both return a handle to ``wait`` on once the message is
 posted: a promised payload is posted together with its first message (NOTE [ Promised
 payloads ]), and a rank does work of its own while a head is on the wire (NOTE [ Views
-made ahead ], ``transport.pool``). A failure or a timeout raises
+made ahead ], ``codec.views``). A failure or a timeout raises
 ``RuntimeError`` from torch, which the caller turns into a broken channel.
 
 A group's wire is made here (:func:`make_wire`, on the rank's own device for NCCL:

@@ -250,8 +250,8 @@ class BufferPool:
         self._takes = 0  # a clock: how many takes this pool has served
         # key -> entries, most recently used last
         self._buffers: dict[torch.device, list[_Entry]] = {}
-        #: the kept views of this pool's buffers: the codec's ``Reuses`` for them
-        self.kept = Keeper() if keeper is None else keeper
+        #: what finds this pool's buffers' kept views: the codec's ``Reuses`` for them
+        self.keeper = Keeper() if keeper is None else keeper
 
     def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A 1-D uint8 tensor of exactly ``nbytes`` bytes, a view into a pooled buffer."""
@@ -290,7 +290,7 @@ class BufferPool:
             buf = torch.empty(_capacity(nbytes), dtype=torch.uint8, device=device)
         entry = _Entry(buf, self._takes)
         entries.append(entry)
-        self.kept.add(entry.cdata, entry.kept)
+        self.keeper.add(entry.cdata, entry.kept)
         if len(entries) > self._max_buffers:
             # Forget the least recently used idle buffer (a busy one stays with its user).
             for i, old in enumerate(entries[:-1]):
@@ -302,7 +302,7 @@ class BufferPool:
         return buf[:nbytes]
 
     def _forget(self, entry: _Entry) -> None:
-        self.kept.forget(entry.cdata, entry.kept)
+        self.keeper.forget(entry.cdata, entry.kept)
 
     def _evict(self, entries: list[_Entry]) -> None:
         """Forget buffers that are gone (shared, or moved: NOTE [ Memory handed out ]), and

@@ -446,7 +446,7 @@ def _on_host(
     """A host frame's payload, written where it travels (inline in ``message``, else a
     buffer of ``pool``'s or the :class:`Packed` batch's own), and this rank's tree of it
     with the tree's re-pads left to run (NOTE [ The own tree's re-pads ])."""
-    n, reuse = coded.nbytes, pool.kept
+    n, reuse = coded.nbytes, pool.keeper
     if isinstance(coded, Encoded):
         inline = message.inline_payload(cut.payload_at, n) if cut.inline else None
         payload = pool.take(n, device) if inline is None else inline

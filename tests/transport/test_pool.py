@@ -111,13 +111,13 @@ def test_views_kept_for_a_buffer_are_handed_out_fresh_and_do_not_pin_it() -> Non
     pool = BufferPool()
     buffer = pool.take(100_000, CPU)
     address = buffer.data_ptr()
-    first = _viewed(pool.kept, buffer, "layout", _as_floats)
+    first = _viewed(pool.keeper, buffer, "layout", _as_floats)
     first[1].fill_(2.0)
-    again = _viewed(pool.kept, buffer, "layout", _as_floats)
+    again = _viewed(pool.keeper, buffer, "layout", _as_floats)
     assert all(a is not b and a.data_ptr() == b.data_ptr() for a, b in zip(first, again))
     assert again[1].tolist() == [2.0] * 4
     again[1].resize_(1)  # a caller's own metadata change stays with its tensor
-    assert _viewed(pool.kept, buffer, "layout", _as_floats)[1].shape == (4,)
+    assert _viewed(pool.keeper, buffer, "layout", _as_floats)[1].shape == (4,)
     del buffer, again
     assert pool.take(100_000, CPU).data_ptr() != address  # `first` still views it
     del first
@@ -130,9 +130,9 @@ def test_views_kept_for_a_buffer_are_handed_out_fresh_and_do_not_pin_it() -> Non
         made.append(1)
         return _as_floats(buffer)
 
-    _viewed(pool.kept, reused, "layout", count)
-    _viewed(pool.kept, reused, "other layout", count)
-    _viewed(pool.kept, reused, "other layout", count)
+    _viewed(pool.keeper, reused, "layout", count)
+    _viewed(pool.keeper, reused, "other layout", count)
+    _viewed(pool.keeper, reused, "other layout", count)
     assert len(made) == 1  # kept across takes; made again only for a new key
     del reused
     assert address in [pool.take(100_000, CPU).data_ptr() for _ in range(2)]
@@ -142,8 +142,8 @@ def test_views_of_a_buffer_from_elsewhere_are_made_each_time() -> None:
     pool = BufferPool()
     outside = torch.zeros(4096, dtype=torch.uint8)
     one, two = (
-        _viewed(pool.kept, outside, "k", _as_floats),
-        _viewed(pool.kept, outside, "k", _as_floats),
+        _viewed(pool.keeper, outside, "k", _as_floats),
+        _viewed(pool.keeper, outside, "k", _as_floats),
     )
     assert one[0] is not two[0] and one[0].data_ptr() == two[0].data_ptr()
 

@@ -309,19 +309,9 @@ class Writer:
         write counts once :meth:`sent` says its frame went out: a frame that failed to
         write leaves the slot free."""
         self._unlink_mapped()
-        best: int | None = None
-        spare: int | None = None
-        for i, slot in enumerate(self._slots):
-            if slot is None:
-                spare = i if spare is None else spare
-            elif self._free(slot):
-                if slot.mapping.capacity >= nbytes:
-                    if best is None or slot.mapping.capacity < self._cap_of(best):
-                        best = i
-                elif spare is None or self._slots[spare] is not None:
-                    spare = i  # a free slot too small: replaced by a larger one
+        best = self._free_fitting(nbytes)
         if best is None:
-            best = self._grow(spare, nbytes)
+            best = self._grow(self._spare(nbytes), nbytes)
         self.last_used = best is not None
         if best is None:
             return None
@@ -335,9 +325,36 @@ class Writer:
         assert slot is not None and slot.segment == ref.segment
         slot.generation = ref.generation
 
-    def _cap_of(self, i: int) -> int:
-        slot = self._slots[i]
-        return slot.mapping.capacity if slot is not None else 0
+    def _free_fitting(self, nbytes: int) -> int | None:
+        """The free slot of the least capacity that holds ``nbytes``: the slots that hold
+        it are checked from the smallest up and the first free one is taken, so a frame
+        whose slot came back asks the reuse rule once, not once a slot."""
+        fitting = sorted(
+            (s.mapping.capacity, i)
+            for i, s in enumerate(self._slots)
+            if s is not None and s.mapping.capacity >= nbytes
+        )
+        for _, i in fitting:
+            slot = self._slots[i]
+            if slot is not None and self._free(slot):
+                return i
+        return None
+
+    def _spare(self, nbytes: int) -> int | None:
+        """Where a new segment for ``nbytes`` goes, when no slot that holds it is free: the
+        first empty slot, or a free one too small (replaced by a larger one) met before it;
+        None when there is neither."""
+        spare: int | None = None
+        for i, slot in enumerate(self._slots):
+            if slot is None:
+                spare = i if spare is None else spare
+            elif (
+                slot.mapping.capacity < nbytes
+                and (spare is None or self._slots[spare] is not None)
+                and self._free(slot)
+            ):
+                spare = i
+        return spare
 
     def _free(self, slot: _Slot) -> bool:
         cells = slot.mapping.cells

@@ -75,6 +75,41 @@ def test_a_slot_is_written_again_only_once_every_reader_and_the_writer_let_go() 
     writer.close()
 
 
+def test_the_writer_takes_the_smallest_free_slot_that_holds_the_payload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The law: a payload goes into the free slot of the least capacity that holds it, a
+    larger one only while the smaller is seen; a take whose best slot is free asks the
+    reuse rule once, not once a slot."""
+    token = new_token()
+    writer, reader = Writer(token, 1, 1 << 26), Reader(token, 0)
+    big_ref = _send(writer, b"b" * 3_000_000) or pytest.fail("no slot")
+    big = reader.payload(big_ref, 3_000_000)  # seen: the next payload takes another slot
+    small_ref = _send(writer, b"s" * 300_000) or pytest.fail("no slot")
+    small = reader.payload(small_ref, 300_000)
+    assert small_ref.slot != big_ref.slot
+    del big, small
+    reader.release()
+    checks: list[int] = []
+    free = Writer._free
+
+    def counted(self: Writer, slot: Any) -> bool:
+        checks.append(slot.mapping.capacity)
+        return free(self, slot)
+
+    monkeypatch.setattr(Writer, "_free", counted)
+    ref = _send(writer, b"t" * 200_000) or pytest.fail("no slot")
+    assert ref.slot == small_ref.slot and len(checks) == 1
+    held = reader.payload(ref, 200_000)
+    checks.clear()
+    ref = _send(writer, b"u" * 200_000) or pytest.fail("no slot")
+    assert ref.slot == big_ref.slot and checks == sorted(checks) and len(checks) == 2
+    assert bytes(reader.payload(ref, 200_000)[:3].numpy()) == b"uuu"
+    del held
+    reader.release()
+    writer.close()
+
+
 def test_the_writer_never_blocks_it_grows_within_its_cap_then_says_wire() -> None:
     token = new_token()
     writer, reader = Writer(token, 1, 3 * (1 << 20)), Reader(token, 0)

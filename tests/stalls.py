@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 
 def hold_gil(seconds: float) -> None:
-    """One call that holds the GIL for about ``seconds``, or longer on a busy machine
-    (``sum`` over a ``range`` runs in C and never lets another thread in; a sleep or a
-    Python loop would). Timed on the fastest of three short runs."""
-    n = 10**6
-    took = []
-    for _ in range(3):
-        start = time.monotonic()
-        sum(range(n))
-        took.append(time.monotonic() - start)
-    sum(range(int(n * seconds / max(min(took), 1e-6))))
+    """Hold the GIL for at least ``seconds`` (by the clock), letting no other thread in.
+
+    A thread waiting for the GIL asks for it once the switch interval has passed; raised
+    past the hold, nobody asks, so a loop of short C calls (``sum`` over a ``range``) keeps
+    it throughout while reading the clock. A loop timed on a calibration run held it for
+    less than asked when the machine was slower during the calibration than after."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(seconds + 60.0)
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            sum(range(10**5))
+    finally:
+        sys.setswitchinterval(old)

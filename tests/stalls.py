@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import sys
-import time
+import ctypes
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
 def hold_gil(seconds: float) -> None:
-    """Hold the GIL for at least ``seconds`` (by the clock), letting no other thread in.
+    """Hold the GIL for ``seconds``, letting no other thread in: one ``nanosleep`` called
+    through ``ctypes.PyDLL``, which keeps the GIL across the call, as a C extension that
+    blocks without releasing it does. (A loop of C calls, or of ``sum`` over a ``range``
+    sized by a calibration run, lets a waiting thread in between two calls, or holds the
+    GIL for less than asked when the machine slows down.)"""
+    left = _Timespec(int(seconds), int(seconds % 1 * 1e9))
+    while _LIBC.nanosleep(ctypes.byref(left), ctypes.byref(left)) != 0:  # a signal: the rest
+        pass
 
-    A thread waiting for the GIL asks for it once the switch interval has passed; raised
-    past the hold, nobody asks, so a loop of short C calls (``sum`` over a ``range``) keeps
-    it throughout while reading the clock. A loop timed on a calibration run held it for
-    less than asked when the machine was slower during the calibration than after."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(seconds + 60.0)
-    try:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            sum(range(10**5))
-    finally:
-        sys.setswitchinterval(old)
+
+_LIBC = ctypes.PyDLL(None)  # the process's own symbols (libc's nanosleep), called with the GIL

@@ -41,17 +41,19 @@ may see the memory busy a moment too long, never idle too early.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence, Set
+from collections.abc import Hashable, Mapping, Sequence, Set
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import torch
 
+from tensorcast._errors import HeaderError
 from tensorcast.codec.dtypes import CODE_ITEMSIZE, TORCH_CODES
 
 __all__ = ["MAX_ITEMSIZE", "KeptViews", "Reuses", "ViewSpec"]
 
 _detach = torch.Tensor.detach
-_NO_OUTPUTS: dict[int, torch.Tensor] = {}  # never written
+_NO_OUTPUTS: Mapping[int, torch.Tensor] = MappingProxyType({})
 
 
 class KeptViews:
@@ -241,15 +243,28 @@ class ViewSpec:
 
     def kept_views(
         self, buffer: torch.Tensor, reuse: Reuses | None
-    ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+    ) -> tuple[list[torch.Tensor], Mapping[int, torch.Tensor]]:
         """:meth:`tensor_views`, as fresh tensors on the views ``reuse`` keeps for
         ``buffer``'s memory, when it keeps them (:class:`KeptViews`); and the memory
         ``reuse`` hands out for the trimmed tensor leaves on a host, by leaf index (none
-        without ``reuse``: each re-pad takes fresh memory)."""
+        without ``reuse``: each re-pad takes fresh memory).
+
+        Raises:
+            HeaderError: the trimmed leaves' memory cannot be allocated.
+        """
         if reuse is None:
             return self.tensor_views(buffer), _NO_OUTPUTS
         outputs = self.outputs if buffer.is_cpu else ()
-        kept, into = reuse.memory(buffer, self.output_shapes if outputs else ())
+        try:
+            kept, into = reuse.memory(buffer, self.output_shapes if outputs else ())
+        except (RuntimeError, MemoryError) as e:  # torch's out of memory is a RuntimeError
+            leaves = ", ".join(
+                f"{i} ({dtype} of shape {list(shape)})" for i, shape, dtype in outputs
+            )
+            raise HeaderError(
+                f"the memory of the header's trimmed leaves {leaves} could not be allocated: "
+                f"{type(e).__name__}: {e}"
+            ) from None
         memory = {i: t for (i, _, _), t in zip(outputs, into)} if outputs else _NO_OUTPUTS
         if kept is None:
             return self.tensor_views(buffer), memory
@@ -261,7 +276,7 @@ class ViewSpec:
 
     def leaves(
         self, buffer: torch.Tensor, reuse: Reuses | None
-    ) -> tuple[list[Any], dict[int, torch.Tensor]]:
+    ) -> tuple[list[Any], Mapping[int, torch.Tensor]]:
         """:meth:`kept_views` :meth:`placed` among every leaf (as they are when every leaf
         is a tensor), and the memory for the trimmed ones."""
         tensors, memory = self.kept_views(buffer, reuse)

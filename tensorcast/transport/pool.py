@@ -13,8 +13,8 @@ whose rule is :func:`reusable`.
 Memory whose views went to the caller (a payload buffer, a first message, a rebuilt
 trimmed leaf) is the caller's until nobody can see it any more. The pool keeps, for each
 piece, its storage object, the references it holds itself (``held``: the buffer, the
-storage, and its ``KeptViews``' own: the kept views and the copies made ahead), and the storage's data pointer when
-it was pooled. :func:`reusable` is true only when
+storage, and its ``KeptViews``' own: the kept views and the copies made ahead), and the
+storage's data pointer when it was pooled. :func:`reusable` is true only when
 
 - the storage's use count is ``held``: no tensor, numpy array (which holds the storage
   through its base), DLPack capsule or slice of it is alive in this process;

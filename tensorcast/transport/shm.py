@@ -342,8 +342,8 @@ class Writer:
 
     def _spare(self, nbytes: int) -> int | None:
         """Where a new segment for ``nbytes`` goes, when no slot that holds it is free: the
-        first empty slot, or a free one too small (replaced by a larger one) met before it;
-        None when there is neither."""
+        first empty slot; but where a free slot too small for it comes before that, the
+        last such slot (replaced by a larger one); None when there is neither."""
         spare: int | None = None
         for i, slot in enumerate(self._slots):
             if slot is None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 import torch
 
+from tensorcast import HeaderError
 from tensorcast.codec import KeptViews
 from tensorcast.codec.views import ViewSpec
 
@@ -51,11 +53,16 @@ class _Reuses:
 
     def __init__(self, buffer: torch.Tensor) -> None:
         self.buffer, self.kept, self.asked = buffer, KeptViews(), 0
+        self.wanted: list[tuple[tuple[int, ...], torch.dtype]] = []
+        self.fail: BaseException | None = None
 
     def memory(
         self, buffer: torch.Tensor, outputs: Sequence[tuple[tuple[int, ...], torch.dtype]]
     ) -> tuple[KeptViews | None, list[torch.Tensor]]:
         self.asked += 1
+        self.wanted = list(outputs)
+        if self.fail is not None and outputs:
+            raise self.fail
         mine = buffer.untyped_storage()._cdata == self.buffer.untyped_storage()._cdata
         return (self.kept if mine else None), [torch.full(s, 7, dtype=d) for s, d in outputs]
 
@@ -73,10 +80,25 @@ def test_a_tree_asks_its_reuses_once_and_gets_its_views_again() -> None:
     assert first[2] is None and first[0].data_ptr() == buffer.data_ptr()
     kept = list(reuse.kept.kept)
     again, _ = spec.leaves(buffer, reuse)
-    assert reuse.asked == 2 and reuse.kept.kept == kept  # not made again
+    assert reuse.asked == 2 and all(a is b for a, b in zip(reuse.kept.kept, kept, strict=True))
     assert all(a is not b and a.data_ptr() == b.data_ptr() for a, b in zip(first[:2], again))
     other = torch.zeros(64, dtype=torch.uint8)
     views, _ = spec.kept_views(other, reuse)
-    assert reuse.kept.kept == kept and views[0].data_ptr() == other.data_ptr()
+    assert all(a is b for a, b in zip(reuse.kept.kept, kept, strict=True))
+    assert views[0].data_ptr() == other.data_ptr()
+    _, none = spec.kept_views(torch.empty(64, dtype=torch.uint8, device="meta"), reuse)
+    assert reuse.wanted == [] and dict(none) == {}  # no host memory for a device's leaves
     plain, none = ViewSpec(_TABLE).leaves(buffer, None)
-    assert none == {} and [t.tolist() for t in plain] == [t.tolist() for t in first[:2]]
+    assert dict(none) == {} and [t.tolist() for t in plain] == [t.tolist() for t in first[:2]]
+
+
+def test_trimmed_leaves_whose_memory_cannot_be_had_are_a_header_error() -> None:
+    """As a re-pad's own allocation: out of memory is a HeaderError naming the leaves."""
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    reuse = _Reuses(buffer)
+    reuse.fail = MemoryError("no room")
+    spec = ViewSpec([*_TABLE, ["tensor", "F32", [2, 3], 32, 8]], trimmed={2})
+    with pytest.raises(
+        HeaderError, match=r"trimmed leaves 2 \(torch.float32 of shape \[2, 3\]\).*no room"
+    ):
+        spec.leaves(buffer, reuse)

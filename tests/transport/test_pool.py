@@ -221,6 +221,8 @@ def test_a_first_message_a_tree_was_built_on_is_idle_once_the_tree_is_dropped() 
         del run
         assert torch.equal(tree["a"], audio) and torch.equal(tree["x"], torch.arange(16.0))
         taken.add((id(message), tree["a"].data_ptr()))
+        assert not message.is_idle()  # the tree views it: never handed out under it
+        assert frames.take(coded.nbytes + 4096) is not message
         del tree, repads
         assert message.is_idle()
     assert len(taken) == 1

@@ -60,6 +60,7 @@ and dtype), so batches whose shapes change every step reuse it as they reuse buf
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -212,12 +213,10 @@ class Keeper:
             pool = self._outputs = BufferPool(
                 max_buffers=self._max_outputs, keeper=self, wait=False
             )
-        into = []
-        for shape, dtype in outputs:
-            numel = 1
-            for d in shape:
-                numel *= d
-            into.append(pool.take(numel * dtype.itemsize, _CPU).view(dtype).view(shape))
+        into = [
+            pool.take(math.prod(shape) * dtype.itemsize, _CPU).view(dtype).view(shape)
+            for shape, dtype in outputs
+        ]
         return kept, into
 
 

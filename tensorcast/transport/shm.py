@@ -330,15 +330,11 @@ class Writer:
         it are checked from the smallest up and the first free one is taken, so a frame
         whose slot came back asks the reuse rule once, not once a slot."""
         fitting = sorted(
-            (s.mapping.capacity, i)
+            (s.mapping.capacity, i, s)
             for i, s in enumerate(self._slots)
             if s is not None and s.mapping.capacity >= nbytes
-        )
-        for _, i in fitting:
-            slot = self._slots[i]
-            if slot is not None and self._free(slot):
-                return i
-        return None
+        )  # (capacity, index) never ties: a slot is never compared
+        return next((i for _, i, slot in fitting if self._free(slot)), None)
 
     def _spare(self, nbytes: int) -> int | None:
         """Where a new segment for ``nbytes`` goes, when no slot that holds it is free: the

@@ -165,38 +165,40 @@ def _check_receiver(receiver: str) -> None:
 
 
 def readable(leaf: Any) -> Any:
-    """``leaf`` itself, or a contiguous copy of the same kind where the scan cannot read it
-    as it is: an ndarray whose strides are negative or not a multiple of its itemsize (a
-    flipped array, a field of a packed structured array), a conjugate or negative-bit
-    tensor view (whose bits are not its values). The encoder scans and compacts the copy,
-    made once, where the probe says a trim could pay: one pass over host memory, cheaper
-    than the padding's bytes on the wire to every receiver."""
+    """``leaf`` itself where the scan and the compaction can read it as it is (a
+    contiguous tensor; a C-contiguous, writable ndarray), else one contiguous copy of the
+    same kind, bit for bit: of a strided, flipped or read-only ndarray (a field of a
+    packed structured array too), of a non-contiguous tensor, of a conjugate or
+    negative-bit view (whose bits are not its values). The encoder makes it once, where
+    the probe says a trim could pay, and scans and compacts the copy (:func:`plan`): one
+    pass over host memory, cheaper than the padding's bytes on the wire to every
+    receiver, where each step would otherwise copy the leaf again."""
     if isinstance(leaf, np.ndarray):
-        isz = leaf.itemsize
-        if any(st < 0 or st % isz for st in leaf.strides):
-            return np.ascontiguousarray(leaf)
+        if leaf.flags.c_contiguous and leaf.flags.writeable:
+            return leaf
+        return np.array(leaf, order="C")  # a copy, writable: torch wraps it as it is
+    if leaf.is_contiguous() and not (leaf.is_conj() or leaf.is_neg()):
         return leaf
-    if leaf.is_conj() or leaf.is_neg():
-        return leaf.detach().resolve_conj().resolve_neg()
-    return leaf
+    values = leaf.detach().resolve_conj().resolve_neg()  # a copy where it was a view of either
+    if values.is_contiguous():
+        return values
+    copy = torch.empty_like(values, memory_format=torch.contiguous_format)
+    as_words(copy).copy_(as_words(values))  # bit for bit: a bool copy would keep 0 / 1 only
+    return copy
 
 
 def _tensor(leaf: Any) -> torch.Tensor:
-    """``leaf`` as a tensor of the bits ``trim=False`` would store, sharing its memory
-    where torch can (a copy of a read-only ndarray, which torch cannot wrap without a
-    warning, and of a leaf that is not :func:`readable` as it is)."""
+    """``leaf`` as a contiguous tensor of the bits ``trim=False`` would store: the leaf's
+    own memory where it is :func:`readable` as it is, else a copy."""
     leaf = readable(leaf)
-    if isinstance(leaf, np.ndarray):
-        return torch.from_numpy(leaf if leaf.flags.writeable else leaf.copy())
-    return leaf.detach()
+    return torch.from_numpy(leaf) if isinstance(leaf, np.ndarray) else leaf.detach()
 
 
 def _row_words(leaf: Any) -> torch.Tensor:
     """``leaf``'s rows as a contiguous ``(B, n)`` integer tensor (``(B, n, 2)`` for 16-byte
-    elements): a view of a contiguous leaf, else a copy made through the integer view (a
-    bool copy would turn bytes other than 0 / 1 into 1)."""
+    elements), viewing :func:`_tensor`'s memory."""
     t = _tensor(leaf)
-    words = as_words(t).contiguous()
+    words = as_words(t)
     return words.view(t.shape[0], math.prod(t.shape[1:]), *words.shape[t.dim() :])
 
 
@@ -273,8 +275,8 @@ def scan(leaf: Any) -> Runs:
     GPU would cost 2 to 8 host syncs with :func:`probe`, so the encoder sends such a
     leaf whole (``codec.encode``).
 
-    A non-contiguous leaf is copied first; pass a contiguous one to :func:`scan` and
-    :func:`compact_into` to copy it once.
+    A leaf that is not :func:`readable` as it is is copied first; pass the copy to
+    :func:`scan` and :func:`compact_into` to copy it once (as :func:`plan` does).
     """
     words = _row_words(leaf)
     rows, n = words.shape[0], words.shape[1]

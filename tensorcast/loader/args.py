@@ -13,6 +13,9 @@ from tensorcast.codec import Packed, resolve_device, unpack
 __all__ = ["check_shm", "distributed", "output_device", "to_timedelta", "unpack_if_packed"]
 
 _AVAILABLE = dist.is_available()  # fixed by how torch was built
+_MAX_TIMEOUT_S = 10.0**9  # about 32 years: past it, a timedelta overflows
+#: where output tensors may land
+_OUTPUT_DEVICES = ("cpu", "cuda")
 
 
 def distributed() -> bool:
@@ -28,8 +31,15 @@ def to_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedel
     """
     if timeout is None or isinstance(timeout, datetime.timedelta):
         return timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout < _MAX_TIMEOUT_S  # NaN too
+    ):
+        raise ValueError(
+            f"timeout must be a positive, finite number of seconds, got {timeout!r} (None: the "
+            f"default process group's timeout)"
+        )
     return datetime.timedelta(seconds=timeout)
 
 
@@ -49,6 +59,11 @@ def output_device(device: torch.device | str | int | None) -> torch.device | Non
     if device is None:
         return None
     dev = torch.device(device) if not isinstance(device, int) else None
+    if dev is not None and dev.type not in _OUTPUT_DEVICES:  # before anything is sent
+        raise ValueError(
+            f"device={device!r}: a batch lands on the CPU or a CUDA device; pass device=None "
+            f"(the group's transfer device), 'cpu' or 'cuda'"
+        )
     if dev is not None and dev.type == "cuda" and dev.index is None and distributed():
         bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
         if bound is not None and bound.type == "cuda":

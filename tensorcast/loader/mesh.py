@@ -34,6 +34,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -311,11 +312,30 @@ def submesh_rows(device_mesh: Any, spanning: tuple[str, ...]) -> list[tuple[int,
 
 
 def group_ranks(group: Any, src: int) -> tuple[int, ...]:
-    """The global ranks of ``group`` (None: every rank), sorted; ``src`` must be one.
+    """The global ranks of ``group`` (None: every rank), sorted; ``src`` must be one, and
+    so must this rank.
 
     Raises:
-        ValueError: ``src`` is not a rank of ``group``.
+        TypeError: ``group`` is not a process group nor None, ``src`` not an int.
+        ValueError: ``src`` or this rank is not a rank of ``group``.
     """
+    rank = dist.get_rank()
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(
+                f"global rank {rank} is not a member of the group it passed (new_group "
+                f"returned GroupMember.NON_GROUP_MEMBER here): call tensorcast on the "
+                f"group's ranks only"
+            )
+        raise TypeError(
+            f"group must be a torch.distributed.ProcessGroup (as new_group returns) or None "
+            f"(every rank), got {type(group).__name__} {group!r}"
+        )
+    if isinstance(src, bool) or not isinstance(src, (int, np.integer)):
+        raise TypeError(
+            f"src must be an int, a global rank as in torch.distributed.broadcast, got "
+            f"{type(src).__name__} {src!r}"
+        )
     if group is None:
         ranks = tuple(range(dist.get_world_size()))
     else:
@@ -324,6 +344,11 @@ def group_ranks(group: Any, src: int) -> tuple[int, ...]:
         raise ValueError(
             f"src={src} is not a rank of the group (global ranks {list(ranks)}); src is a "
             f"global rank, as in torch.distributed.broadcast"
+        )
+    if rank not in ranks:
+        raise ValueError(
+            f"global rank {rank} is not a rank of the group it passed (global ranks "
+            f"{list(ranks)}): call tensorcast on the group's ranks only"
         )
     return ranks
 

@@ -240,3 +240,55 @@ def test_cuda_device_without_cuda_says_what_to_change(pool2: RankPool) -> None:
             assert message.startswith("device='cuda' asks for CUDA, but torch "), message
             assert "pass device=None" in message
         assert out[2] == "[1.0, 1.0]"
+
+
+# -- arguments a call cannot take ----------------------------------------------------------------
+
+
+def _rank_bad_arguments(rank: int, world: int) -> list[str]:
+    """Every rank passes the same bad argument: each call raises at once, naming what to
+    change, before anything is sent; a rank outside a group that calls on it is told so,
+    while the group's ranks broadcast; the same ranks broadcast right after."""
+    tree = {"x": torch.arange(4.0)} if rank == 0 else None
+    out = []
+    for kw in (
+        {"device": "meta"},
+        {"timeout": float("nan")},
+        {"timeout": float("inf")},
+        {"src": "0"},
+        {"src": 0.0},
+        {"group": "WORLD"},
+        {"group": 0},
+    ):
+        args = {"src": 0, **kw}
+        src = args.pop("src")
+        try:
+            tc.broadcast(tree, src, **args)
+            out.append("no error")
+        except (TypeError, ValueError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+    pair = dist.new_group([0, 1])  # every rank calls new_group; 2 and 3 are not in it
+    try:
+        got = tc.broadcast(tree, 0, group=pair, timeout=20)
+        out.append(str(got["x"].tolist()))
+    except ValueError as e:
+        out.append(f"{type(e).__name__}: {e}")
+    out.append(str(tc.broadcast(tree, 0, timeout=20)["x"].tolist()))
+    return out
+
+
+def test_bad_arguments_raise_before_anything_is_sent(pool4: RankPool) -> None:
+    for rank, out in enumerate(pool4.run(_rank_bad_arguments, timeout=TIMEOUT)):
+        device, nan, inf, src_str, src_float, group_str, group_int, pair, after = out
+        assert device.startswith("ValueError: device='meta': a batch lands on the CPU or a CUDA")
+        for message in (nan, inf):
+            assert message.startswith("ValueError: timeout must be a positive, finite"), message
+        for message in (src_str, src_float):
+            assert message.startswith("TypeError: src must be an int, a global rank"), message
+        for message in (group_str, group_int):
+            assert message.startswith("TypeError: group must be a torch.distributed"), message
+        if rank < 2:
+            assert pair == "[0.0, 1.0, 2.0, 3.0]"
+        else:
+            assert pair.startswith(f"ValueError: global rank {rank} is not a member"), pair
+        assert after == "[0.0, 1.0, 2.0, 3.0]"

@@ -352,19 +352,27 @@ class Encoded:
         return spec.host_nbytes if spec.host_spans else None
 
     def write_tree(
-        self, buffer: torch.Tensor, reuse: Reuses | None = None
+        self, buffer: torch.Tensor, reuse: Reuses | None = None, *, seen: torch.Tensor | None = None
     ) -> tuple[Any, list[Repad]]:
         """Write the batch into ``buffer`` and return its tree as the receivers rebuild
         it: leaves that view ``buffer`` (fresh tensors on views ``reuse`` keeps, when
         ``buffer`` came from there), plain tensors even for leaves that require grad;
         trimmed leaves re-padded from ``buffer`` into ``reuse``'s memory, if given. Their
         re-pads are returned with the tree, their memory taken, for the caller to run
-        before anyone reads it (``codec.repad.Repad``)."""
+        before anyone reads it (``codec.repad.Repad``).
+
+        ``seen``: the same bytes as ``buffer`` through another mapping of them (a
+        shared-memory slot's private one), which the tree views instead."""
         spec = self.layout.write_spec
+        if seen is not None:
+            with torch.no_grad():
+                self.write(buffer)
+            buffer = seen
         views, memory = spec.kept_views(buffer, reuse)
-        with torch.no_grad():  # copies of leaves that require grad stay out of autograd
-            tensor_views = self.write(buffer, views=views)
-        values, repads = self._leaf_values(buffer, tensor_views, memory)
+        if seen is None:
+            with torch.no_grad():  # copies of leaves that require grad stay out of autograd
+                views = self.write(buffer, views=views)
+        values, repads = self._leaf_values(buffer, views, memory)
         return self._tree(values), repads
 
     def host_block(self, out: torch.Tensor) -> torch.Tensor:

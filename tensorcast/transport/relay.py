@@ -135,21 +135,22 @@ class Relay:
         """The payload from the source, and on a leader its fan-out to its host."""
         writer, followers = self.writer, self.route.followers
         slot = writer.take(nbytes) if writer is not None and nbytes >= _shm.MIN_PAYLOAD else None
-        payload = pool.take(nbytes, torch.device("cpu")) if slot is None else slot[1]
+        payload = pool.take(nbytes, torch.device("cpu")) if slot is None else slot.into
         p2p.recv(payload, self.route.upstream).wait(timeout)
+        seen = payload if slot is None else slot.seen  # its tree's own (shm: Private views)
         if not followers:
-            return payload
+            return seen
         message = torch.zeros(_shm.REF_SIZE, dtype=torch.uint8)
         if slot is not None:
-            slot[0].pack_into(message.numpy().data, 0)
+            slot.ref.pack_into(message.numpy().data, 0)
             assert writer is not None
-            writer.sent(slot[0])
+            writer.sent(slot.ref)
         posted = [p2p.send(message, followers)]
         if slot is None:
             posted.append(p2p.send(payload, followers))
         for each in posted:
             each.wait(timeout)
-        return payload
+        return seen
 
     def close(self) -> None:
         """The lane broke: unlink what this rank's arena holds, and sweep what a dead

@@ -62,7 +62,7 @@ from tensorcast.transport.frame import (
 )
 from tensorcast.transport.pool import BufferPool, FirstMessage, FramePool, Keeper
 from tensorcast.transport.relay import Relay
-from tensorcast.transport.shm import MIN_PAYLOAD, Ref, Writer
+from tensorcast.transport.shm import MIN_PAYLOAD, Ref, Taken, Writer
 from tensorcast.transport.staging import Staging
 
 if TYPE_CHECKING:
@@ -283,14 +283,14 @@ class Sender:
                 part, staging, block = self._parts.packed(coded, device, wait)
             return self._finish(message, cut, Kind.DATA, header, staging, n, block), part
         if slot is not None:
-            slot[0].pack_into(message.mem, cut.payload_at)
-            payload, (own, repads) = _in_slot(batch, coded, slot[1], self._reuse)
+            slot.ref.pack_into(message.mem, cut.payload_at)
+            payload, (own, repads) = _in_slot(batch, coded, slot, self._reuse)
         else:
             payload, (own, repads) = _on_host(batch, coded, message, cut, self._pool, self._device)
         if device is not None and device != payload.device:
             own = self._parts.upload(payload, device, coded, wait)
             repads = []  # the host tree is not handed out
-        ref = None if slot is None else slot[0]
+        ref = None if slot is None else slot.ref
         out = self._finish(message, cut, Kind.DATA, header, payload, n, ref=ref)
         out.repads.extend(repads)
         return out, own
@@ -478,15 +478,15 @@ def _no_staging() -> torch.Tensor:
 
 
 def _in_slot(
-    batch: Any, coded: Decoded | Encoded, payload: torch.Tensor, reuse: Keeper
+    batch: Any, coded: Decoded | Encoded, slot: Taken, reuse: Keeper
 ) -> tuple[torch.Tensor, tuple[Any, list[Repad]]]:
-    """A payload written into a shared-memory slot (``payload``, the slot's bytes), and
-    this rank's tree of views of it (released by the rule its readers follow,
-    ``transport.shm``) with the tree's re-pads left to run."""
+    """A payload written into a shared-memory slot (``slot.into``), and this rank's tree
+    of views of it (``slot.seen``, this process's own: NOTE [ Private views of a slot ];
+    released by the rule its readers follow) with the tree's re-pads left to run."""
     if isinstance(coded, Encoded):
-        return payload, coded.write_tree(payload, reuse)
-    payload.copy_(batch.buffer)
-    return payload, coded.rebuild_later(payload, reuse)
+        return slot.into, coded.write_tree(slot.into, reuse, seen=slot.seen)
+    slot.into.copy_(batch.buffer)
+    return slot.into, coded.rebuild_later(slot.seen, reuse)
 
 
 def _run(repads: list[Repad]) -> None:

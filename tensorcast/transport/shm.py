@@ -6,6 +6,7 @@ boot id and host name: ``agreement.host_id``), the source writes a large payload
 :class:`Ref` in place of the payload (``Flags.SHM``, ``transport.frame``). The first
 message still travels on the group's ordered lane, so order, agreement, errors, timeouts
 and interrupts are the wire's. Receivers rebuild the batch as views of the slot: no copy.
+Each rank's views are its own (NOTE [ Private views of a slot ]).
 A channel spread over hosts has one arena per host (``transport.relay``).
 
 The arena is the source's :class:`Writer`; each receiver holds a :class:`Reader`. A slot
@@ -62,6 +63,20 @@ The writer stores into a slot only after loading every cell as ``g``: a control
 dependency, which orders a load before later stores on ARM too (stores are not
 speculated). A :class:`Ref` is read once, from the first message, and every check of it
 uses that one copy (no index read outside its retry loop).
+
+NOTE [ Private views of a slot ]
+Every rank maps a segment twice: shared, for the head, the cells and the writes (the
+source's payload, a relay leader's receive), and private (``MAP_PRIVATE``), for the views
+it hands out. A page of the private mapping that nobody in the process wrote is the
+segment's own page, so the views read what the writer wrote, with no copy; the first write
+into a page (a caller's in-place ``x.mul_(2)``) gives this process its own copy of that
+page, so no other rank, the source included, sees it. Before a slot's views are handed out
+again, :meth:`_Mapping.drop_written` drops the pages the process wrote among those it
+handed out (``MADV_DONTNEED``: the next read maps the segment's page again), found in
+``/proc/self/pagemap``; only where the release rule says nothing in the process sees the
+slot, so no caller's write is dropped under it: a reader as it releases the slot (while
+it waits for the next frame), the writer as it takes it. The cost is that look, about 1
+ms for 60 MB (measured in ``docs/design.md``).
 """
 
 from __future__ import annotations
@@ -92,6 +107,7 @@ __all__ = [
     "SHM_DIR",
     "Reader",
     "Ref",
+    "Taken",
     "Writer",
     "arena",
     "available",
@@ -215,23 +231,29 @@ def _unlink(path: str) -> None:
 
 
 class _Mapping:
-    """One segment mapped in this process: its cells and its data as a uint8 tensor.
+    """One segment mapped in this process, twice (NOTE [ Private views of a slot ]): its
+    cells and ``shared``, its data as a uint8 tensor to write into; and ``data``, the same
+    bytes through the private mapping, whose storage every view handed out shares.
+    ``base`` is how many references tensorcast itself holds to it (:func:`released`)."""
 
-    ``data`` holds the storage every view handed out shares; ``base`` is how many
-    references tensorcast itself holds to it (:func:`released`)."""
-
-    __slots__ = ("address", "base", "capacity", "cells", "data", "mm", "readers", "refs")
+    __slots__ = (
+        "address", "at", "base", "capacity", "cells", "data", "handed", "mm", "private",
+        "readers", "refs", "shared",
+    )  # fmt: skip
 
     def __init__(self, fd: int, size: int) -> None:
         self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         magic, at, capacity, readers = _HEAD.unpack_from(self.mm, 0)
         if magic != _MAGIC or at != _data_at(readers) or at + capacity > size:
             raise HeaderError("a shared-memory segment that is not tensorcast's")
-        self.capacity, self.readers = capacity, readers
+        self.at, self.capacity, self.readers = at, capacity, readers
         words = np.frombuffer(self.mm, dtype=np.uint64, count=at // 8)
         self.cells = words[_LINE // 8 :].reshape(-1, _LINE // 8)[:readers, :2]
-        self.data = torch.frombuffer(self.mm, dtype=torch.uint8, count=capacity, offset=at)
+        self.shared = torch.frombuffer(self.mm, dtype=torch.uint8, count=capacity, offset=at)
+        self.private = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.data = torch.frombuffer(self.private, dtype=torch.uint8, count=capacity, offset=at)
         self.address = self.data.data_ptr()
+        self.handed = 0  # the most bytes of ``data`` handed out since the last drop
         self._counted()
 
     def idle(self) -> bool:
@@ -247,10 +269,23 @@ class _Mapping:
         self.base = _use_count(storage._cdata)
         self.refs = sys.getrefcount(storage)
 
-    def current(self) -> torch.Tensor:
-        """The slot's bytes: ``data``, made anew when it no longer views the mapping."""
+    def view(self, nbytes: int) -> torch.Tensor:
+        """The slot's first ``nbytes`` as this process's views read them: ``data``, made
+        anew when it no longer views the mapping (NOTE [ Private views of a slot ])."""
         self._moved()
-        return self.data
+        self.handed = max(self.handed, nbytes)
+        return self.data[:nbytes]
+
+    def drop_written(self) -> None:
+        """Make every page handed out the segment's own again: drop those this process
+        wrote into (NOTE [ Private views of a slot ]). Only for a slot nothing in the
+        process sees (:meth:`idle`)."""
+        written = _written(self.address, min(self.handed, self.capacity))
+        if written is not None:
+            page = mmap.PAGESIZE
+            start = (self.at + written[0]) // page * page
+            self.private.madvise(mmap.MADV_DONTNEED, start, self.at + written[1] - start)
+        self.handed = 0
 
     def _moved(self) -> bool:
         """Whether a caller's ``share_memory_()`` moved ``data``'s storage (and with it the
@@ -258,10 +293,56 @@ class _Mapping:
         if self.data.data_ptr() == self.address:
             return False
         self.data = torch.frombuffer(
-            self.mm, dtype=torch.uint8, count=self.capacity, offset=_data_at(self.readers)
+            self.private, dtype=torch.uint8, count=self.capacity, offset=self.at
         )
         self._counted()
         return True
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """A slot taken for one payload (:meth:`Writer.take`).
+
+    Attributes:
+        ref: the write's :class:`Ref`, for the frame's first message.
+        into: the slot's bytes to write the payload into, as the readers map them.
+        seen: the same bytes as this process's own tree views them (NOTE [ Private views
+            of a slot ]): read what ``into`` holds, and a write into them stays here.
+    """
+
+    ref: Ref
+    into: torch.Tensor
+    seen: torch.Tensor
+
+
+def _written(address: int, nbytes: int) -> tuple[int, int] | None:
+    """The span of the ``nbytes`` at ``address`` (a private mapping's) whose pages this
+    process wrote into, as offsets from ``address``: from the first such page to the end
+    of the last; None when it wrote into none. Read from ``/proc/self/pagemap`` (a page
+    written is no longer the file's: bit 61 clear, present or swapped), which costs
+    about a tenth of dropping every page and mapping them again; where it cannot be read,
+    every page counts as written."""
+    if nbytes <= 0:
+        return None
+    page = mmap.PAGESIZE
+    first, end = address // page, (address + nbytes + page - 1) // page
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)  # this process's, after a fork too
+        try:
+            raw = os.pread(fd, 8 * (end - first), 8 * first)
+        finally:
+            os.close(fd)
+    except OSError:
+        return 0, nbytes
+    if len(raw) != 8 * (end - first):
+        return 0, nbytes
+    flags = np.frombuffer(raw, dtype=np.uint64) >> np.uint64(61)  # bits 63, 62, 61
+    mine = np.flatnonzero((flags == 0b100) | (flags & np.uint64(0b010) != 0))
+    if mine.size == 0:  # (present, not the file's) or swapped: pages this process wrote
+        return None
+    lo = (int(mine[0]) + first) * page - address
+    hi = (int(mine[-1]) + first + 1) * page - address
+    return max(lo, 0), min(hi, nbytes)
 
 
 class _Slot:
@@ -303,11 +384,11 @@ class Writer:
         """The bytes the arena's segments take."""
         return sum(s.mapping.mm.size() for s in self._slots if s is not None)
 
-    def take(self, nbytes: int) -> tuple[Ref, torch.Tensor] | None:
-        """A slot to write ``nbytes`` into, the :class:`Ref` of that write, and the slot's
-        bytes; None when the payload goes on the wire (no slot free and no room). The
-        write counts once :meth:`sent` says its frame went out: a frame that failed to
-        write leaves the slot free."""
+    def take(self, nbytes: int) -> Taken | None:
+        """A slot to write ``nbytes`` into (:class:`Taken`: the :class:`Ref` of that write,
+        the bytes to write, the bytes this process's tree views); None when the payload
+        goes on the wire (no slot free and no room). The write counts once :meth:`sent`
+        says its frame went out: a frame that failed to write leaves the slot free."""
         self._unlink_mapped()
         best = self._free_fitting(nbytes)
         if best is None:
@@ -317,7 +398,10 @@ class Writer:
             return None
         slot = self._slots[best]
         assert slot is not None
-        return Ref(best, slot.segment, slot.generation + 1), slot.mapping.current()[:nbytes]
+        mapping = slot.mapping
+        ref = Ref(best, slot.segment, slot.generation + 1)
+        mapping.drop_written()
+        return Taken(ref, mapping.shared[:nbytes], mapping.view(nbytes))
 
     def sent(self, ref: Ref) -> None:
         """The frame of ``ref`` goes out now: its readers release that generation."""
@@ -481,7 +565,7 @@ class Reader:
                 f"for {mapping.readers} readers (this is reader {self.index})"
             )
         self._held[ref.slot] = ref.generation
-        return mapping.current()[:nbytes]
+        return mapping.view(nbytes)
 
     def _map(self, segment: int) -> _Mapping:
         path = f"{SHM_DIR}/{self.token}-{segment}"
@@ -512,6 +596,7 @@ class Reader:
                 continue
             mapping = entry[1]
             if mapping.idle():
+                mapping.drop_written()  # here, while this rank waits for the next frame
                 _fence(self._lock)
                 mapping.cells[self.index, 1] = generation
                 done.append(slot)

@@ -70,11 +70,25 @@ def _rank_one_host(rank: int, world: int, tap: WireTap, shm: bool | None) -> dic
             [_batch(i) for i in range(6)] if rank == 0 else None,
             group=dist.group.WORLD, src=0, shm=shm, timeout=20,
         )  # fmt: skip
-        for batch in loader:
-            kept.append(batch)
-    for i, batch in enumerate(kept):  # every batch kept is as it was sent
-        assert torch.equal(batch["x"], _batch(i)["x"]) and batch["step"] == i
+        for i, batch in enumerate(loader):
+            _written_in_place(rank, batch, i)
+            if i % 2:
+                kept.append(batch)  # the others' slots are written again
+    for batch in kept:  # every batch kept is as it was sent, and as this rank wrote it
+        assert torch.equal(batch["x"], _batch(batch["step"])["x"] + rank + 1)
     return {"wire": moved[0], "stats": loader.stats()}
+
+
+def _written_in_place(rank: int, batch: dict[str, Any], step: int) -> None:
+    """Each rank writes into its batch in place (``x += rank + 1``), after the others
+    looked at theirs, and sees its own write alone: a rank's batch is its own memory,
+    the source's too, whether the slot is new or written again."""
+    assert torch.equal(batch["x"], _batch(step)["x"]) and batch["step"] == step
+    dist.barrier()
+    time.sleep(0.01 * rank)
+    batch["x"].add_(rank + 1)
+    dist.barrier()
+    assert torch.equal(batch["x"], _batch(step)["x"] + rank + 1), f"rank {rank}, step {step}"
 
 
 @pytest.mark.parametrize("shm", [None, False])
@@ -271,7 +285,7 @@ def _rank_hosts(rank: int, world: int, tap: WireTap, hosts: list[int]) -> dict[s
         loader = _loader(rank, 4, timeout=20)
         steps = []
         for batch in loader:
-            assert torch.equal(batch["x"], _batch(batch["step"])["x"])
+            _written_in_place(rank, batch, batch["step"])
             steps.append(batch["step"])
         # a broadcast on the same channel, kept: the leader's slot is not written again
         kept = tc.broadcast(_batch(7) if rank == 0 else None, 0, timeout=20)

@@ -36,10 +36,9 @@ def _send(writer: Writer, data: bytes) -> Ref | None:
     got = writer.take(len(data))
     if got is None:
         return None
-    ref, slot = got
-    slot.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    writer.sent(ref)
-    return ref
+    got.into.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    writer.sent(got.ref)
+    return got.ref
 
 
 def test_a_slot_is_unlinked_once_every_reader_mapped_it() -> None:
@@ -57,9 +56,9 @@ def test_a_slot_is_written_again_only_once_every_reader_and_the_writer_let_go() 
     token = new_token()
     writer, reader = Writer(token, 1, 1 << 24), Reader(token, 0)
     got = writer.take(5000) or pytest.fail("no slot")
-    own = got[1][:10]  # the source's own tree views its slot too
-    writer.sent(got[0])
-    ref = got[0]
+    own = got.seen[:10]  # the source's own tree views its slot too
+    writer.sent(got.ref)
+    ref = got.ref
     held = reader.payload(ref, 5000)[:10]  # a view the caller keeps
     reader.release()
     ref2 = _send(writer, b"y" * 5000) or pytest.fail("no slot")
@@ -72,6 +71,69 @@ def test_a_slot_is_written_again_only_once_every_reader_and_the_writer_let_go() 
     reader.release()
     ref4 = _send(writer, b"w" * 5000) or pytest.fail("no slot")
     assert ref4.slot == ref.slot and ref4.generation == ref.generation + 1
+    writer.close()
+
+
+@pytest.mark.parametrize("pagemap", [True, False])
+def test_a_write_into_a_view_stays_in_its_process_and_the_slot_arrives_whole_again(
+    monkeypatch: pytest.MonkeyPatch, pagemap: bool
+) -> None:
+    """NOTE [ Private views of a slot ]: a write into a reader's view, or into the writer's
+    own tree, is seen by no one else (not another reader, not the segment); once the
+    slot is released, its next payload arrives as written, the pages written included,
+    whether ``/proc/self/pagemap`` says which pages were written or cannot be read."""
+    if not pagemap:
+        real_open = os.open
+
+        def no_pagemap(path: str, *args: Any) -> int:
+            if path == "/proc/self/pagemap":
+                raise PermissionError(path)
+            return real_open(path, *args)
+
+        monkeypatch.setattr(shm.os, "open", no_pagemap)
+    token = new_token()
+    n = 3 * 4096
+    writer, readers = Writer(token, 2, 1 << 24), [Reader(token, 0), Reader(token, 1)]
+    got = writer.take(n) or pytest.fail("no slot")
+    got.into.fill_(ord("a"))
+    writer.sent(got.ref)
+    one, two = (r.payload(got.ref, n) for r in readers)
+    one[5000] = ord("1")
+    got.seen[0] = ord("s")
+    assert bytes(two.numpy()) == bytes(got.into.numpy()) == b"a" * n
+    assert one[0] == ord("a") and got.seen[5000] == ord("a")
+    first = got.ref
+    del one, two, got
+    for r in readers:
+        r.release()
+    again = writer.take(n) or pytest.fail("no slot")
+    assert again.ref.slot == first.slot and again.ref.generation == first.generation + 1
+    again.into.fill_(ord("b"))
+    writer.sent(again.ref)
+    assert bytes(again.seen.numpy()) == b"b" * n
+    for r in readers:
+        assert bytes(r.payload(again.ref, n).numpy()) == b"b" * n
+    del again
+    writer.close()
+
+
+def test_a_page_written_past_a_later_smaller_payload_is_dropped_too() -> None:
+    """A page written in a large payload's views, past the end of the next, smaller
+    payload in that slot, is dropped before the slot's views are handed out again."""
+    token = new_token()
+    big = 64 * 4096
+    writer, reader = Writer(token, 1, 1 << 24), Reader(token, 0)
+    for size, fill in ((big, b"a"), (4096, b"b"), (big, b"c")):
+        got = writer.take(size) or pytest.fail("no slot")
+        assert got.ref.slot == 0
+        got.into.copy_(torch.frombuffer(bytearray(fill * size), dtype=torch.uint8))
+        writer.sent(got.ref)
+        assert bytes(got.seen.numpy()) == fill * size
+        seen = reader.payload(got.ref, size)
+        assert bytes(seen.numpy()) == fill * size
+        got.seen[size - 1] = seen[size - 1] = ord("x")  # both ranks write their last page
+        del got, seen
+        reader.release()
     writer.close()
 
 

@@ -45,7 +45,6 @@ from tensorcast import codec
 from tensorcast._errors import PeerError
 from tensorcast.transport import exits as _exits
 from tensorcast.transport import relay as _relay
-from tensorcast.transport import shm as _shm
 from tensorcast.transport.agreement import Agreement, ranks_name, store_failed
 from tensorcast.transport.diagnosis import diagnose, timed_out
 from tensorcast.transport.frame import FRAMES_VERSION, INITIAL_CAPACITY, promises_enabled
@@ -375,7 +374,7 @@ def open_role(
     """
     state, promises, wait = world(), promises_enabled(), setup_timeout or timeout
     versions = {"format": codec.FORMAT_VERSION, "frames": FRAMES_VERSION, "promises": promises}
-    told, setup = _shm.told(state.rank == src, extra, shm), {**setup, **versions, "shm": shm}
+    told, setup = _relay.told(state.rank == src, extra, shm), {**setup, **versions, "shm": shm}
     channel_id, extras = state.agreement.agree(
         scope, group, what, setup, told, first=first, timeout=wait
     )
@@ -387,11 +386,11 @@ def open_role(
         pulling = state.heartbeat.busy("next(source)", channel_id)
         return Sender(
             made, src, channel_id, timeout=timeout, verify=verify, promises=promises,
-            pulling=pulling, packing=packing, shm=_shm.writer(arena), relay=relay,
+            pulling=pulling, packing=packing, shm=_relay.writer(arena), relay=relay,
         ), extras  # fmt: skip
     return Receiver(
         made, src, rank=state.rank, channel_id=channel_id, timeout=timeout, promises=promises,
-        diagnose=functools.partial(_why, state.reach, src, state.rank), shm=_shm.reader(arena),
+        diagnose=functools.partial(_why, state.reach, src, state.rank), shm=_relay.reader(arena),
         relay=relay,
     ), extras  # fmt: skip
 

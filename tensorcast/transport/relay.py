@@ -1,5 +1,8 @@
-"""Several hosts: a payload crosses the wire once per remote host, and reaches that host's
-other ranks through the shared-memory arena of one rank there, its *leader*.
+"""Which arena of the shared-memory lane each rank of a channel writes or reads, decided
+alike on every rank from what each told at the setup agreement (:func:`told`,
+:func:`open_side`); and several hosts: a payload crosses the wire once per remote host,
+and reaches that host's other ranks through the shared-memory arena of one rank there,
+its *leader*.
 
 # NOTE [ Several hosts ]
 A channel whose ranks are on several hosts (``agreement.host_id``), at least one of
@@ -41,6 +44,7 @@ the payload to remote hosts.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -48,12 +52,13 @@ import torch
 
 from tensorcast._errors import PeerError
 from tensorcast.transport import shm as _shm
+from tensorcast.transport.agreement import host_id
 from tensorcast.transport.pool import BufferPool
 
 if TYPE_CHECKING:
     from tensorcast.transport.groups import Group
 
-__all__ = ["Relay", "Route", "open_side"]
+__all__ = ["Relay", "Route", "arena", "open_side", "reader", "told", "why_not", "writer"]
 
 
 class _PointToPoint(Protocol):
@@ -181,8 +186,8 @@ def open_side(
     what: str,
 ) -> tuple[_shm.Writer | _shm.Reader | None, Relay | None]:
     """This rank's side of the shared-memory lane of a channel on ``group`` from ``src``
-    (``shm.arena``) and, where the channel is relayed (NOTE [ Several hosts ]), its
-    :class:`Relay`; alike on every rank, from what every rank told (``shm.told``).
+    (:func:`arena` on one host) and, where the channel is relayed (NOTE [ Several hosts ]), its
+    :class:`Relay`; alike on every rank, from what every rank told (:func:`told`).
 
     Raises:
         ValueError: ``shm=True`` where the lane cannot be, saying why.
@@ -194,7 +199,7 @@ def open_side(
         for r in order:
             hosts.setdefault(str(extras[r]["host"]), []).append(r)
     if len(hosts) < 2 or all(len(on) == 1 for on in hosts.values()):
-        return _shm.arena(shm, ranks, src, rank, extras, host_wire, what), None
+        return arena(shm, ranks, src, rank, extras, host_wire, what), None
     unable = [r for r in order if extras[r]["shm_why_not"]]
     if unable:
         if shm:
@@ -224,3 +229,83 @@ def open_side(
         return None, Relay(route, writer, None)
     reader = _shm.Reader(extras[on[0]]["shm_token"], on.index(rank) - 1)
     return reader, Relay(Route(upstream=local(on[0])), None, reader)
+
+
+def told(source: bool, extra: dict[str, Any] | None, shm: bool | None) -> dict[str, Any] | None:
+    """What this rank tells the others at the setup agreement: ``extra``, and for the lane
+    (unless ``shm`` is False) its host, why it cannot use the lane (empty: it can), and the
+    token of the arena it would write."""
+    if shm is False:
+        return extra
+    why = _shm.available() or ""
+    if source and not why and _shm.limit() == 0:
+        why = f"no free space in {_shm.SHM_DIR}"
+    # every rank's token: a rank may lead its host's arena (NOTE [ Several hosts ])
+    return {**(extra or {}), "host": host_id(), "shm_why_not": why, "shm_token": _shm.new_token()}
+
+
+def writer(side: _shm.Writer | _shm.Reader | None) -> _shm.Writer | None:
+    """The arena this rank writes, of its side (:func:`open_side`)."""
+    return side if isinstance(side, _shm.Writer) else None
+
+
+def reader(side: _shm.Writer | _shm.Reader | None) -> _shm.Reader | None:
+    """The arena this rank reads, of its side (:func:`open_side`)."""
+    return side if isinstance(side, _shm.Reader) else None
+
+
+def why_not(
+    shm: bool | None,
+    ranks: Sequence[int],
+    src: int,
+    extras: dict[int, dict[str, Any]],
+    host_wire: bool,
+) -> str | None:
+    """Why a channel over ``ranks`` from ``src`` does not use the lane (None: it does),
+    decided alike on every rank from what every rank told (:func:`told`)."""
+    if shm is False:
+        return "shm=False"
+    if not host_wire:
+        return "payloads travel on GPUs (an NCCL group): the lane is for host payloads"
+    host = extras[src]["host"]
+    away = [r for r in ranks if extras[r]["host"] != host]
+    if away:
+        return (
+            f"ranks {away} are not on the source rank {src}'s host (boot id and host name, "
+            f"or TENSORCAST_HOST_ID, differ)"
+        )
+    for r in ranks:
+        if extras[r]["shm_why_not"]:
+            return f"on rank {r}: {extras[r]['shm_why_not']}"
+    return None
+
+
+def arena(
+    shm: bool | None,
+    ranks: Sequence[int],
+    src: int,
+    rank: int,
+    extras: dict[int, dict[str, Any]],
+    host_wire: bool,
+    what: str,
+) -> _shm.Writer | _shm.Reader | None:
+    """This rank's side of a one-host channel's lane (the source's ``shm.Writer``, a
+    receiver's ``shm.Reader``), or None where the channel has none (:func:`why_not`).
+
+    Raises:
+        ValueError: ``shm=True`` where the lane cannot be, saying why (on every rank alike).
+    """
+    why = why_not(shm, ranks, src, extras, host_wire)
+    if why is not None:
+        if shm:
+            raise ValueError(f"{what}: shm=True, but the shared-memory lane cannot be used: {why}")
+        return None
+    readers = [r for r in sorted(ranks) if r != src]
+    if not readers:
+        return None
+    token = extras[src]["shm_token"]
+    return (
+        _shm.Writer(token, len(readers), _shm.limit())
+        if rank == src
+        else _shm.Reader(token, readers.index(rank))
+    )

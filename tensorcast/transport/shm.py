@@ -91,9 +91,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -109,14 +107,10 @@ __all__ = [
     "Ref",
     "Taken",
     "Writer",
-    "arena",
     "available",
     "limit",
     "new_token",
-    "reader",
     "released",
-    "told",
-    "writer",
 ]
 
 #: where arenas live
@@ -610,81 +604,3 @@ class Reader:
 
 
 _use_count = torch._C._storage_Use_Count
-
-
-def told(source: bool, extra: dict[str, Any] | None, shm: bool | None) -> dict[str, Any] | None:
-    """What this rank tells the others at the setup agreement: ``extra``, and for the lane
-    (unless ``shm`` is False) its host, why it cannot use the lane (empty: it can), and the
-    token of the arena it would write."""
-    from tensorcast.transport.agreement import host_id
-
-    if shm is False:
-        return extra
-    why = available() or ""
-    if source and not why and limit() == 0:
-        why = f"no free space in {SHM_DIR}"
-    # every rank's token: a rank may lead its host's arena (NOTE [ Several hosts ])
-    return {**(extra or {}), "host": host_id(), "shm_why_not": why, "shm_token": new_token()}
-
-
-def writer(side: Writer | Reader | None) -> Writer | None:
-    return side if isinstance(side, Writer) else None
-
-
-def reader(side: Writer | Reader | None) -> Reader | None:
-    return side if isinstance(side, Reader) else None
-
-
-def why_not(
-    shm: bool | None,
-    ranks: Sequence[int],
-    src: int,
-    extras: dict[int, dict[str, Any]],
-    host_wire: bool,
-) -> str | None:
-    """Why a channel over ``ranks`` from ``src`` does not use the lane (None: it does),
-    decided alike on every rank from what every rank told (:func:`told`)."""
-    if shm is False:
-        return "shm=False"
-    if not host_wire:
-        return "payloads travel on GPUs (an NCCL group): the lane is for host payloads"
-    host = extras[src]["host"]
-    away = [r for r in ranks if extras[r]["host"] != host]
-    if away:
-        return (
-            f"ranks {away} are not on the source rank {src}'s host (boot id and host name, "
-            f"or TENSORCAST_HOST_ID, differ)"
-        )
-    for r in ranks:
-        if extras[r]["shm_why_not"]:
-            return f"on rank {r}: {extras[r]['shm_why_not']}"
-    return None
-
-
-def arena(
-    shm: bool | None,
-    ranks: Sequence[int],
-    src: int,
-    rank: int,
-    extras: dict[int, dict[str, Any]],
-    host_wire: bool,
-    what: str,
-) -> Writer | Reader | None:
-    """This rank's side of a channel's lane (the source's :class:`Writer`, a receiver's
-    :class:`Reader`), or None where the channel has none (:func:`why_not`).
-
-    Raises:
-        ValueError: ``shm=True`` where the lane cannot be, saying why (on every rank alike).
-    """
-    why = why_not(shm, ranks, src, extras, host_wire)
-    if why is not None:
-        if shm:
-            raise ValueError(f"{what}: shm=True, but the shared-memory lane cannot be used: {why}")
-        return None
-    readers = [r for r in sorted(ranks) if r != src]
-    if not readers:
-        return None
-    token = extras[src]["shm_token"]
-    return (
-        Writer(token, len(readers), limit()) if rank == src else Reader(token, readers.index(rank))
-    )

@@ -65,9 +65,7 @@ def test_lightning_datamodule(tmp_path: Path) -> None:
     # the data stall, logged with self.log at every step and by log_every at every epoch's end
     assert "data stall logged with self.log: True" in lines
     assert any(line.startswith("data stall over epoch 1's 4 steps: ") for line in lines)
-    assert any(
-        line.startswith("tensorcast: loader step 4: data stall") for line in lines
-    )
+    assert any(line.startswith("tensorcast: loader step 4: data stall") for line in lines)
     assert not list(tmp_path.iterdir())  # no logs or checkpoints left behind
 
 

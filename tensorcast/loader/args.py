@@ -37,8 +37,8 @@ def to_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedel
         or not 0 < timeout < _MAX_TIMEOUT_S  # NaN too
     ):
         raise ValueError(
-            f"timeout must be a positive, finite number of seconds, got {timeout!r} (None: the "
-            f"default process group's timeout)"
+            f"timeout must be a positive number of seconds, and finite, got {timeout!r} "
+            f"(None: the default process group's timeout)"
         )
     return datetime.timedelta(seconds=timeout)
 

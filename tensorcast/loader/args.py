@@ -29,7 +29,14 @@ def to_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedel
     Raises:
         ValueError: not a positive number of seconds.
     """
-    if timeout is None or isinstance(timeout, datetime.timedelta):
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        if not datetime.timedelta(0) < timeout < datetime.timedelta(seconds=_MAX_TIMEOUT_S):
+            raise ValueError(
+                f"timeout must be a positive timedelta of under {_MAX_TIMEOUT_S:.0e} s, got "
+                f"{timeout!r} (None: the default process group's timeout)"
+            )
         return timeout
     if (
         isinstance(timeout, bool)

@@ -105,6 +105,7 @@ def broadcast(
     dev = None if device is None else output_device(device)
     if shm is not None:
         check_shm(shm)
+    src = _mesh.check_src(src)
     return _run(_broadcast_role(group, src, wait, shm), tree, dev, wait, trim)
 
 

@@ -152,6 +152,7 @@ class BroadcastingDataLoader:
         extra = {"length": _length(source)} if source is not None else {}
         what = _WHAT
         if group is not None and src is not None:
+            src = _mesh.check_src(src)
             ranks = _mesh.group_ranks(group, src)
             if len(ranks) == 1:
                 return

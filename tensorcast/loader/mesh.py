@@ -311,6 +311,20 @@ def submesh_rows(device_mesh: Any, spanning: tuple[str, ...]) -> list[tuple[int,
     return [tuple(int(r) for r in row) for row in rows]
 
 
+def check_src(src: Any) -> int:
+    """``src`` as a plain int (a numpy integer too: it goes into the setup's JSON).
+
+    Raises:
+        TypeError: ``src`` is not an integer (a bool, a float, a str).
+    """
+    if isinstance(src, bool) or not isinstance(src, (int, np.integer)):
+        raise TypeError(
+            f"src must be an int, a global rank as in torch.distributed.broadcast, got "
+            f"{type(src).__name__} {src!r}"
+        )
+    return int(src)
+
+
 def group_ranks(group: Any, src: int) -> tuple[int, ...]:
     """The global ranks of ``group`` (None: every rank), sorted; ``src`` must be one, and
     so must this rank.
@@ -331,11 +345,7 @@ def group_ranks(group: Any, src: int) -> tuple[int, ...]:
             f"group must be a torch.distributed.ProcessGroup (as new_group returns) or None "
             f"(every rank), got {type(group).__name__} {group!r}"
         )
-    if isinstance(src, bool) or not isinstance(src, (int, np.integer)):
-        raise TypeError(
-            f"src must be an int, a global rank as in torch.distributed.broadcast, got "
-            f"{type(src).__name__} {src!r}"
-        )
+    check_src(src)
     if group is None:
         ranks = tuple(range(dist.get_world_size()))
     else:

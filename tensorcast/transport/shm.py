@@ -76,7 +76,13 @@ handed out (``MADV_DONTNEED``: the next read maps the segment's page again), fou
 ``/proc/self/pagemap``; only where the release rule says nothing in the process sees the
 slot, so no caller's write is dropped under it: a reader as it releases the slot (while
 it waits for the next frame), the writer as it takes it. The cost is that look, about 1
-ms for 60 MB (measured in ``docs/design.md``).
+ms for 60 MB (measured in ``docs/design.md``). Two limits: a process forked while it
+holds a view shares the private mapping's unwritten pages with its child, which then
+sees later frames there (the guide says so); and a process that locks its memory
+(``mlockall``) has its private pages copied when they are mapped or locked, and they
+cannot be dropped: its views go through the shared mapping then, with one warning
+(:meth:`_Mapping._share_views`; a reader's slot locked after it was mapped and before it
+was first handed out is not seen).
 """
 
 from __future__ import annotations
@@ -232,7 +238,7 @@ class _Mapping:
 
     __slots__ = (
         "address", "at", "base", "capacity", "cells", "data", "handed", "mm", "private",
-        "readers", "refs", "shared",
+        "readers", "refs", "shared", "viewed",
     )  # fmt: skip
 
     def __init__(self, fd: int, size: int) -> None:
@@ -244,11 +250,14 @@ class _Mapping:
         words = np.frombuffer(self.mm, dtype=np.uint64, count=at // 8)
         self.cells = words[_LINE // 8 :].reshape(-1, _LINE // 8)[:readers, :2]
         self.shared = torch.frombuffer(self.mm, dtype=torch.uint8, count=capacity, offset=at)
-        self.private = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.data = torch.frombuffer(self.private, dtype=torch.uint8, count=capacity, offset=at)
-        self.address = self.data.data_ptr()
+        self.private: mmap.mmap | None = mmap.mmap(
+            fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE
+        )
+        self.viewed = self.private  # the mapping the views come from
         self.handed = 0  # the most bytes of ``data`` handed out since the last drop
-        self._counted()
+        self._viewing()
+        if _written(self.address, capacity, unread_all=False) is not None:  # mlockall: copied
+            self._share_views()
 
     def idle(self) -> bool:
         """Whether nothing in this process sees the slot (:func:`released`)."""
@@ -270,26 +279,53 @@ class _Mapping:
         self.handed = max(self.handed, nbytes)
         return self.data[:nbytes]
 
-    def drop_written(self) -> None:
-        """Make every page handed out the segment's own again: drop those this process
-        wrote into (NOTE [ Private views of a slot ]). Only for a slot nothing in the
-        process sees (:meth:`idle`)."""
-        written = _written(self.address, min(self.handed, self.capacity))
-        if written is not None:
-            page = mmap.PAGESIZE
-            start = (self.at + written[0]) // page * page
-            self.private.madvise(mmap.MADV_DONTNEED, start, self.at + written[1] - start)
+    def drop_written(self, nbytes: int = 0) -> None:
+        """Make every page handed out, and the first ``nbytes`` about to be, the segment's
+        own again: drop those this process wrote into (NOTE [ Private views of a slot ]).
+        Only for a slot nothing in the process sees (:meth:`idle`)."""
+        written = _written(self.address, min(max(self.handed, nbytes), self.capacity))
         self.handed = 0
+        if written is None or self.private is None:
+            return
+        page = mmap.PAGESIZE
+        start = (self.at + written[0]) // page * page
+        try:
+            self.private.madvise(mmap.MADV_DONTNEED, start, self.at + written[1] - start)
+        except OSError:  # EINVAL: its pages are locked (mlockall), copies that stay
+            self._share_views()
+
+    def _share_views(self) -> None:
+        """Views through the shared mapping from now on: this process locks its memory
+        (``mlockall``), so the kernel copied every page of the private mapping when it was
+        mapped or locked, and keeps them. Said once a process."""
+        if not _locked_warned:
+            _locked_warned.append(True)
+            warnings.warn(
+                "tensorcast: this process locks its memory (mlockall), so a batch read from "
+                "the shared-memory lane is the same memory on every rank of the host: a "
+                "write into it in place is seen by all of them. Clone before writing in "
+                "place, or pass shm=False",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self.private = None
+        self.viewed = self.mm
+        self._viewing()
+
+    def _viewing(self) -> None:
+        """``data`` made anew over the mapping the views come from."""
+        self.data = torch.frombuffer(
+            self.viewed, dtype=torch.uint8, count=self.capacity, offset=self.at
+        )
+        self.address = self.data.data_ptr()
+        self._counted()
 
     def _moved(self) -> bool:
         """Whether a caller's ``share_memory_()`` moved ``data``'s storage (and with it the
         views tensorcast handed out) off the mapping: then ``data`` is made anew over it."""
         if self.data.data_ptr() == self.address:
             return False
-        self.data = torch.frombuffer(
-            self.private, dtype=torch.uint8, count=self.capacity, offset=self.at
-        )
-        self._counted()
+        self._viewing()
         return True
 
 
@@ -309,13 +345,13 @@ class Taken:
     seen: torch.Tensor
 
 
-def _written(address: int, nbytes: int) -> tuple[int, int] | None:
+def _written(address: int, nbytes: int, *, unread_all: bool = True) -> tuple[int, int] | None:
     """The span of the ``nbytes`` at ``address`` (a private mapping's) whose pages this
     process wrote into, as offsets from ``address``: from the first such page to the end
     of the last; None when it wrote into none. Read from ``/proc/self/pagemap`` (a page
     written is no longer the file's: bit 61 clear, present or swapped), which costs
     about a tenth of dropping every page and mapping them again; where it cannot be read,
-    every page counts as written."""
+    every page counts as written (none, with ``unread_all`` False)."""
     if nbytes <= 0:
         return None
     page = mmap.PAGESIZE
@@ -327,9 +363,9 @@ def _written(address: int, nbytes: int) -> tuple[int, int] | None:
         finally:
             os.close(fd)
     except OSError:
-        return 0, nbytes
+        raw = b""
     if len(raw) != 8 * (end - first):
-        return 0, nbytes
+        return (0, nbytes) if unread_all else None
     flags = np.frombuffer(raw, dtype=np.uint64) >> np.uint64(61)  # bits 63, 62, 61
     mine = np.flatnonzero((flags == 0b100) | (flags & np.uint64(0b010) != 0))
     if mine.size == 0:  # (present, not the file's) or swapped: pages this process wrote
@@ -394,7 +430,7 @@ class Writer:
         assert slot is not None
         mapping = slot.mapping
         ref = Ref(best, slot.segment, slot.generation + 1)
-        mapping.drop_written()
+        mapping.drop_written(nbytes)
         return Taken(ref, mapping.shared[:nbytes], mapping.view(nbytes))
 
     def sent(self, ref: Ref) -> None:
@@ -604,3 +640,4 @@ class Reader:
 
 
 _use_count = torch._C._storage_Use_Count
+_locked_warned: list[bool] = []  # whether this process said its memory is locked

@@ -21,6 +21,7 @@ import time
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -255,6 +256,7 @@ def _rank_bad_arguments(rank: int, world: int) -> list[str]:
         {"device": "meta"},
         {"timeout": float("nan")},
         {"timeout": float("inf")},
+        {"timeout": datetime.timedelta(0)},
         {"src": "0"},
         {"src": 0.0},
         {"group": "WORLD"},
@@ -273,16 +275,17 @@ def _rank_bad_arguments(rank: int, world: int) -> list[str]:
         out.append(str(got["x"].tolist()))
     except ValueError as e:
         out.append(f"{type(e).__name__}: {e}")
-    out.append(str(tc.broadcast(tree, 0, timeout=20)["x"].tolist()))
+    out.append(str(tc.broadcast(tree, np.int64(0), timeout=20)["x"].tolist()))  # an integer
     return out
 
 
 def test_bad_arguments_raise_before_anything_is_sent(pool4: RankPool) -> None:
     for rank, out in enumerate(pool4.run(_rank_bad_arguments, timeout=TIMEOUT)):
-        device, nan, inf, src_str, src_float, group_str, group_int, pair, after = out
+        device, nan, inf, zero, src_str, src_float, group_str, group_int, pair, after = out
         assert device.startswith("ValueError: device='meta': a batch lands on the CPU or a CUDA")
         for message in (nan, inf):
             assert message.startswith("ValueError: timeout must be a positive number of"), message
+        assert zero.startswith("ValueError: timeout must be a positive timedelta"), zero
         for message in (src_str, src_float):
             assert message.startswith("TypeError: src must be an int, a global rank"), message
         for message in (group_str, group_int):

@@ -8,11 +8,13 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from subprocs import run_killable
 
 from tensorcast.transport import shm
 from tensorcast.transport.frame import SHM_REF_BYTES, Flags, cut_frame
@@ -115,6 +117,41 @@ def test_a_write_into_a_view_stays_in_its_process_and_the_slot_arrives_whole_aga
         assert bytes(r.payload(again.ref, n).numpy()) == b"b" * n
     del again
     writer.close()
+
+
+_LOCKED = """
+import ctypes, sys, warnings
+import torch
+from tensorcast.transport.shm import Reader, Writer, new_token
+if ctypes.CDLL(None, use_errno=True).mlockall(2):  # MCL_FUTURE
+    sys.exit(3)  # not allowed here
+writer = Writer(new_token(), 1, 1 << 26)
+reader = Reader(writer.token, 0)
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    for fill in (5, 6):
+        got = writer.take(1 << 20)
+        got.into.fill_(fill)
+        writer.sent(got.ref)
+        seen = reader.payload(got.ref, 1 << 20)
+        assert got.seen[:4].tolist() == seen[-4:].tolist() == [fill] * 4, (got.seen[:4], seen[-4:])
+        del got, seen
+        reader.release()
+writer.close()
+assert len([w for w in said if "mlockall" in str(w.message)]) == 1, [str(w.message) for w in said]
+print("ok")
+"""
+
+
+def test_a_process_that_locks_its_memory_reads_the_shared_pages_and_is_told_once() -> None:
+    """Under ``mlockall(MCL_FUTURE)`` the kernel copies a private mapping's pages when it
+    maps them, and they cannot be dropped: views go through the shared mapping, with
+    one warning, and every frame arrives as written (else the source's own tree read
+    the zeros of the mapping's first moment)."""
+    code, out = run_killable([sys.executable, "-c", _LOCKED], Path.cwd(), dict(os.environ), 60)
+    if code == 3:
+        pytest.skip("mlockall is not allowed here")
+    assert code == 0 and out.strip().endswith("ok"), out
 
 
 def test_a_page_written_past_a_later_smaller_payload_is_dropped_too() -> None:

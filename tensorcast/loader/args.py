@@ -5,12 +5,20 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from tensorcast.codec import Packed, resolve_device, unpack
 
-__all__ = ["check_shm", "distributed", "output_device", "to_timedelta", "unpack_if_packed"]
+__all__ = [
+    "check_shm",
+    "check_src",
+    "distributed",
+    "output_device",
+    "to_timedelta",
+    "unpack_if_packed",
+]
 
 _AVAILABLE = dist.is_available()  # fixed by how torch was built
 _MAX_TIMEOUT_S = 10.0**9  # about 32 years: past it, a timedelta overflows
@@ -48,6 +56,20 @@ def to_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedel
             f"(None: the default process group's timeout)"
         )
     return datetime.timedelta(seconds=timeout)
+
+
+def check_src(src: Any) -> int:
+    """``src`` as a plain int (a numpy integer too: it goes into the setup's JSON).
+
+    Raises:
+        TypeError: ``src`` is not an integer (a bool, a float, a str).
+    """
+    if isinstance(src, bool) or not isinstance(src, (int, np.integer)):
+        raise TypeError(
+            f"src must be an int, a global rank as in torch.distributed.broadcast, got "
+            f"{type(src).__name__} {src!r}"
+        )
+    return int(src)
 
 
 def check_shm(shm: object) -> None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tensorcast._errors import SourceError
 from tensorcast.codec import check_trim
 from tensorcast.loader import mesh as _mesh
-from tensorcast.loader.args import check_shm, distributed, output_device, to_timedelta
+from tensorcast.loader.args import check_shm, check_src, distributed, output_device, to_timedelta
 from tensorcast.transport import (
     CLOSE,
     END,
@@ -105,7 +105,7 @@ def broadcast(
     dev = None if device is None else output_device(device)
     if shm is not None:
         check_shm(shm)
-    src = _mesh.check_src(src)
+    src = check_src(src)
     return _run(_broadcast_role(group, src, wait, shm), tree, dev, wait, trim)
 
 

@@ -34,7 +34,13 @@ import torch
 import torch.distributed as dist
 
 from tensorcast.loader import mesh as _mesh
-from tensorcast.loader.args import check_shm, output_device, to_timedelta, unpack_if_packed
+from tensorcast.loader.args import (
+    check_shm,
+    check_src,
+    output_device,
+    to_timedelta,
+    unpack_if_packed,
+)
 from tensorcast.loader.passes import Ledger, Pass
 from tensorcast.loader.stats import WINDOW, LoaderStats, Recorder, timed
 from tensorcast.loader.steps import stateful
@@ -152,7 +158,7 @@ class BroadcastingDataLoader:
         extra = {"length": _length(source)} if source is not None else {}
         what = _WHAT
         if group is not None and src is not None:
-            src = _mesh.check_src(src)
+            src = check_src(src)
             ranks = _mesh.group_ranks(group, src)
             if len(ranks) == 1:
                 return

@@ -34,10 +34,10 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from tensorcast.loader.args import check_src
 from tensorcast.transport import Packing, Role, open_role, ranks_name
 
 try:
@@ -309,20 +309,6 @@ def submesh_rows(device_mesh: Any, spanning: tuple[str, ...]) -> list[tuple[int,
     size = math.prod(ranks.size(i) for i in keep)
     rows = ranks.permute(*rest, *keep).reshape(-1, size).tolist()
     return [tuple(int(r) for r in row) for row in rows]
-
-
-def check_src(src: Any) -> int:
-    """``src`` as a plain int (a numpy integer too: it goes into the setup's JSON).
-
-    Raises:
-        TypeError: ``src`` is not an integer (a bool, a float, a str).
-    """
-    if isinstance(src, bool) or not isinstance(src, (int, np.integer)):
-        raise TypeError(
-            f"src must be an int, a global rank as in torch.distributed.broadcast, got "
-            f"{type(src).__name__} {src!r}"
-        )
-    return int(src)
 
 
 def group_ranks(group: Any, src: int) -> tuple[int, ...]:

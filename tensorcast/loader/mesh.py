@@ -37,7 +37,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorcast.loader.args import check_src
 from tensorcast.transport import Packing, Role, open_role, ranks_name
 
 try:
@@ -312,11 +311,11 @@ def submesh_rows(device_mesh: Any, spanning: tuple[str, ...]) -> list[tuple[int,
 
 
 def group_ranks(group: Any, src: int) -> tuple[int, ...]:
-    """The global ranks of ``group`` (None: every rank), sorted; ``src`` must be one, and
-    so must this rank.
+    """The global ranks of ``group`` (None: every rank), sorted; ``src`` (an int: the
+    callers' ``args.check_src``) must be one, and so must this rank.
 
     Raises:
-        TypeError: ``group`` is not a process group nor None, ``src`` not an int.
+        TypeError: ``group`` is not a process group nor None.
         ValueError: ``src`` or this rank is not a rank of ``group``.
     """
     rank = dist.get_rank()
@@ -331,7 +330,6 @@ def group_ranks(group: Any, src: int) -> tuple[int, ...]:
             f"group must be a torch.distributed.ProcessGroup (as new_group returns) or None "
             f"(every rank), got {type(group).__name__} {group!r}"
         )
-    check_src(src)
     if group is None:
         ranks = tuple(range(dist.get_world_size()))
     else:

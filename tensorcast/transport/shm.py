@@ -238,7 +238,7 @@ class _Mapping:
 
     __slots__ = (
         "address", "at", "base", "capacity", "cells", "data", "handed", "mm", "private",
-        "readers", "refs", "shared", "viewed",
+        "readers", "refs", "shared",
     )  # fmt: skip
 
     def __init__(self, fd: int, size: int) -> None:
@@ -253,7 +253,6 @@ class _Mapping:
         self.private: mmap.mmap | None = mmap.mmap(
             fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE
         )
-        self.viewed = self.private  # the mapping the views come from
         self.handed = 0  # the most bytes of ``data`` handed out since the last drop
         self._viewing()
         if _written(self.address, capacity, unread_all=False) is not None:  # mlockall: copied
@@ -283,9 +282,11 @@ class _Mapping:
         """Make every page handed out, and the first ``nbytes`` about to be, the segment's
         own again: drop those this process wrote into (NOTE [ Private views of a slot ]).
         Only for a slot nothing in the process sees (:meth:`idle`)."""
+        if self.private is None:  # views of the shared mapping: nothing to drop
+            return
         written = _written(self.address, min(max(self.handed, nbytes), self.capacity))
         self.handed = 0
-        if written is None or self.private is None:
+        if written is None:
             return
         page = mmap.PAGESIZE
         start = (self.at + written[0]) // page * page
@@ -309,14 +310,13 @@ class _Mapping:
                 stacklevel=2,
             )
         self.private = None
-        self.viewed = self.mm
         self._viewing()
 
     def _viewing(self) -> None:
-        """``data`` made anew over the mapping the views come from."""
-        self.data = torch.frombuffer(
-            self.viewed, dtype=torch.uint8, count=self.capacity, offset=self.at
-        )
+        """``data`` made anew over the mapping the views come from: the private one, or
+        the shared one where this process locks its memory."""
+        viewed = self.mm if self.private is None else self.private
+        self.data = torch.frombuffer(viewed, dtype=torch.uint8, count=self.capacity, offset=self.at)
         self.address = self.data.data_ptr()
         self._counted()
 

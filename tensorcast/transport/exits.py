@@ -161,7 +161,8 @@ def _join(waiters: list[Waiter]) -> bool:
                 warned = True
                 print(
                     f"tensorcast: at exit, waiting for {waiter.what} to end: at most "
-                    f"{waiter.limit_s:g} s in all ({waiter.bound}), and at once when a peer exits",
+                    f"{waiter.limit_s:g} s in all ({waiter.bound}); a transfer ends at once "
+                    f"when a peer exits",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -210,7 +210,10 @@ class Lane:
         error = _exits.Withdrawn(f"the interpreter exited before this job ran ({self.name})")
         for job in withdrawn:
             job._withdrawn(error)
-        what = f"the transfer in flight on tensorcast's group over ranks {self.name}"
+        what = (
+            f"the job running on tensorcast's group over ranks {self.name} (a transfer, or "
+            f"a loader source's next(source) before one)"
+        )
         return _exits.Waiter(worker, self._exit_wait_s, what, "the process group's timeout")
 
     def _start_worker(self) -> None:  # under the lock

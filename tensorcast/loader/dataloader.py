@@ -199,7 +199,8 @@ class BroadcastingDataLoader:
             run = timed(source, self._stats, unpack_if_packed)
         else:
             self._stats = Recorder(self._log_every if role.is_source else None)
-            self._ledger.state = None
+            # The ledger's state stays the last batch yielded until this pass starts: the
+            # source's own runs ahead by the steps a dropped pass queued.
             run = Pass(
                 role, self._passes, source=self.source, prefetch=self.prefetch,
                 device=self.device, ledger=self._ledger, stats=self._stats,

@@ -9,6 +9,7 @@ function checks several things, so the pool calls (and group set-ups) stay few.
 from __future__ import annotations
 
 import io
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -86,6 +87,10 @@ def _resume(rank: int, world: int, stop_after: int) -> dict[int, dict[str, Any]]
             if len(head) == stop_after:
                 break  # every rank, after the same batch
         checkpoint = _save(first.state_dict())  # a file per rank in a real job
+        kept = iter(first)  # a framework makes the next pass's iterator, then saves
+        time.sleep(0.3)  # by now the dropped pass's queued steps drew from the source
+        again = _load(_save(first.state_dict()))
+        del kept
         restored = _lhotse_loader(mesh, prefetch)  # as after a restart: nothing reused
         restored.load_state_dict(_load(checkpoint))
         results[prefetch] = {
@@ -93,6 +98,7 @@ def _resume(rank: int, world: int, stop_after: int) -> dict[int, dict[str, Any]]
             "head": head,
             "tail": list(restored),
             "state": _load(checkpoint),
+            "state after iter()": again,
         }
     return results
 
@@ -108,6 +114,8 @@ def test_resume_from_a_fresh_loader_equals_one_uninterrupted_epoch(pool2: RankPo
         cut_ids = [i for batch in whole for i in batch]
         assert len(whole) > stop_after + 1 and len(cut_ids) == len(set(cut_ids)) == 24
         assert source["state"]["epoch"] == 1 and receiver["state"] == {}
+        # iter() before the save moves nothing: the state is still after the last batch yielded
+        assert source["state after iter()"] == source["state"], f"prefetch={prefetch}"
         for r in (source, receiver):
             assert r["whole"] == whole, f"prefetch={prefetch}: ranks saw different epochs"
             assert len(r["head"]) == stop_after

@@ -29,7 +29,12 @@ differ between processes, and at interpreter exit no thread can start. Hence:
   ``iter()`` (a lhotse sampler returns itself, a ``DataLoader`` with persistent workers
   resets its one iterator) would hand them the new epoch's first batches, or fail
   (torch's ``Invalid iterator state``). Their batches are dropped as before; their
-  failures are the old pass's, not raised here.
+  failures are the old pass's, not raised here. When ``iter(source)`` then returns the
+  very iterator an open pass draws from (such a source, or a generator), that pass draws
+  no more: its next step fails with a ``RuntimeError`` naming the new pass, on every rank
+  (an ERROR frame), rather than take the new pass's batches, repeat its own after a
+  restart, or share them. So ``zip(loader, loader)`` over such a source raises; a pass
+  left by a ``break`` and kept alive is no obstacle to the next one.
 - ``load_state_dict()`` refuses while a pass of its loader is open (started, not ended,
   its iterator alive after a ``gc.collect()``, so that every rank decides alike), and
   waits, queuing nothing, for the steps its dropped passes queued: they pull from the
@@ -62,7 +67,7 @@ class Ledger:
     """What the passes of one loader leave it, read at its next use (``state_dict()``,
     ``load_state_dict()``): written only by the passes, on the caller's thread."""
 
-    __slots__ = ("state", "tail")
+    __slots__ = ("drawing", "state", "tail")
 
     def __init__(self) -> None:
         #: the source's state after the last batch yielded, by whichever pass handed it
@@ -71,6 +76,9 @@ class Ledger:
         #: the last step the passes queued, while it lives (the lane's queue holds it):
         #: the lane runs in order, so once it is done, every step queued before it is
         self.tail: weakref.ReferenceType[Job[Any]] | None = None
+        #: on the source, the steps of the pass that called ``iter(source)`` last, while
+        #: they live: a later pass that gets the same iterator back takes it over
+        self.drawing: weakref.ReferenceType[SourceSteps] | None = None
 
     def finish_queued(self) -> BaseException | None:
         """Wait for the steps queued so far (a local wait: nothing is queued); the error
@@ -163,6 +171,7 @@ class Pass:
             # included) is announced to the receivers by the first step.
             try:
                 steps.source_iter = iter(self._source)
+                self._take_over(steps)
                 if steps.stateful is not None:  # the position before the first batch
                     self._ledger.state = copy.deepcopy(steps.stateful.state_dict())
             except BaseException as e:
@@ -171,6 +180,15 @@ class Pass:
             _interrupts.hook("next.start")
         self._refill()
         self._started = True
+
+    def _take_over(self, steps: SourceSteps) -> None:
+        """``steps`` draw from the iterator their ``iter(source)`` returned: an open pass
+        that drew from that very iterator draws no more (NOTE [ Where a pass ends ])."""
+        ledger = self._ledger
+        before = ledger.drawing() if ledger.drawing is not None else None
+        if before is not None and not before.ended and before.source_iter is steps.source_iter:
+            before.taken_over = self._index
+        ledger.drawing = weakref.ref(steps)
 
     def __iter__(self) -> Pass:
         return self

@@ -165,6 +165,9 @@ class SourceSteps(Steps):
         # A batch pulled whose frame an interrupt kept from going out: the next step sends
         # it (NOTE [ Interrupts ], ``step.pulled``).
         self.pulled: Any = _NOTHING
+        #: the later pass whose iter(source) returned this pass's iterator (NOTE [ Where a
+        #: pass ends ]): this pass draws no more from it
+        self.taken_over: int | None = None
 
     def step(self) -> Any:
         sender = self.sender
@@ -176,6 +179,8 @@ class SourceSteps(Steps):
             try:
                 if self.start_error is not None:
                     raise self.start_error
+                if self.taken_over is not None:
+                    raise self._taken_over(self.taken_over)
                 with sender.pulling:
                     started = time.perf_counter()
                     batch = next(self.source_iter)  # type: ignore[arg-type]
@@ -209,6 +214,18 @@ class SourceSteps(Steps):
         sent = time.perf_counter() - started
         n = out.cut.payload_len
         return Item(own, state, pulled, 0.0, sent, n, n if out.cut.shm else 0)
+
+    def _taken_over(self, later: int) -> RuntimeError:
+        kind = type(self.source_iter).__name__
+        return RuntimeError(
+            f"pass {self.stamp.pass_index} of this BroadcastingDataLoader cannot draw another "
+            f"batch: pass {later} called iter() on the same source and got back the iterator "
+            f"this pass draws from (a {kind}). A source that hands out one iterator (a lhotse "
+            f"sampler, a DataLoader with persistent_workers=True, a generator) restarts or "
+            f"shares it at iter(), so the two passes would take each other's batches. Over "
+            f"such a source run one pass at a time (finish or close() this one first), or "
+            f"give each pass a source of its own"
+        )
 
     def _fail(self, error: BaseException, message: str) -> Failure:
         self.ended = True

@@ -442,49 +442,85 @@ def test_a_second_iter_never_ends_the_first_silently(pool2: Any, prefetch: int) 
     assert all(out == results[0] for out in results), results
 
 
+class Restarting:
+    """A source that is its own iterator and starts over at ``iter()``, as a lhotse sampler
+    (and a ``DataLoader`` with persistent workers) does."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.at = 0
+
+    def __iter__(self) -> Restarting:
+        self.at = 0
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self.at == self.n:
+            raise StopIteration
+        self.at += 1
+        return batch(self.at - 1)
+
+
+def _zipped(loader: tc.BroadcastingDataLoader) -> dict[str, Any]:
+    """The pairs of ``zip(loader, loader)``, and what it raised (type and message)."""
+    pairs: list[list[int]] = []
+    try:
+        for pair in zip(loader, loader):
+            pairs.append(numbers(list(pair)))
+    except RuntimeError as e:
+        return {"pairs": pairs, "raised": (type(e).__name__, str(e))}
+    return {"pairs": pairs, "raised": None}
+
+
 @in_a_new_process_group
 def _rank_zip(rank: int, world: int, prefetch: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"zip": _zipped(loader_on(rank, [batch(i) for i in range(N)], prefetch))}
     loader = loader_on(rank, [batch(i) for i in range(N)], prefetch)
-    try:
-        out["zip"] = [numbers(list(pair)) for pair in zip(loader, loader)]
-    except RuntimeError as e:
-        out["refused"] = str(e)
     out["after"] = numbers(list(loader))
-    # A source that is one iterator: both passes draw from it, in the order of the steps.
-    shared = iter([batch(i) for i in range(2 * N)])
-    loader = loader_on(rank, shared, prefetch)
+    # Sources that hand out one iterator: a generator, and one that restarts at iter().
+    out["shared"] = _zipped(loader_on(rank, iter([batch(i) for i in range(2 * N)]), prefetch))
+    restarting = loader_on(rank, Restarting(N), prefetch)
+    out["restarting"] = _zipped(restarting)
+    # A pass left by a break and kept alive is no obstacle to the next one; used again,
+    # it raises rather than take the new pass's batches.
+    kept = iter(restarting)
+    head = [next(kept), next(kept)]
+    out["head"] = numbers(head)
+    out["next pass"] = numbers(list(restarting))
     try:
-        out["shared"] = [numbers(list(pair)) for pair in zip(loader, loader)]
-    except RuntimeError as e:
-        out["shared_refused"] = str(e)
+        more = [next(kept) for _ in range(N)]
+    except (RuntimeError, StopIteration) as e:
+        out["kept"] = type(e).__name__
+    else:
+        out["kept"] = numbers(more)
+    out["after restarting"] = numbers(list(restarting))
     return out
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_zip_of_a_loader_with_itself(pool2: Any, prefetch: int) -> None:
-    """``zip(loader, loader)`` is never zero steps: it yields pairs (independent passes, as
-    torch's DataLoader) or raises naming the open pass; identical on every rank."""
+    """``zip(loader, loader)`` is never zero steps, never repeats or shares a batch silently:
+    over a re-iterable source it yields pairs (independent passes, as torch's DataLoader);
+    over a source that hands out one iterator, the first pass raises at its next draw,
+    naming the second, on every rank (the source's RuntimeError, the receivers'
+    SourceError). Identical on every rank."""
     results = pool2.run(_rank_zip, prefetch, timeout=CALL_TIMEOUT_S)
-    for out in results:
+    for rank, out in enumerate(results):
+        assert out["zip"] == {"pairs": [[i, i] for i in range(N)], "raised": None}, out
         assert out["after"] == list(range(N)), out
-        if "refused" in out:
-            assert "pass" in out["refused"].lower(), out
-            continue
-        assert out["zip"], f"zip(loader, loader) yielded nothing: {out}"
-        # THE CHOICE (independent passes, as torch's DataLoader): each iter() is its own pass
-        # over the source, so a re-iterable source gives pairs of the same batch.
-        assert out["zip"] == [[i, i] for i in range(N)], out
-        # A one-iterator source: its batches are shared between the passes in the order the
-        # steps pull them (prefetch 0: pairs of consecutive batches), none twice.
-        pairs = out["shared"]
-        firsts, seconds = [a for a, _ in pairs], [b for _, b in pairs]
-        assert len(pairs) >= N // 2, out
-        assert len(set(firsts + seconds)) == 2 * len(pairs), out  # no batch twice
-        assert firsts == sorted(firsts) and seconds == sorted(seconds), out
-        if prefetch == 0:
-            assert pairs == [[2 * i, 2 * i + 1] for i in range(N)], out
-    assert all(out == results[0] for out in results), results
+        for kind in ("shared", "restarting"):
+            got = out[kind]
+            assert got["raised"] is not None, f"rank {rank}, {kind}: {got}"
+            name, message = got["raised"]
+            assert name == ("RuntimeError" if rank == 0 else "SourceError"), got
+            assert "pass 2 called iter() on the same source" in message, got
+            # the pairs before it: each pass's batches, none repeated within a pass
+            firsts = [a for a, _ in got["pairs"]]
+            assert len(set(firsts)) == len(firsts), got
+        assert out["head"] == [0, 1] and out["next pass"] == list(range(N)), out
+        assert out["kept"] == ("RuntimeError" if rank == 0 else "SourceError"), out
+        assert out["after restarting"] == list(range(N)), out
+    assert [out["head"] for out in results] == [results[0]["head"]] * len(results)
 
 
 # -- 4. threads ------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import datetime
 import gc
-import inspect
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -41,8 +40,8 @@ from tensorcast.loader.args import (
     to_timedelta,
     unpack_if_packed,
 )
-from tensorcast.loader.passes import Ledger, Pass
-from tensorcast.loader.stats import WINDOW, LoaderStats, Recorder, timed
+from tensorcast.loader.passes import Ledger, NoOpPass, Pass
+from tensorcast.loader.stats import WINDOW, LoaderStats, Recorder
 from tensorcast.loader.steps import stateful
 from tensorcast.transport import Packing, Role, open_role, ranks_name
 
@@ -191,12 +190,12 @@ class BroadcastingDataLoader:
         role = self._role
         self._passes += 1
         self._iters = [(n, ref) for n, ref in self._iters if ref() is not None]
-        run: Iterator[Any]
+        run: Pass | NoOpPass
         if role is None:
             self._check_still_no_op()
             self._stats = Recorder(self._log_every)
             source = self.source if self.source is not None else ()
-            run = timed(source, self._stats, unpack_if_packed)
+            run = NoOpPass(self._passes, source, self._stats, unpack_if_packed)
         else:
             self._stats = Recorder(self._log_every if role.is_source else None)
             # The ledger's state stays the last batch yielded until this pass starts: the
@@ -365,13 +364,9 @@ def _refuse_while_open(iters: list[tuple[int, weakref.ReferenceType[Any]]]) -> N
             )
 
 
-def _is_open(run: Any) -> bool:
-    """Whether ``run``, a pass or a no-op loader's generator (or None), is open."""
-    if isinstance(run, Pass):
-        return run.open
-    if run is None:
-        return False
-    return inspect.getgeneratorstate(run) in (inspect.GEN_SUSPENDED, inspect.GEN_RUNNING)
+def _is_open(run: Pass | NoOpPass | None) -> bool:
+    """Whether ``run``, a pass (None once dropped), is open."""
+    return run is not None and run.open
 
 
 def _length(source: Any) -> int | None:

@@ -53,6 +53,7 @@ import copy
 import functools
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from tensorcast.loader.stats import Recorder
@@ -60,7 +61,7 @@ from tensorcast.loader.steps import End, Failure, Item, SourceSteps, steps_for
 from tensorcast.transport import DevicePart, Job, Role, hand_out, post
 from tensorcast.transport import interrupt_points as _interrupts
 
-__all__ = ["Ledger", "Pass"]
+__all__ = ["Ledger", "NoOpPass", "Pass"]
 
 
 class Ledger:
@@ -199,20 +200,12 @@ class Pass:
         # handler runs (NOTE [ Interrupts ]); releasing a lock is a call, and a handler
         # that raised at its return would lose the batch just handed out.
         if self._inside:
-            raise self._busy("next()")
+            raise _busy("next()", self._index)
         self._inside = True
         try:
             return self._next()
         finally:
             self._inside = False
-
-    def _busy(self, what: str) -> RuntimeError:
-        return RuntimeError(
-            f"{what} on an iterator of pass {self._index} of a BroadcastingDataLoader was "
-            f"called while next() or close() is already running on it, in another thread "
-            f"(or in a signal handler that interrupted it). One iterator serves one caller "
-            f"at a time: guard it with a lock, or call it from one thread"
-        )
 
     def _next(self) -> Any:
         self._called = time.perf_counter()  # NOTE [ Where a step's time goes ]
@@ -355,7 +348,7 @@ class Pass:
             DesyncError: the ranks closed the pass after different batches.
         """
         if self._inside:
-            raise self._busy("close()")
+            raise _busy("close()", self._index)
         self._inside = True
         try:
             self._close()
@@ -403,3 +396,66 @@ class Pass:
         if self._closing not in self._pending:
             self._pending.append(self._closing)
         self._settle()
+
+
+class NoOpPass:
+    """A no-op loader's pass (nothing spans its group): the source's batches as they come,
+    each ``next(source)`` recorded as the step's stall and its source time (nothing
+    travels). ``iter(source)`` at the first ``next()``, and one caller at a time, as
+    :class:`Pass`."""
+
+    def __init__(
+        self, index: int, source: Any, stats: Recorder, rebuild: Callable[[Any], Any]
+    ) -> None:
+        self._index = index
+        self._source = source
+        self._stats = stats
+        self._rebuild = rebuild
+        self._iterator: Any = None
+        self._inside = False  # a thread is inside next() or close() (see Pass.__next__)
+        self._finished = False
+
+    @property
+    def open(self) -> bool:
+        """Whether the pass started and has neither ended nor been closed."""
+        return self._iterator is not None and not self._finished
+
+    def __iter__(self) -> NoOpPass:
+        return self
+
+    def __next__(self) -> Any:
+        if self._inside:
+            raise _busy("next()", self._index)
+        self._inside = True
+        try:
+            if self._finished:
+                raise StopIteration
+            called = time.perf_counter()
+            if self._iterator is None:
+                self._iterator = iter(self._source)
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                self._finished = True
+                raise
+            pulled = time.perf_counter() - called
+            out = self._rebuild(batch)
+            self._stats.handed_out(called, pulled)
+            return out
+        finally:
+            self._inside = False
+
+    def close(self) -> None:
+        """End the pass here: ``next()`` raises ``StopIteration`` from now on."""
+        if self._inside:
+            raise _busy("close()", self._index)
+        self._finished = True
+
+
+def _busy(what: str, index: int) -> RuntimeError:
+    return RuntimeError(
+        f"{what} on an iterator of pass {index} of a BroadcastingDataLoader was called "
+        f"while next() or close() is already running on it, in another thread (or in a "
+        f"signal handler that interrupted it). One iterator serves one caller at a time: "
+        f"guard it with a lock, or call it from one thread"
+    )

@@ -29,13 +29,11 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-__all__ = ["WINDOW", "LoaderStats", "Recorder", "Timings", "timed"]
+__all__ = ["WINDOW", "LoaderStats", "Recorder", "Timings"]
 
 logger = logging.getLogger("tensorcast")
 
@@ -232,21 +230,3 @@ class Recorder:
             self._steps, s.stall.median * 1e3, s.stall.p90 * 1e3, s.stall.max * 1e3,
             100 * s.stall_share, s.source.median * 1e3, s.transfer.median * 1e3, s.steps,
         )  # fmt: skip
-
-
-def timed(
-    source: Iterable[Any], recorder: Recorder, rebuild: Callable[[Any], Any]
-) -> Iterator[Any]:
-    """A no-op loader's pass: ``source``'s batches, each ``next(source)`` recorded as the
-    step's stall and its source time (nothing travels)."""
-    iterator = iter(source)
-    while True:
-        called = time.perf_counter()
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            return
-        pulled = time.perf_counter() - called
-        out = rebuild(batch)
-        recorder.handed_out(called, pulled)
-        yield out

@@ -3,6 +3,8 @@ checks of its arguments. The loader across ranks is tested in ``tests/gloo``."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -99,6 +101,41 @@ def test_a_no_op_loader_gives_independent_passes_and_refuses_a_mid_pass_load() -
     del it  # dropped: no pass is open any more
     loader.load_state_dict({"pos": 4})
     assert_same(list(loader), [batch(4), batch(5)], "resumed after a dropped pass")
+
+
+class Slow:
+    """A source whose batches take a moment each: a second thread arrives while the first
+    is inside ``next()``."""
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(N):
+            time.sleep(0.05)
+            yield i
+
+
+def test_a_no_op_pass_serves_one_caller_at_a_time() -> None:
+    """``next()`` from a second thread while another is inside it raises a RuntimeError,
+    as on a group; the pass goes on, skipping nothing; ``close()`` ends it."""
+    it = iter(tc.BroadcastingDataLoader(Slow()))
+    got: list[int] = []
+    refused: list[str] = []
+
+    def take() -> None:
+        try:
+            got.append(next(it))
+        except RuntimeError as e:
+            refused.append(str(e))
+
+    threads = [threading.Thread(target=take) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert got == [0] and len(refused) == 1, (got, refused)
+    assert "already running" in refused[0] and "pass 1" in refused[0], refused
+    assert next(it) == 1
+    it.close()  # type: ignore[attr-defined]
+    assert list(it) == []
 
 
 def test_stateless_source_warns_once_without_a_process_group() -> None:

@@ -203,10 +203,12 @@ def broadcast_batch(
     check_trim(trim)
     wait = to_timedelta(timeout)
     check_shm(shm)
-    if not distributed():
-        return batch
     names = _mesh.normalize_axes(axes)
-    if not _mesh.spanning_axes(device_mesh, names, what="tensorcast.broadcast_batch", stacklevel=2):
+    what = "tensorcast.broadcast_batch"
+    if not distributed():  # the mesh's mistakes raise or warn all the same, as the loader's
+        _mesh.present_axes(device_mesh, names, what=what, stacklevel=2)
+        return batch
+    if not _mesh.spanning_axes(device_mesh, names, what=what, stacklevel=2):
         return batch
     dev = output_device(device)
     world = _world()
@@ -214,9 +216,7 @@ def broadcast_batch(
         cache: dict[Any, tuple[Any, Role]] = device_mesh.__dict__.setdefault(_ATTR, {})
         hit = cache.get((names, shm))
     if hit is None or hit[0]() is not world:
-        role, _ = _mesh.mesh_role(
-            device_mesh, names, "tensorcast.broadcast_batch", {}, setup_timeout=wait, shm=shm
-        )
+        role, _ = _mesh.mesh_role(device_mesh, names, what, {}, setup_timeout=wait, shm=shm)
         with _lock:
             cache[(names, shm)] = (weakref.ref(world), role)
     else:

@@ -59,9 +59,15 @@ __all__ = [
 def normalize_axes(axes: Sequence[str] | str) -> tuple[str, ...]:
     if isinstance(axes, str):
         return (axes,)
-    out = tuple(axes)
+    try:
+        out = tuple(axes)
+    except TypeError:  # not iterable: an int, None
+        out = (axes,)  # type: ignore[assignment]
     if not all(isinstance(a, str) for a in out):
-        raise TypeError(f"axes must be mesh dimension names (str), got {axes!r}")
+        raise TypeError(
+            f"axes must be mesh dimension names (a str or a sequence of str, e.g. "
+            f"('cp', 'tp')), got {axes!r}"
+        )
     return out
 
 

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import tensorcast as tc
+
+
+class Axis:
+    """One dimension of a mesh-like object: its size (NOTE [ The per-axis mesh protocol ])."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
 
 
 def test_broadcast_batch_is_a_no_op_without_torch_distributed() -> None:
@@ -19,5 +31,26 @@ def test_broadcast_batch_is_a_no_op_without_torch_distributed() -> None:
         mesh_dim_names = ("cp", "tp")
 
     assert tc.broadcast_batch(batch, Mesh()) is batch
+
+    # The mesh's mistakes raise or warn without a group too, as the loader's do.
+    class Unnamed:
+        mesh_dim_names = None
+
+    class Model:  # a ("dp", "model") mesh (dims no other test uses: warned once per process)
+        mesh_dim_names = ("dp", "model")
+
+        def __getitem__(self, name: str) -> Any:
+            return Axis(4 if name == "model" else 1)
+
+    for mesh in (Unnamed(), None):
+        for axes in (5, [b"tp"]):
+            with pytest.raises(TypeError, match=r"axes must be mesh dimension names"):
+                tc.broadcast_batch(batch, mesh, axes=axes)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="named dimensions"):
+        tc.broadcast_batch(batch, Unnamed())
+    with pytest.warns(UserWarning, match=r"none of axes=\('cp', 'tp'\) is a dimension"):
+        assert tc.broadcast_batch(batch, Model()) is batch
+    with pytest.raises(TypeError, match="named dimensions"):
+        tc.BroadcastingDataLoader([batch], Unnamed())
     with pytest.raises(RuntimeError, match="init_process_group"):
         tc.broadcast(batch, 0)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tensorcast._errors import SourceError
 from tensorcast.loader import mesh as _mesh
 from tensorcast.loader.args import (
     check_shm,
@@ -46,6 +47,8 @@ from tensorcast.loader.steps import stateful
 from tensorcast.transport import Packing, Role, open_role, ranks_name
 
 __all__ = ["BroadcastingDataLoader"]
+
+_TOLD_CHARS = 500  # of a source's len() failure, told to its peers at setup
 
 _WHAT = "BroadcastingDataLoader"
 
@@ -154,7 +157,15 @@ class BroadcastingDataLoader:
         """Agree with the peers and open this rank's role; stays a no-op where nothing spans."""
         setup = {"prefetch": self.prefetch, "verify": verify}
         source = self.source
-        extra = {"length": _length(source)} if source is not None else {}
+        extra: dict[str, Any] = {}
+        failed: Exception | None = None
+        if source is not None:
+            try:
+                extra["length"] = _length(source)
+            except Exception as e:  # told to the peers, so that they fail now, not at the timeout
+                failed = e
+                extra["length"] = None
+                extra["length failed"] = f"{type(e).__name__}: {e}"[:_TOLD_CHARS]
         what = _WHAT
         if group is not None and src is not None:
             src = check_src(src)
@@ -174,6 +185,15 @@ class BroadcastingDataLoader:
         else:
             return
         told = extras[self._role.src]
+        if "length failed" in told:
+            if failed is not None and self._role.is_source:
+                raise failed
+            raise SourceError(
+                f"the source loader on rank {self._role.src} (group ranks "
+                f"{list(self._role.ranks)}) failed in len(source): {told['length failed']}. "
+                f"Fix its __len__, or give it none: a TypeError or NotImplementedError from "
+                f"len() means the source has no length"
+            )
         if "length" not in told:
             raise ValueError(
                 f"rank {self._role.src} is the source of its group (global ranks "
@@ -370,7 +390,10 @@ def _is_open(run: Pass | NoOpPass | None) -> bool:
 
 
 def _length(source: Any) -> int | None:
+    """``len(source)``, or None where the source has no length: no ``__len__``, an
+    ``IterableDataset``'s ``DataLoader`` (``TypeError``), or a ``__len__`` that says so with
+    ``NotImplementedError`` (as Lightning reads it too)."""
     try:
         return len(source)
-    except TypeError:  # no __len__, or an IterableDataset's DataLoader
+    except (TypeError, NotImplementedError):
         return None

@@ -243,6 +243,55 @@ def test_cuda_device_without_cuda_says_what_to_change(pool2: RankPool) -> None:
         assert out[2] == "[1.0, 1.0]"
 
 
+# -- a source whose len() fails -----------------------------------------------------------------
+
+
+class Length:
+    """A source whose ``__len__`` raises ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __iter__(self) -> Any:
+        return iter([torch.ones(2), torch.zeros(2)])
+
+    def __len__(self) -> int:
+        raise self.error
+
+
+def _rank_len_fails(rank: int, world: int) -> list[Any]:
+    out: list[Any] = []
+    # NotImplementedError: the source has no length, as TypeError says (Lightning reads both so)
+    loader = tc.BroadcastingDataLoader(
+        Length(NotImplementedError("unknown")) if rank == 0 else None,
+        group=dist.group.WORLD, src=0, timeout=20,
+    )  # fmt: skip
+    with pytest.raises(TypeError, match="has no len"):
+        len(loader)
+    out.append([b.tolist() for b in loader])
+    # any other error fails every rank at once, the source with its own
+    started = time.monotonic()
+    try:
+        tc.BroadcastingDataLoader(
+            Length(ValueError("manifest unreadable")) if rank == 0 else None,
+            group=dist.group.WORLD, src=0, timeout=20,
+        )  # fmt: skip
+    except Exception as e:
+        out.append((type(e).__name__, str(e)))
+    out.append(time.monotonic() - started)
+    return out
+
+
+def test_a_source_whose_len_fails_fails_every_rank_at_once(pool2: RankPool) -> None:
+    source, receiver = pool2.run(_rank_len_fails, timeout=TIMEOUT)
+    assert source[0] == receiver[0] == [[1.0, 1.0], [0.0, 0.0]]
+    assert source[1] == ("ValueError", "manifest unreadable")
+    name, message = receiver[1]
+    assert name == "SourceError" and "len(source): ValueError: manifest unreadable" in message
+    assert "on rank 0" in message and "NotImplementedError" in message, message
+    assert receiver[2] < 10 and source[2] < 10, "not at the 20 s timeout"
+
+
 # -- arguments a call cannot take ----------------------------------------------------------------
 
 

@@ -336,8 +336,9 @@ class Agreement:
         )
         raise DesyncError(
             f"rank {self.rank}: rank(s) {missing} did not set up {what} within {total:g} s"
-            f"{gone}; every rank of {sorted(set(ranks))} must build it together, in the same "
-            f"order as its other tensorcast loaders"
+            f"{gone}; every rank of the mesh or group (this rank waited for "
+            f"{sorted(set(ranks))}: its group, and the mesh's first rank if any) must set it "
+            f"up together, in the same order as its other tensorcast loaders and broadcasts"
         )
 
     def _gone(self, missing: list[int]) -> str:
@@ -363,7 +364,7 @@ class Agreement:
         message = (
             f"rank {self.rank} and rank {r}{f' ({who})' if who else ''} disagree on the "
             f"setup of {what}: "
-            f"{_differences(mine, other, self.rank, r)}. Every rank must build it with the "
+            f"{_differences(mine, other, self.rank, r)}. Every rank must set it up with the "
             f"same arguments, on the same mesh"
         )
         self.store.compare_set(base + "go", "", message)  # every rank of the scope stops

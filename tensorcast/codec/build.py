@@ -24,7 +24,7 @@ from tensorcast.codec import registry as _registry
 from tensorcast.codec.dtypes import NUMPY_CODES
 from tensorcast.codec.paths import Path, render_path
 
-__all__ = ["Program", "compile_tokens", "decode_values", "run"]
+__all__ = ["MAX_SAME_HASH", "Program", "compile_tokens", "crowded", "decode_values", "run"]
 
 _OrderedDict = collections.OrderedDict
 _CONTAINER_TAGS = frozenset("ltdorx")
@@ -33,6 +33,26 @@ _U64 = struct.Struct("<Q")
 
 # A container step while compiling: (tag, extra, path, child references).
 _Step = tuple[str, Any, Path, list[tuple[int, int]]]
+
+# NOTE [ Keys that share a hash ]
+# A dict takes time quadratic in the number of its keys that share one hash to build (and
+# to check for duplicates). A str's hash is salted per process, but an int's is its value
+# modulo 2**61 - 1 (``sys.hash_info.modulus``): a peer could send big-int keys a multiple
+# of that apart, and a header of a few MB would take minutes to decode. Ints of 64 bits
+# share a hash a few at a time at most, so only a dict with big-int keys (``["I", hex]``
+# tokens) is counted, in one pass: one with more than MAX_SAME_HASH keys of one hash
+# is refused, by the encoder (``UnsupportedLeafError``, before anything is sent) as by
+# a receiver (``HeaderError``).
+#: the most keys of one dict that may share a hash (NOTE [ Keys that share a hash ])
+MAX_SAME_HASH = 16
+
+
+def crowded(keys: Sequence[Any]) -> bool:
+    """Whether more than :data:`MAX_SAME_HASH` of a dict's ``keys`` share one hash (NOTE
+    [ Keys that share a hash ]). Linear: the hashes are ints below 2**61, each its own hash."""
+    if len(keys) <= MAX_SAME_HASH:
+        return False
+    return max(collections.Counter(map(hash, keys)).values()) > MAX_SAME_HASH
 
 
 class Program:
@@ -204,6 +224,11 @@ def _open(tok: list[Any], remaining: int, path: Path) -> _Frame:
         ):
             raise HeaderError(f"invalid dict token {tok!r:.80}")
         keys = tuple(_decode_key(k) for k in tok[2])
+        if any(type(k) is list for k in tok[2]) and crowded(keys):  # big-int keys
+            raise HeaderError(
+                f"more than {MAX_SAME_HASH} keys of one dict share a hash (big ints a "
+                f"multiple of 2**61 - 1 apart); such a dict would take quadratic time to build"
+            )
         if len(dict.fromkeys(keys)) != len(keys):
             raise HeaderError(f"duplicate dict keys in {tok[2]!r:.120}")
         return _Frame(tag, tok[1], keys, path)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tensorcast.codec import registry as _registry
+from tensorcast.codec.build import crowded
 from tensorcast.codec.dtypes import CODE_OF_TORCH, numpy_code
 from tensorcast.codec.flatten_errors import (
     Fail,
@@ -26,6 +27,7 @@ from tensorcast.codec.flatten_errors import (
     changed,
     check_tensor,
     contains_itself,
+    crowded_keys,
     locate,
     mixed_devices,
     unsupported_because,
@@ -233,8 +235,10 @@ def _mixed_devices(obj: torch.Tensor, leaves: list[BufferLeaf]) -> Fail:
 
 def _encode_keys(keys: list[Any], container: Any, loose: bool) -> tuple[list[Any], bool]:
     """A dict's keys as tokens, and whether the tokens are now loose (see flatten)."""
-    keys = [_encode_key(k, container) for k in keys]
-    return keys, loose or any(type(k) is bool or type(k) is int for k in keys)
+    tokens = [_encode_key(k, container) for k in keys]
+    if any(type(k) is list for k in tokens) and crowded(keys):  # big-int keys
+        raise Fail(container, crowded_keys)
+    return tokens, loose or any(type(k) is bool or type(k) is int for k in tokens)
 
 
 def _encode_key(key: Any, container: Any) -> Any:

@@ -16,6 +16,7 @@ import torch
 
 from tensorcast._errors import UnsupportedLeafError
 from tensorcast.codec import registry as _registry
+from tensorcast.codec.build import MAX_SAME_HASH
 from tensorcast.codec.dtypes import CODE_OF_TORCH
 from tensorcast.codec.paths import Path, render_path
 
@@ -26,6 +27,7 @@ __all__ = [
     "changed",
     "check_tensor",
     "contains_itself",
+    "crowded_keys",
     "locate",
     "mixed_devices",
     "unsupported",
@@ -147,6 +149,15 @@ def bad_key(key: Any, path: Path) -> None:
     raise UnsupportedLeafError(
         f"unsupported dict key of type `{type(key).__qualname__}` ({key!r}) in `"
         f"{render_path(path, 'batch')}`; dict keys must be str, int, bool or None"
+    )
+
+
+def crowded_keys(path: Path) -> None:
+    raise UnsupportedLeafError(
+        f"more than {MAX_SAME_HASH} keys of the dict `{render_path(path, 'batch')}` share one "
+        f"hash (big ints a multiple of 2**61 - 1 apart): receivers would take time "
+        f"quadratic in their number to rebuild it, so they refuse it; use str keys, or ints "
+        f"of 64 bits"
     )
 
 

@@ -68,11 +68,14 @@ def decode(header: bytes | bytearray | memoryview) -> Decoded:
     return _decode(header)  # trims are checked against this moment's rebuild limit
 
 
-_CACHE_MAX_BYTES = 64 << 10
+_CACHE_MAX_BYTES = 16 << 10  # x 32 headers: a bounded few MB once compiled
 
 
 # The structures read last, newest first: a header that starts with one's bytes needs
 # only its values parsed. Replaced whole, never changed in place (prefetch threads read it).
+# What a structure holds once compiled is a few dozen times its text, so the caches here
+# are bounded by the text they hold in all, whatever the headers: _RECENT structures of
+# _RECENT_MAX_BYTES of bytes in all, and _PROGRAMS programs of _PROGRAMS_MAX_BYTES.
 _recent: tuple[Structure, ...] = ()
 _RECENT = 4
 _RECENT_MAX_BYTES = 1 << 20
@@ -142,6 +145,7 @@ def _read_known(header: bytes) -> Decoded | None:
 # to batch in the leaf table, not in the tokens. Replaced whole, never changed in place.
 _programs: dict[bytes, Program] = {}
 _PROGRAMS = 16
+_PROGRAMS_MAX_BYTES = 1 << 20
 
 
 def _program(tokens: Any, n_leaves: int) -> Program:
@@ -154,15 +158,29 @@ def _program(tokens: Any, n_leaves: int) -> Program:
     program = _programs.get(key)
     if program is None:
         program = compile_tokens(tokens, n_leaves)[0]
-        kept = dict(list(_programs.items())[-(_PROGRAMS - 1) :])
-        kept[key] = program
-        _programs = kept
+        if len(key) <= _PROGRAMS_MAX_BYTES:
+            newest = [(key, program), *reversed(_programs.items())]
+            n = _fitting([len(k) for k, _ in newest], _PROGRAMS, _PROGRAMS_MAX_BYTES)
+            _programs = dict(reversed(newest[:n]))
     return program
 
 
 def _remember(structure: Structure) -> None:
     global _recent
-    _recent = (structure, *_recent[: _RECENT - 1])
+    newest = (structure, *_recent)
+    sizes = [len(known.structure_bytes or b"") for known in newest]
+    _recent = newest[: _fitting(sizes, _RECENT, _RECENT_MAX_BYTES)]
+
+
+def _fitting(sizes: list[int], most: int, budget: int) -> int:
+    """How many of a cache's entries to keep, newest first (``sizes``, in bytes of text):
+    at most ``most``, of at most ``budget`` bytes in all."""
+    total = 0
+    for n, size in enumerate(sizes[:most]):
+        total += size
+        if total > budget:
+            return n
+    return min(most, len(sizes))
 
 
 class Structure:

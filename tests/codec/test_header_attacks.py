@@ -28,6 +28,8 @@ from tensorcast.codec import schema as _schema
 from tensorcast.codec.build import MAX_SAME_HASH
 from tensorcast.codec.encode import encode as encode_tree
 
+# the module (``tensorcast.codec.decode``, the function, shares its name)
+_decode = importlib.import_module("tensorcast.codec.decode")
 SETTINGS = settings(deadline=None, print_blob=True, max_examples=300)
 ATTACKS = Path(__file__).resolve().parent / "attacks"
 PREFIX = struct.Struct("<4sHHI")
@@ -191,6 +193,31 @@ def test_dict_keys_that_share_a_hash_are_refused_by_both_sides() -> None:
         tc.read_header(data)
     with pytest.raises(tc.HeaderError, match="share a hash"):
         tc.unpack(data, torch.empty(0, dtype=torch.uint8))
+
+
+def _wide(i: int, leaf: Any) -> dict[str, Any]:
+    """A tree of ``leaf`` and 1500 long keys: 300 KB of header text, distinct per ``i``."""
+    return {"leaf": leaf, **{f"{i:04d}{'k' * 200}{j}": None for j in range(1500)}}
+
+
+def test_what_decoding_keeps_is_bounded_in_bytes_whatever_the_headers() -> None:
+    """The decoder's caches (compiled programs of trimmed headers, structures read lately)
+    hold at most their byte budgets of header text, however many large distinct headers
+    come: a compiled structure is a few dozen times its text (16 cached programs of 1.2 MB
+    headers held 600 MB)."""
+    padded = torch.zeros(8, 65536)
+    padded[:, :4096] = 1.0
+    for i in range(6):  # trimmed headers: 300 KB of tokens each, every one distinct
+        packed = tc.pack(_wide(i, padded))
+        assert tc.read_header(packed.header).leaves[0].trimmed
+        tc.unpack(packed)
+        tc.unpack(tc.pack(_wide(i, torch.ones(2))))  # untrimmed: its structure remembered
+    programs = _decode._programs
+    assert 1 <= len(programs) <= _decode._PROGRAMS
+    assert sum(map(len, programs)) <= _decode._PROGRAMS_MAX_BYTES
+    recent = _decode._recent
+    assert 1 <= len(recent) <= _decode._RECENT
+    assert sum(len(known.structure_bytes or b"") for known in recent) <= _decode._RECENT_MAX_BYTES
 
 
 def test_deep_flat_tree_referencing_a_missing_leaf_is_rejected() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import operator
+import re
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +30,8 @@ __all__ = ["MAX_SAME_HASH", "Program", "compile_tokens", "crowded", "decode_valu
 _OrderedDict = collections.OrderedDict
 _CONTAINER_TAGS = frozenset("ltdorx")
 _F64 = struct.Struct("<d")  # a float value's bits, as an unsigned int
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1  # an "i" value's or an int key's range
+_BIG_INT = re.compile(r"-?0x[0-9a-f]+")
 _U64 = struct.Struct("<Q")
 
 # A container step while compiling: (tag, extra, path, child references).
@@ -314,7 +317,7 @@ def _decode_key(key: Any) -> Any:
         HeaderError: ``key`` is not a key token.
     """
     t = type(key)
-    if t is str or t is int or t is bool or key is None:
+    if t is str or t is bool or key is None or (t is int and _I64_MIN <= key <= _I64_MAX):
         return key
     if t is list and len(key) == 2 and key[0] == "I" and type(key[1]) is str:
         return _parse_big_int(key[1])
@@ -327,7 +330,7 @@ def _decode_small(tok: list[Any]) -> Any:
         raise HeaderError("invalid value token []")
     tag = tok[0]
     n = len(tok)
-    if tag == "i" and n == 2 and type(tok[1]) is int:
+    if tag == "i" and n == 2 and type(tok[1]) is int and _I64_MIN <= tok[1] <= _I64_MAX:
         return tok[1]
     if tag == "f" and n == 2:
         return _bits_to_float(tok[1])
@@ -340,7 +343,7 @@ def _decode_small(tok: list[Any]) -> Any:
     if tag == "s" and n == 3 and type(tok[1]) is str:
         dtype = NUMPY_CODES.get(tok[1])
         data = _fromhex(tok[2])
-        if dtype is None or len(data) != dtype.itemsize:
+        if dtype is None or len(data) != dtype.itemsize or (dtype.kind == "b" and data > b"\x01"):
             raise HeaderError(f"invalid numpy scalar token {tok!r:.80}")
         return np.frombuffer(data, dtype=dtype)[0]
     if tag == "S" and n == 3:
@@ -352,10 +355,10 @@ def _decode_small(tok: list[Any]) -> Any:
 
 
 def _parse_big_int(text: str) -> int:
-    try:
-        return int(text, 16)
-    except ValueError:
-        raise HeaderError(f"invalid big-int token {text!r:.80}") from None
+    """An int as Python's ``hex()`` writes it (``-0x1f``), and no other spelling."""
+    if _BIG_INT.fullmatch(text) is None:
+        raise HeaderError(f"invalid big-int token {text!r:.80}")
+    return int(text, 16)
 
 
 def _bits_to_float(bits: Any) -> float:

@@ -147,7 +147,7 @@ def rebuild_limit() -> int:
         ValueError: the variable is set but not a non-negative int.
     """
     raw = os.environ.get(REBUILD_LIMIT_ENV)
-    if raw is None:
+    if raw is None or not raw.strip():  # unset, or set empty: the default
         return REBUILD_LIMIT
     try:
         limit = int(raw)
@@ -173,9 +173,10 @@ def check_rebuild(full: int, travelled: int, limit: int | None = None) -> None:
         )
     limit = rebuild_limit() if limit is None else limit
     if full > limit:
-        raise _invalid(
-            f"the trimmed leaves rebuild to {full} bytes, over this process's limit of "
-            f"{limit} bytes: set {REBUILD_LIMIT_ENV} (bytes) higher for larger batches"
+        raise HeaderError(
+            f"tensorcast header refused: its trimmed leaves rebuild to {full} bytes, over "
+            f"this process's limit of {limit} bytes: set {REBUILD_LIMIT_ENV} (bytes) higher "
+            f"for larger batches"
         )
 
 
@@ -201,8 +202,8 @@ def check_trims(records: list[Any], leaves: list[Any], travelled: int) -> dict[i
         tables[i] = table
     try:
         check_rebuild(full, travelled)
-    except ValueError as e:  # the limit's variable is set wrong: say so as the header's
-        raise _invalid(str(e)) from None
+    except ValueError as e:  # the limit's variable is set wrong: the header is not at fault
+        raise HeaderError(f"tensorcast cannot check a header's trimmed leaves: {e}") from None
     return tables
 
 

@@ -220,6 +220,25 @@ def test_what_decoding_keeps_is_bounded_in_bytes_whatever_the_headers() -> None:
     assert sum(len(known.structure_bytes or b"") for known in recent) <= _decode._RECENT_MAX_BYTES
 
 
+@pytest.mark.parametrize(
+    ("tokens", "values"),
+    [
+        ([None], [["i", 1 << 63]]),  # "i" holds 64 bits; a larger int is an "I"
+        ([None], [["I", " 0x_f_f "]]),  # "I" is as hex() writes it...
+        ([None], [["I", "111"]]),  # ...with its 0x
+        ([None], [["I", "0XFF"]]),
+        ([None], [["s", "BOOL", "07"]]),  # a numpy bool is one byte, 0 or 1
+        ([["d", 1, [1 << 63]], None], [None]),  # a bare int key holds 64 bits
+    ],
+)
+def test_values_outside_the_grammar_are_refused(tokens: list[Any], values: list[Any]) -> None:
+    """NOTE [ The token and value grammar ] is exact: what the encoder never writes is a
+    HeaderError, not read some other way."""
+    data = frame(json.dumps([0, 64, [], tokens, values, []]).encode())
+    with pytest.raises(tc.HeaderError):
+        tc.unpack(data, torch.empty(0, dtype=torch.uint8))
+
+
 def test_deep_flat_tree_referencing_a_missing_leaf_is_rejected() -> None:
     data = frame(json.dumps([0, 64, [], [["l", 1]] * 100_000 + [0], [], []]).encode())
     assert judge(data) == "rejected"

@@ -131,6 +131,12 @@ def test_a_header_over_the_rebuild_limit_is_refused(monkeypatch: pytest.MonkeyPa
         tc.unpack(packed)
     monkeypatch.setenv(R.REBUILD_LIMIT_ENV, str(leaf.nbytes))
     assert_same(tc.unpack(packed), {"x": leaf})
+    monkeypatch.setenv(R.REBUILD_LIMIT_ENV, " ")  # set empty: the default
+    assert_same(tc.unpack(packed), {"x": leaf})
+    for bad in ("abc", "-1", "1e9"):  # the setting is wrong, not the header: says which
+        monkeypatch.setenv(R.REBUILD_LIMIT_ENV, bad)
+        with pytest.raises(tc.HeaderError, match=r"cannot check a header's trimmed leaves: "):
+            tc.unpack(packed)
 
 
 def test_the_encoder_trims_nothing_its_receivers_would_refuse() -> None:

@@ -263,10 +263,12 @@ class Decoded:
             HeaderError: its size is not the header's.
         """
         if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            kind = f"{type(buffer).__module__}.{type(buffer).__qualname__}"
             raise TypeError(
-                f"the buffer must be a 1-D torch.uint8 tensor, got "
-                f"{getattr(buffer, 'dtype', type(buffer).__name__)} with shape "
+                f"the buffer must be a 1-D torch.uint8 tensor, got {kind} of "
+                f"{getattr(buffer, 'dtype', 'no dtype')} with shape "
                 f"{tuple(getattr(buffer, 'shape', ()))}"
+                + (" (torch.from_numpy(array) makes one)" if kind == "numpy.ndarray" else "")
             )
         if not buffer.is_contiguous():
             raise ValueError("the buffer must be contiguous; call .contiguous() first")

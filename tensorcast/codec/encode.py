@@ -500,7 +500,13 @@ def check_trim(trim: object) -> bool:
         TypeError: anything else (None, 0, a string), with what was given.
     """
     if type(trim) is not bool:
-        raise TypeError(f"trim must be True or False, got {trim!r} of type {type(trim).__name__}")
+        kind = type(trim)
+        name = (
+            kind.__qualname__
+            if kind.__module__ == "builtins"
+            else f"{kind.__module__}.{kind.__qualname__}"
+        )
+        raise TypeError(f"trim must be True or False, got {trim!r} of type {name}")
     return trim
 
 

@@ -107,8 +107,12 @@ def test_a_scan_that_fails_leaves_its_leaf_whole(monkeypatch: pytest.MonkeyPatch
 @pytest.mark.parametrize("bad", [None, 0, 1, "yes", np.bool_(True)])
 def test_trim_takes_only_a_bool_on_every_entry_point(bad: Any) -> None:
     tree = {"x": torch.ones(2)}
-    with pytest.raises(TypeError, match="trim must be True or False"):
+    with pytest.raises(TypeError, match="trim must be True or False") as raised:
         tc.pack(tree, trim=bad)
+    # names the type as a user would import it: numpy's bool is not the bool
+    assert str(raised.value).endswith(
+        "of type numpy.bool" if isinstance(bad, np.bool_) else f"of type {type(bad).__name__}"
+    )
     with pytest.raises(TypeError, match="trim must be True or False"):
         tc.broadcast(tree, 0, trim=bad)  # before it asks for torch.distributed
     with pytest.raises(TypeError, match="trim must be True or False"):

@@ -156,16 +156,7 @@ class BroadcastingDataLoader:
     ) -> None:
         """Agree with the peers and open this rank's role; stays a no-op where nothing spans."""
         setup = {"prefetch": self.prefetch, "verify": verify}
-        source = self.source
-        extra: dict[str, Any] = {}
-        failed: Exception | None = None
-        if source is not None:
-            try:
-                extra["length"] = _length(source)
-            except Exception as e:  # told to the peers, so that they fail now, not at the timeout
-                failed = e
-                extra["length"] = None
-                extra["length failed"] = f"{type(e).__name__}: {e}"[:_TOLD_CHARS]
+        extra, failed = _length_told(self.source)
         what = _WHAT
         if group is not None and src is not None:
             src = check_src(src)
@@ -184,23 +175,7 @@ class BroadcastingDataLoader:
             )  # fmt: skip
         else:
             return
-        told = extras[self._role.src]
-        if "length failed" in told:
-            if failed is not None and self._role.is_source:
-                raise failed
-            raise SourceError(
-                f"the source loader on rank {self._role.src} (group ranks "
-                f"{list(self._role.ranks)}) failed in len(source): {told['length failed']}. "
-                f"Fix its __len__, or give it none: a TypeError or NotImplementedError from "
-                f"len() means the source has no length"
-            )
-        if "length" not in told:
-            raise ValueError(
-                f"rank {self._role.src} is the source of its group (global ranks "
-                f"{list(self._role.ranks)}) but its source is None; build the real loader "
-                f"there, e.g. source=loader if tensorcast.is_dp_source_rank(mesh) else None"
-            )
-        self._length = told["length"]
+        self._length = _told_length(extras[self._role.src], self._role, failed)
 
     # -- iteration -----------------------------------------------------------------
 
@@ -387,6 +362,39 @@ def _refuse_while_open(iters: list[tuple[int, weakref.ReferenceType[Any]]]) -> N
 def _is_open(run: Pass | NoOpPass | None) -> bool:
     """Whether ``run``, a pass (None once dropped), is open."""
     return run is not None and run.open
+
+
+def _length_told(source: Any) -> tuple[dict[str, Any], Exception | None]:
+    """What a rank tells its peers of its source at setup: its length (None: it has none),
+    or how ``len(source)`` failed, so that the peers fail now, not at their timeout; and
+    that failure. Nothing for a rank without a source."""
+    if source is None:
+        return {}, None
+    try:
+        return {"length": _length(source)}, None
+    except Exception as e:
+        return {"length": None, "length failed": f"{type(e).__name__}: {e}"[:_TOLD_CHARS]}, e
+
+
+def _told_length(told: dict[str, Any], role: Role, failed: Exception | None) -> int | None:
+    """The length of the source, as its rank ``told`` it; raises what it told went wrong
+    (the source rank its own error, ``failed``)."""
+    ranks = list(role.ranks)
+    if "length failed" in told:
+        if failed is not None and role.is_source:
+            raise failed
+        raise SourceError(
+            f"the source loader on rank {role.src} (group ranks {ranks}) failed in "
+            f"len(source): {told['length failed']}. Fix its __len__, or give it none: a "
+            f"TypeError or NotImplementedError from len() means the source has no length"
+        )
+    if "length" not in told:
+        raise ValueError(
+            f"rank {role.src} is the source of its group (global ranks {ranks}) but its "
+            f"source is None; build the real loader there, e.g. "
+            f"source=loader if tensorcast.is_dp_source_rank(mesh) else None"
+        )
+    return told["length"]  # type: ignore[no-any-return]
 
 
 def _length(source: Any) -> int | None:

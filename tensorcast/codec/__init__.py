@@ -41,7 +41,8 @@ for the bench, :func:`padding_bytes`, what trimming a leaf would drop.
 #   ["l", n]  ["t", n]    a list / tuple of the next n subtrees
 #   ["d", n, keys]        a dict of the next n subtrees; keys: n key tokens, distinct once
 #                         decoded, each a str, an int in the signed 64-bit range, a bool,
-#                         null, or ["I", hex] for any other int
+#                         null, or ["I", hex] for any other int; at most 16 of one hash
+#                         (NOTE [ Keys that share a hash ] in ``codec.build``)
 #   ["o", n, keys]        a collections.OrderedDict, its keys as for "d"
 #   ["r", name, fields]   a registered NamedTuple / dataclass: one subtree per field, the
 #                         fields as both sides registered them
@@ -58,7 +59,8 @@ for the bench, :func:`padding_bytes`, what trimming a leaf would drop.
 #   ["c", re, im]         a complex: the bits of both parts, as for "f"
 #   ["y", "00ff"]         bytes of at most INLINE_LIMIT, hex; longer ones are a "bytes"
 #                         buffer leaf
-#   ["s", "F32", "00ff"]  a numpy scalar: its dtype code and its bytes, hex
+#   ["s", "F32", "00ff"]  a numpy scalar: its dtype code and its bytes, hex (a bool's: 00
+#                         or 01)
 #   ["S", "U", text]      a numpy.str_;   ["S", "S", "00ff"]: a numpy.bytes_, hex
 
 from __future__ import annotations

@@ -25,12 +25,21 @@ from tensorcast.codec import registry as _registry
 from tensorcast.codec.dtypes import NUMPY_CODES
 from tensorcast.codec.paths import Path, render_path
 
-__all__ = ["MAX_SAME_HASH", "Program", "compile_tokens", "crowded", "decode_values", "run"]
+__all__ = [
+    "I64_MAX",
+    "I64_MIN",
+    "MAX_SAME_HASH",
+    "Program",
+    "compile_tokens",
+    "crowded",
+    "decode_values",
+    "run",
+]
 
 _OrderedDict = collections.OrderedDict
 _CONTAINER_TAGS = frozenset("ltdorx")
 _F64 = struct.Struct("<d")  # a float value's bits, as an unsigned int
-_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1  # an "i" value's or an int key's range
+I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1  # an "i" value's or an int key's range
 _BIG_INT = re.compile(r"-?0x[0-9a-f]+")
 _U64 = struct.Struct("<Q")
 
@@ -317,7 +326,7 @@ def _decode_key(key: Any) -> Any:
         HeaderError: ``key`` is not a key token.
     """
     t = type(key)
-    if t is str or t is bool or key is None or (t is int and _I64_MIN <= key <= _I64_MAX):
+    if t is str or t is bool or key is None or (t is int and I64_MIN <= key <= I64_MAX):
         return key
     if t is list and len(key) == 2 and key[0] == "I" and type(key[1]) is str:
         return _parse_big_int(key[1])
@@ -330,7 +339,7 @@ def _decode_small(tok: list[Any]) -> Any:
         raise HeaderError("invalid value token []")
     tag = tok[0]
     n = len(tok)
-    if tag == "i" and n == 2 and type(tok[1]) is int and _I64_MIN <= tok[1] <= _I64_MAX:
+    if tag == "i" and n == 2 and type(tok[1]) is int and I64_MIN <= tok[1] <= I64_MAX:
         return tok[1]
     if tag == "f" and n == 2:
         return _bits_to_float(tok[1])

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tensorcast.codec import registry as _registry
-from tensorcast.codec.build import crowded
+from tensorcast.codec.build import I64_MAX, I64_MIN, crowded
 from tensorcast.codec.dtypes import CODE_OF_TORCH, numpy_code
 from tensorcast.codec.flatten_errors import (
     Fail,
@@ -47,7 +47,6 @@ Flat = tuple[list[Any], list[Any], list[BufferLeaf], bool]
 
 _F64 = struct.Struct("<d")
 _U64 = struct.Struct("<Q")
-_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 _OrderedDict = collections.OrderedDict
 _Parameter = torch.nn.Parameter
 _STRIDED = torch.strided
@@ -145,7 +144,7 @@ def _walk(tree: Any, codec_trees: dict[int, tuple[str, Any]]) -> Flat:
             value(obj)
         elif t is int:
             append(None)
-            value(["i", obj] if _I64_MIN <= obj <= _I64_MAX else ["I", hex(obj)])
+            value(["i", obj] if I64_MIN <= obj <= I64_MAX else ["I", hex(obj)])
         elif t is float:
             append(None)
             value(["f", _U64.unpack(_F64.pack(obj))[0]])
@@ -246,7 +245,7 @@ def _encode_key(key: Any, container: Any) -> Any:
     if t is str or t is bool or key is None:
         return key
     if t is int:
-        return key if _I64_MIN <= key <= _I64_MAX else ["I", hex(key)]
+        return key if I64_MIN <= key <= I64_MAX else ["I", hex(key)]
     raise Fail(container, functools.partial(bad_key, key))
 
 

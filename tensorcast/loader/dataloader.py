@@ -181,7 +181,8 @@ class BroadcastingDataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         """A new pass over the source, of its own (NOTE [ Where a pass ends ]): a second
-        ``iter()`` never ends the first, and ``zip(loader, loader)`` yields pairs."""
+        ``iter()`` never silently ends the first, and ``zip(loader, loader)`` yields pairs
+        (over a source that hands out one iterator, the first pass raises instead)."""
         role = self._role
         self._passes += 1
         self._iters = [(n, ref) for n, ref in self._iters if ref() is not None]
@@ -234,8 +235,13 @@ class BroadcastingDataLoader:
     # -- length, epochs and checkpoints ----------------------------------------------
 
     def __len__(self) -> int:
+        if self._role is None and self.source is not None:  # no-op: len(source) itself
+            length = _length(self.source)
+            if length is None:
+                raise TypeError(f"the source, a {type(self.source).__name__}, has no len()")
+            return length
         if self._role is None:
-            return 0 if self.source is None else len(self.source)  # type: ignore[arg-type]
+            return 0
         if self._length is None:
             raise TypeError(
                 f"the source loader on rank {self._role.src} has no len(); every rank of "

@@ -11,9 +11,10 @@ not ``__del__``, a weakref callback, the garbage collector nor ``atexit``: their
 differ between processes, and at interpreter exit no thread can start. Hence:
 
 - Each ``iter(loader)`` is a pass of its own, as with torch's ``DataLoader``
-  (``zip(loader, loader)`` yields pairs): the loader numbers it, on every rank alike, and
-  its frames carry that number and their step in it (its ``Stamp``), so passes of one
-  loader may interleave on the lane, and a second ``iter()`` never ends the first.
+  (``zip(loader, loader)`` yields pairs of a re-iterable source): the loader numbers it,
+  on every rank alike, and its frames carry that number and their step in it (its
+  ``Stamp``), so passes of one loader may interleave on the lane, and a second ``iter()``
+  never silently ends the first (over a source that hands out one iterator, see below).
 - A pass that ends (its END or ERROR frame) or that the program closes (``close()`` on
   every rank after the same batch, NOTE [ An early close ]) finishes its steps there.
 - A pass that is only *dropped* (a ``for ... break``, an iterator let go, whenever its
@@ -29,12 +30,14 @@ differ between processes, and at interpreter exit no thread can start. Hence:
   ``iter()`` (a lhotse sampler returns itself, a ``DataLoader`` with persistent workers
   resets its one iterator) would hand them the new epoch's first batches, or fail
   (torch's ``Invalid iterator state``). Their batches are dropped as before; their
-  failures are the old pass's, not raised here. When ``iter(source)`` then returns the
-  very iterator an open pass draws from (such a source, or a generator), that pass draws
-  no more: its next step fails with a ``RuntimeError`` naming the new pass, on every rank
-  (an ERROR frame), rather than take the new pass's batches, repeat its own after a
-  restart, or share them. So ``zip(loader, loader)`` over such a source raises; a pass
-  left by a ``break`` and kept alive is no obstacle to the next one.
+  failures are the old pass's, not raised here. When the new pass then draws from what
+  an open pass draws from (``iter(source)`` returned the very iterator, as such a source
+  or a generator does; or the source's sampler is its own iterator, a lhotse sampler
+  under a ``DataLoader``: ``steps.drawn_from``), that pass draws no more: its next step
+  fails with a ``RuntimeError`` naming the new pass, on every rank (an ERROR frame),
+  rather than take the new pass's batches, repeat its own after a restart, or share them.
+  So ``zip(loader, loader)`` over such a source raises; a pass left by a ``break`` and
+  kept alive is no obstacle to the next one.
 - ``load_state_dict()`` refuses while a pass of its loader is open (started, not ended,
   its iterator alive after a ``gc.collect()``, so that every rank decides alike), and
   waits, queuing nothing, for the steps its dropped passes queued: they pull from the
@@ -57,7 +60,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tensorcast.loader.stats import Recorder
-from tensorcast.loader.steps import End, Failure, Item, SourceSteps, steps_for
+from tensorcast.loader.steps import End, Failure, Item, SourceSteps, drawn_from, steps_for
 from tensorcast.transport import DevicePart, Job, Role, hand_out, post
 from tensorcast.transport import interrupt_points as _interrupts
 
@@ -97,7 +100,58 @@ class Ledger:
         return None
 
 
-class Pass:
+class _OneCaller:
+    """An iterator over a pass that serves one caller at a time: ``next()`` or ``close()``
+    while another thread (or a signal handler that interrupted it) is inside either raises
+    a ``RuntimeError``, never hands out ``None`` nor skips a batch."""
+
+    _index: int
+    _inside: bool  # a thread is inside next() or close()
+
+    def __iter__(self) -> _OneCaller:
+        return self
+
+    def __next__(self) -> Any:
+        # A flag, not a lock: between its test and its set, and in the `finally`, there is
+        # no call, so no point where another thread or a signal handler runs (NOTE
+        # [ Interrupts ]); releasing a lock is a call, and a handler that raised at its
+        # return would lose the batch just handed out.
+        if self._inside:
+            raise _busy("next()", self._index)
+        self._inside = True
+        try:
+            return self._next()
+        finally:
+            self._inside = False
+
+    def close(self) -> None:
+        """Close the pass here. On a group: finish the steps owed to the peers (their
+        batches are dropped), and, left before its end, agree with them on where (NOTE
+        [ An early close ]). Call it on every rank after the same batch, or not at all: a
+        pass that is only dropped needs nothing (NOTE [ Where a pass ends ]). Safe to call
+        again, also after an interrupt; raises what a step that was let go raised, if it
+        broke the channel.
+
+        Raises:
+            RuntimeError: ``next()`` or ``close()`` is running on this iterator already.
+            DesyncError: the ranks closed the pass after different batches.
+        """
+        if self._inside:
+            raise _busy("close()", self._index)
+        self._inside = True
+        try:
+            self._close()
+        finally:
+            self._inside = False
+
+    def _next(self) -> Any:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+
+class Pass(_OneCaller):
     """An iterator over one pass; made by ``iter(loader)`` on every rank together (NOTE
     [ Where a pass ends ]).
 
@@ -172,6 +226,7 @@ class Pass:
             # included) is announced to the receivers by the first step.
             try:
                 steps.source_iter = iter(self._source)
+                steps.drawing = drawn_from(self._source, steps.source_iter)
                 self._take_over(steps)
                 if steps.stateful is not None:  # the position before the first batch
                     self._ledger.state = copy.deepcopy(steps.stateful.state_dict())
@@ -183,29 +238,13 @@ class Pass:
         self._started = True
 
     def _take_over(self, steps: SourceSteps) -> None:
-        """``steps`` draw from the iterator their ``iter(source)`` returned: an open pass
-        that drew from that very iterator draws no more (NOTE [ Where a pass ends ])."""
+        """``steps`` draw from what ``steps.drawing`` is: an open pass that drew from that
+        very object draws no more (NOTE [ Where a pass ends ])."""
         ledger = self._ledger
         before = ledger.drawing() if ledger.drawing is not None else None
-        if before is not None and not before.ended and before.source_iter is steps.source_iter:
+        if before is not None and not before.ended and before.drawing is steps.drawing:
             before.taken_over = self._index
         ledger.drawing = weakref.ref(steps)
-
-    def __iter__(self) -> Pass:
-        return self
-
-    def __next__(self) -> Any:
-        # One caller at a time. A flag, not a lock: between its test and its set, and in
-        # the `finally`, there is no call, so no point where another thread or a signal
-        # handler runs (NOTE [ Interrupts ]); releasing a lock is a call, and a handler
-        # that raised at its return would lose the batch just handed out.
-        if self._inside:
-            raise _busy("next()", self._index)
-        self._inside = True
-        try:
-            return self._next()
-        finally:
-            self._inside = False
 
     def _next(self) -> Any:
         self._called = time.perf_counter()  # NOTE [ Where a step's time goes ]
@@ -281,8 +320,8 @@ class Pass:
                 self._post_ahead()
             if self._depth:
                 self._refill(1)
-            if item.state is not None:
-                self._ledger.state = item.state
+            if item.state is not None and self._steps.taken_over is None:
+                self._ledger.state = item.state  # a pass taken over is not the position
             self._stats.handed_out(
                 self._called, item.source_s, item.wait_s, item.transfer_s, item.nbytes,
                 shm_nbytes=item.shm_nbytes,
@@ -335,26 +374,6 @@ class Pass:
             raise item.error
         raise StopIteration
 
-    def close(self) -> None:
-        """Close the pass here: finish the steps owed to the peers (their batches are
-        dropped), and, left before its end, agree with them on where (NOTE [ An early
-        close ]). Call it on every rank after the same batch, or not at all: a pass that is
-        only dropped needs nothing (NOTE [ Where a pass ends ]). Safe to call again, also
-        after an interrupt; raises what a step that was let go raised, if it broke the
-        channel.
-
-        Raises:
-            RuntimeError: ``next()`` or ``close()`` is running on this iterator already.
-            DesyncError: the ranks closed the pass after different batches.
-        """
-        if self._inside:
-            raise _busy("close()", self._index)
-        self._inside = True
-        try:
-            self._close()
-        finally:
-            self._inside = False
-
     def _close(self) -> None:
         if self._finished and not self._pending:
             return
@@ -398,11 +417,11 @@ class Pass:
         self._settle()
 
 
-class NoOpPass:
+class NoOpPass(_OneCaller):
     """A no-op loader's pass (nothing spans its group): the source's batches as they come,
     each ``next(source)`` recorded as the step's stall and its source time (nothing
     travels). ``iter(source)`` at the first ``next()``, and one caller at a time, as
-    :class:`Pass`."""
+    :class:`Pass`; ``close()`` ends it."""
 
     def __init__(
         self, index: int, source: Any, stats: Recorder, rebuild: Callable[[Any], Any]
@@ -412,7 +431,7 @@ class NoOpPass:
         self._stats = stats
         self._rebuild = rebuild
         self._iterator: Any = None
-        self._inside = False  # a thread is inside next() or close() (see Pass.__next__)
+        self._inside = False
         self._finished = False
 
     @property
@@ -420,35 +439,23 @@ class NoOpPass:
         """Whether the pass started and has neither ended nor been closed."""
         return self._iterator is not None and not self._finished
 
-    def __iter__(self) -> NoOpPass:
-        return self
-
-    def __next__(self) -> Any:
-        if self._inside:
-            raise _busy("next()", self._index)
-        self._inside = True
+    def _next(self) -> Any:
+        if self._finished:
+            raise StopIteration
+        called = time.perf_counter()
         try:
-            if self._finished:
-                raise StopIteration
-            called = time.perf_counter()
             if self._iterator is None:
                 self._iterator = iter(self._source)
-            try:
-                batch = next(self._iterator)
-            except StopIteration:
-                self._finished = True
-                raise
-            pulled = time.perf_counter() - called
-            out = self._rebuild(batch)
-            self._stats.handed_out(called, pulled)
-            return out
-        finally:
-            self._inside = False
+            batch = next(self._iterator)
+        except Exception:  # the end, or the source's failure: the pass ends, as on a group
+            self._finished = True
+            raise
+        pulled = time.perf_counter() - called
+        out = self._rebuild(batch)
+        self._stats.handed_out(called, pulled)
+        return out
 
-    def close(self) -> None:
-        """End the pass here: ``next()`` raises ``StopIteration`` from now on."""
-        if self._inside:
-            raise _busy("close()", self._index)
+    def _close(self) -> None:
         self._finished = True
 
 

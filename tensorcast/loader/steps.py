@@ -59,6 +59,7 @@ __all__ = [
     "ReceiverSteps",
     "SourceSteps",
     "Steps",
+    "drawn_from",
     "stateful",
     "steps_for",
 ]
@@ -133,6 +134,9 @@ class Steps:
         self.device = device
         self.stamp = Stamp(index)  # the pass's frames: only these steps move it
         self.ended = False  # the pass's END or ERROR frame went by
+        #: on the source, the later pass that draws from what this one draws from (NOTE
+        #: [ Where a pass ends ]): this pass draws no more
+        self.taken_over: int | None = None
 
     def step(self) -> Any:
         """One step: an :class:`Item`, ``END`` or a :class:`Failure`."""
@@ -165,9 +169,8 @@ class SourceSteps(Steps):
         # A batch pulled whose frame an interrupt kept from going out: the next step sends
         # it (NOTE [ Interrupts ], ``step.pulled``).
         self.pulled: Any = _NOTHING
-        #: the later pass whose iter(source) returned this pass's iterator (NOTE [ Where a
-        #: pass ends ]): this pass draws no more from it
-        self.taken_over: int | None = None
+        #: what this pass's batches are drawn from (see :func:`drawn_from`), once started
+        self.drawing: Any = None
 
     def step(self) -> Any:
         sender = self.sender
@@ -216,15 +219,15 @@ class SourceSteps(Steps):
         return Item(own, state, pulled, 0.0, sent, n, n if out.cut.shm else 0)
 
     def _taken_over(self, later: int) -> RuntimeError:
-        kind = type(self.source_iter).__name__
+        kind = type(self.drawing).__name__
         return RuntimeError(
             f"pass {self.stamp.pass_index} of this BroadcastingDataLoader cannot draw another "
-            f"batch: pass {later} called iter() on the same source and got back the iterator "
-            f"this pass draws from (a {kind}). A source that hands out one iterator (a lhotse "
-            f"sampler, a DataLoader with persistent_workers=True, a generator) restarts or "
-            f"shares it at iter(), so the two passes would take each other's batches. Over "
-            f"such a source run one pass at a time (finish or close() this one first), or "
-            f"give each pass a source of its own"
+            f"batch: pass {later} called iter() on the same source, and draws from what this "
+            f"pass draws from (a {kind}). A source that hands out one iterator (a lhotse "
+            f"sampler, alone or under a DataLoader; a DataLoader with persistent_workers="
+            f"True; a generator) restarts or shares it at iter(), so the two passes would "
+            f"take each other's batches. Over such a source run one pass at a time (finish "
+            f"or close() this one first), or give each pass a source of its own"
         )
 
     def _fail(self, error: BaseException, message: str) -> Failure:
@@ -292,6 +295,19 @@ class ReceiverSteps(Steps):
             f"rank {receiver.rank} closed the pass at step {self.stamp.step - 1}, but the "
             f"source rank {receiver.src} went on: it sent {what} there"
         )
+
+
+def drawn_from(source: Any, iterator: Any) -> Any:
+    """What a pass over ``source`` draws its batches from, given the ``iterator`` its
+    ``iter(source)`` returned: a sampler of the source's that is its own iterator (a lhotse
+    sampler under a ``DataLoader``: every iterator of the loader draws from it, and its
+    ``iter()`` restarts it), else that iterator (the same object again where the source
+    hands out one: a lhotse sampler itself, persistent workers, a generator)."""
+    for name in ("batch_sampler", "sampler"):
+        sampler = getattr(source, name, None)
+        if sampler is not None and hasattr(type(sampler), "__next__"):
+            return sampler
+    return iterator
 
 
 def steps_for(role: Role, device: Any, index: int, source: Any, depth: int) -> Steps:

@@ -320,7 +320,7 @@ class Agreement:
                 self._give_up_waiting(base, missing, ranks, what, total)
             self._outcome_so_far(base)
             log.warning(
-                "rank %d: still waiting for %s to build %s: %.0f s (of %g s)%s",
+                "rank %d: still waiting for %s to set up %s: %.0f s (of %g s)%s",
                 self.rank, _ranks(missing), what, waited, total, self._gone(missing),
             )  # fmt: skip
 

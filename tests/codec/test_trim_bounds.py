@@ -110,9 +110,8 @@ def test_trim_takes_only_a_bool_on_every_entry_point(bad: Any) -> None:
     with pytest.raises(TypeError, match="trim must be True or False") as raised:
         tc.pack(tree, trim=bad)
     # names the type as a user would import it: numpy's bool is not the bool
-    assert str(raised.value).endswith(
-        "of type numpy.bool" if isinstance(bad, np.bool_) else f"of type {type(bad).__name__}"
-    )
+    named = f"numpy.{type(bad).__name__}" if isinstance(bad, np.bool_) else type(bad).__name__
+    assert str(raised.value).endswith(f"of type {named}")
     with pytest.raises(TypeError, match="trim must be True or False"):
         tc.broadcast(tree, 0, trim=bad)  # before it asks for torch.distributed
     with pytest.raises(TypeError, match="trim must be True or False"):

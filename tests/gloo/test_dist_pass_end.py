@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from rankpool import in_a_new_process_group
 from subprocs import LAUNCHER_ENV, run_killable
+from torch.utils.data import DataLoader
 
 import tensorcast as tc
 
@@ -444,21 +445,22 @@ def test_a_second_iter_never_ends_the_first_silently(pool2: Any, prefetch: int) 
 
 class Restarting:
     """A source that is its own iterator and starts over at ``iter()``, as a lhotse sampler
-    (and a ``DataLoader`` with persistent workers) does."""
+    (and a ``DataLoader`` with persistent workers) does: its items are ``make(i)``."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, make: Any = batch) -> None:
         self.n = n
+        self.make = make
         self.at = 0
 
     def __iter__(self) -> Restarting:
         self.at = 0
         return self
 
-    def __next__(self) -> dict[str, Any]:
+    def __next__(self) -> Any:
         if self.at == self.n:
             raise StopIteration
         self.at += 1
-        return batch(self.at - 1)
+        return self.make(self.at - 1)
 
 
 def _zipped(loader: tc.BroadcastingDataLoader) -> dict[str, Any]:
@@ -481,6 +483,10 @@ def _rank_zip(rank: int, world: int, prefetch: int) -> dict[str, Any]:
     out["shared"] = _zipped(loader_on(rank, iter([batch(i) for i in range(2 * N)]), prefetch))
     restarting = loader_on(rank, Restarting(N), prefetch)
     out["restarting"] = _zipped(restarting)
+    # A DataLoader's iterators are new each time, but draw from its one restarting sampler.
+    batches = [batch(i) for i in range(N)]
+    under = DataLoader(batches, sampler=Restarting(N, int), batch_size=None)  # type: ignore[arg-type]
+    out["sampler"] = _zipped(loader_on(rank, under, prefetch))
     # A pass left by a break and kept alive is no obstacle to the next one; used again,
     # it raises rather than take the new pass's batches.
     kept = iter(restarting)
@@ -508,7 +514,7 @@ def test_zip_of_a_loader_with_itself(pool2: Any, prefetch: int) -> None:
     for rank, out in enumerate(results):
         assert out["zip"] == {"pairs": [[i, i] for i in range(N)], "raised": None}, out
         assert out["after"] == list(range(N)), out
-        for kind in ("shared", "restarting"):
+        for kind in ("shared", "restarting", "sampler"):
             got = out[kind]
             assert got["raised"] is not None, f"rank {rank}, {kind}: {got}"
             name, message = got["raised"]

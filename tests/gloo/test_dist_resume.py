@@ -88,7 +88,11 @@ def _resume(rank: int, world: int, stop_after: int) -> dict[int, dict[str, Any]]
                 break  # every rank, after the same batch
         checkpoint = _save(first.state_dict())  # a file per rank in a real job
         kept = iter(first)  # a framework makes the next pass's iterator, then saves
-        time.sleep(0.3)  # by now the dropped pass's queued steps drew from the source
+        if first.sampler is not None and prefetch:  # the dropped pass's steps drew ahead:
+            deadline = time.monotonic() + 30  # the sampler's own state moved past the save
+            while first.sampler.state_dict() == _load(checkpoint):
+                assert time.monotonic() < deadline, "the dropped pass's steps never ran"
+                time.sleep(0.01)
         again = _load(_save(first.state_dict()))
         del kept
         restored = _lhotse_loader(mesh, prefetch)  # as after a restart: nothing reused

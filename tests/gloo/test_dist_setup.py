@@ -240,7 +240,7 @@ def test_a_wait_for_a_missing_rank_prints_only_tensorcasts_lines(tmp_path: Path)
     outs = run_ranks(_NEVER_COMES, 2, tmp_path, timeout=CALL_TIMEOUT)
     rc, out, err = outs[0]
     assert rc == 0 and "RAISED rank 0: rank(s) [1] did not set up" in out, outs[0]
-    assert "still waiting for rank 1 to build BroadcastingDataLoader" in err, err
+    assert "still waiting for rank 1 to set up BroadcastingDataLoader" in err, err
     assert "waitForInput" not in err and "timed out after" not in err, err
 
 

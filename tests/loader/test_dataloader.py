@@ -4,7 +4,6 @@ checks of its arguments. The loader across ranks is tested in ``tests/gloo``."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -73,6 +72,22 @@ def test_no_op_without_torch_distributed() -> None:
     assert_same(list(loader), [batch(4), batch(5)], "no-op resume")
 
 
+class Unknown:
+    """A source whose ``__len__`` says it has none, as Lightning reads it."""
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(2))
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+
+def test_a_no_op_len_is_a_type_error_where_the_source_has_no_length() -> None:
+    for source in (Unknown(), iter([1])):
+        with pytest.raises(TypeError, match="has no len"):
+            len(tc.BroadcastingDataLoader(source))
+
+
 def test_bad_arguments() -> None:
     for prefetch in (-1, 1.5, True):
         with pytest.raises(ValueError, match="prefetch"):
@@ -103,39 +118,60 @@ def test_a_no_op_loader_gives_independent_passes_and_refuses_a_mid_pass_load() -
     assert_same(list(loader), [batch(4), batch(5)], "resumed after a dropped pass")
 
 
-class Slow:
-    """A source whose batches take a moment each: a second thread arrives while the first
-    is inside ``next()``."""
+class Held:
+    """A source whose first batch waits until the test lets it go: a second caller
+    arrives while the first is inside ``next()``."""
+
+    def __init__(self) -> None:
+        self.inside = threading.Event()
+        self.go = threading.Event()
 
     def __iter__(self) -> Iterator[int]:
-        for i in range(N):
-            time.sleep(0.05)
-            yield i
+        self.inside.set()
+        self.go.wait(30)
+        yield from range(N)
 
 
 def test_a_no_op_pass_serves_one_caller_at_a_time() -> None:
-    """``next()`` from a second thread while another is inside it raises a RuntimeError,
-    as on a group; the pass goes on, skipping nothing; ``close()`` ends it."""
-    it = iter(tc.BroadcastingDataLoader(Slow()))
+    """``next()`` while another thread is inside it raises a RuntimeError, as on a group;
+    the pass goes on, skipping nothing; ``close()`` ends it."""
+    source = Held()
+    it = iter(tc.BroadcastingDataLoader(source))
     got: list[int] = []
-    refused: list[str] = []
-
-    def take() -> None:
-        try:
-            got.append(next(it))
-        except RuntimeError as e:
-            refused.append(str(e))
-
-    threads = [threading.Thread(target=take) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert got == [0] and len(refused) == 1, (got, refused)
-    assert "already running" in refused[0] and "pass 1" in refused[0], refused
-    assert next(it) == 1
+    first = threading.Thread(target=lambda: got.append(next(it)))
+    first.start()
+    assert source.inside.wait(30)
+    with pytest.raises(RuntimeError, match=r"already running on it") as refused:
+        next(it)
+    assert "pass 1" in str(refused.value)
+    source.go.set()
+    first.join(30)
+    assert got == [0] and next(it) == 1
     it.close()  # type: ignore[attr-defined]
     assert list(it) == []
+
+
+class Failing(Stateful):
+    """A resumable source that raises at its third batch."""
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for item in super().__iter__():
+            if self.pos == 3:
+                raise ValueError("bad shard")
+            yield item
+
+
+def test_a_no_op_pass_ends_where_its_source_fails() -> None:
+    """As on a group: the failure is raised once, then the pass is over (it draws no
+    more, and a ``load_state_dict()`` is no longer refused as mid-pass)."""
+    loader = tc.BroadcastingDataLoader(Failing(N))
+    it = iter(loader)
+    assert [next(it)["name"], next(it)["name"]] == ["b0", "b1"]
+    with pytest.raises(ValueError, match="bad shard"):
+        next(it)
+    assert list(it) == []
+    loader.load_state_dict({"pos": 4})
+    assert_same(list(loader), [batch(4), batch(5)], "resumed after the failure")
 
 
 def test_stateless_source_warns_once_without_a_process_group() -> None:

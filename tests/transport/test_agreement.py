@@ -190,7 +190,7 @@ def test_a_rank_that_never_comes_is_reported_then_named(caplog: pytest.LogCaptur
     for r in (1, 2, 3):
         assert isinstance(out[r], DesyncError) and "rank(s) [0] did not set up" in str(out[r])
         assert took[r] < 3.0 + 2.0, took
-    lines = [m for m in caplog.messages if "still waiting for rank 0 to build" in m]
+    lines = [m for m in caplog.messages if "still waiting for rank 0 to set up" in m]
     assert len(lines) >= 3, caplog.messages  # every second, on each of three ranks
     # what rank 0's process leaves when it exits
     dist.PrefixStore(prefix, _clients().server).set(f"{EXITED}0", "exited")
@@ -272,7 +272,7 @@ def test_a_rank_whose_process_exited_is_named_as_gone() -> None:
     said, log = out[1][0].decode(), out[1][1].decode()
     assert "DESYNC rank 1: rank(s) [0] did not set up BroadcastingDataLoader" in said, said
     assert "rank 0 exited: its process is gone" in said, said
-    assert "still waiting for rank 0 to build BroadcastingDataLoader: 1 s" in log, log
+    assert "still waiting for rank 0 to set up BroadcastingDataLoader: 1 s" in log, log
 
 
 def test_a_slot_that_disagrees_fails_every_slot_even_when_it_comes_late() -> None:

@@ -41,7 +41,7 @@ from tensorcast.loader.args import (
     to_timedelta,
     unpack_if_packed,
 )
-from tensorcast.loader.passes import Ledger, NoOpPass, Pass
+from tensorcast.loader.passes import Ledger, NoOpPass, Pass, finish_queued
 from tensorcast.loader.stats import WINDOW, LoaderStats, Recorder
 from tensorcast.loader.steps import stateful
 from tensorcast.transport import Packing, Role, open_role, ranks_name
@@ -133,7 +133,7 @@ class BroadcastingDataLoader:
         self._passes = 0
         #: each pass made by iter() (its number, the iterator), held weakly
         self._iters: list[tuple[int, weakref.ReferenceType[Any]]] = []
-        self._ledger = Ledger()  # what its passes leave: the state, their last step
+        self._ledger = Ledger()  # what its passes leave: the state, who draws
         self._length: int | None = None
         self._warned = self._warned_workers = False
         self._log_every = log_every
@@ -330,9 +330,11 @@ class BroadcastingDataLoader:
                 its iterator alive), on every rank alike.
         """
         _refuse_while_open(self._iters)
-        error = self._ledger.finish_queued()  # waits only: nothing is queued
-        if error is not None and self._role is not None and self._role.group.lane.broken:
-            raise error
+        if self._role is not None:
+            lane = self._role.group.lane
+            error = finish_queued(lane)  # waits only: nothing is queued
+            if error is not None and lane.broken:
+                raise error
         self._ledger.state = None
         target = stateful(self.source) if self.is_source else None
         if target is not None and hasattr(target, "load_state_dict"):

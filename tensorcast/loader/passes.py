@@ -25,8 +25,10 @@ differ between processes, and at interpreter exit no thread can start. Hence:
   another pass or step than a receiver expects (``DesyncError``), or none comes (the
   receiver's timeout, with its diagnosis).
 - A new pass, at its first ``next()`` and before it calls ``iter(source)``, waits on the
-  source rank (locally, queuing nothing) for the steps the passes before it queued:
-  they call ``next()`` on the old iterator, and a source that restarts itself at
+  source rank (locally, queuing nothing) for every job queued on its lane before it
+  (:func:`finish_queued`): the steps of the passes before it, of this loader or of
+  another built over the same source (a loader made anew each epoch), call ``next()`` on
+  the old iterator, and a source that restarts itself at
   ``iter()`` (a lhotse sampler returns itself, a ``DataLoader`` with persistent workers
   resets its one iterator) would hand them the new epoch's first batches, or fail
   (torch's ``Invalid iterator state``). Their batches are dropped as before; their
@@ -40,8 +42,8 @@ differ between processes, and at interpreter exit no thread can start. Hence:
   kept alive is no obstacle to the next one.
 - ``load_state_dict()`` refuses while a pass of its loader is open (started, not ended,
   its iterator alive after a ``gc.collect()``, so that every rank decides alike), and
-  waits, queuing nothing, for the steps its dropped passes queued: they pull from the
-  source, and a resume must start where the state says.
+  waits, queuing nothing, for the jobs queued on its lane (its dropped passes' steps
+  among them): they pull from the source, and a resume must start where the state says.
 - ``next()`` on a pass admits one caller at a time; a second thread, or a signal handler
   inside it, gets a ``RuntimeError``, never ``None`` nor a batch skipped.
 - At interpreter exit nothing is queued: the steps still queued are withdrawn, unsent,
@@ -61,43 +63,40 @@ from typing import Any
 
 from tensorcast.loader.stats import Recorder
 from tensorcast.loader.steps import End, Failure, Item, SourceSteps, drawn_from, steps_for
-from tensorcast.transport import DevicePart, Job, Role, hand_out, post
+from tensorcast.transport import DevicePart, Job, Lane, Role, hand_out, post
 from tensorcast.transport import interrupt_points as _interrupts
 
-__all__ = ["Ledger", "NoOpPass", "Pass"]
+__all__ = ["Ledger", "NoOpPass", "Pass", "finish_queued"]
 
 
 class Ledger:
     """What the passes of one loader leave it, read at its next use (``state_dict()``,
     ``load_state_dict()``): written only by the passes, on the caller's thread."""
 
-    __slots__ = ("drawing", "state", "tail")
+    __slots__ = ("drawing", "state")
 
     def __init__(self) -> None:
         #: the source's state after the last batch yielded, by whichever pass handed it
         #: out (``prefetch > 0``; else None)
         self.state: Any = None
-        #: the last step the passes queued, while it lives (the lane's queue holds it):
-        #: the lane runs in order, so once it is done, every step queued before it is
-        self.tail: weakref.ReferenceType[Job[Any]] | None = None
         #: on the source, the steps of the pass that called ``iter(source)`` last, while
-        #: they live: a later pass that gets the same iterator back takes it over
+        #: they live: a later pass that draws from what they draw from takes it over
         self.drawing: weakref.ReferenceType[SourceSteps] | None = None
 
-    def finish_queued(self) -> BaseException | None:
-        """Wait for the steps queued so far (a local wait: nothing is queued); the error
-        of the last one, if it failed. An interrupt leaves the wait owed to the retry."""
-        job = self.tail() if self.tail is not None else None
-        if job is None:
-            self.tail = None
-            return None
-        try:
-            job.result()
-        except Exception as e:
-            self.tail = None
-            return e
-        self.tail = None
+
+def finish_queued(lane: Lane) -> BaseException | None:
+    """Wait for every job queued so far on ``lane`` (a local wait: nothing is queued), by
+    any loader or broadcast on its ranks: the steps of dropped passes, of this loader or
+    another over the same source, draw from that source. The error of the last one, if it
+    failed. An interrupt leaves the wait owed to the retry."""
+    job = lane.last()
+    if job is None:
         return None
+    try:
+        job.result()
+    except Exception as e:
+        return e
+    return None
 
 
 class _OneCaller:
@@ -221,7 +220,7 @@ class Pass(_OneCaller):
             # The steps a dropped pass queued draw from the same source: done first, or
             # a source that restarts itself at iter() (a lhotse sampler, persistent workers)
             # would lose the new pass's first batches to them (NOTE [ Where a pass ends ]).
-            self._ledger.finish_queued()
+            finish_queued(self._lane)
             # On the caller's thread, as a plain loop would call it; a failure (an interrupt
             # included) is announced to the receivers by the first step.
             try:
@@ -285,7 +284,6 @@ class Pass(_OneCaller):
         self._unsettled = self._opened = True
         job: Job[Any] = Job(self._step, guarded=True)
         self._pending.append(job)
-        self._ledger.tail = weakref.ref(job)
         if _interrupts.hook is not None:
             _interrupts.hook("next.recorded")
         self._lane.enqueue(job)
@@ -299,7 +297,6 @@ class Pass(_OneCaller):
         self._unsettled = self._opened = True
         job: Job[Any] = Job(self._step, guarded=True)
         self._pending.append(job)
-        self._ledger.tail = weakref.ref(job)  # queued after all, if the lane got busy
         self._lane.start(job, self._frames_taken)
         self._unsettled = False
 
@@ -411,7 +408,6 @@ class Pass(_OneCaller):
         self._unsettled = True
         if self._closing is None:
             self._closing = Job(self._steps.close)
-            self._ledger.tail = weakref.ref(self._closing)
         if self._closing not in self._pending:
             self._pending.append(self._closing)
         self._settle()

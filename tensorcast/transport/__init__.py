@@ -38,7 +38,7 @@ from tensorcast.transport.device import DevicePart, hand_out, post
 from tensorcast.transport.frame import Stamp
 from tensorcast.transport.groups import Role, World, open_role, world
 from tensorcast.transport.interrupts import points as interrupt_points
-from tensorcast.transport.lane import Job
+from tensorcast.transport.lane import Job, Lane
 from tensorcast.transport.receiver import CLOSE, END, End, Receiver
 from tensorcast.transport.sender import Packing, Sender
 
@@ -48,6 +48,7 @@ __all__ = [
     "DevicePart",
     "End",
     "Job",
+    "Lane",
     "Packing",
     "Receiver",
     "Role",

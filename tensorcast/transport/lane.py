@@ -35,6 +35,7 @@ import contextlib
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
@@ -173,7 +174,16 @@ class Lane:
         self.broken: BaseException | None = None
         #: jobs queued or started so far: only the caller's thread adds one (tests read it)
         self.submitted = 0
+        # The job queued or started last, weakly (a dropped pass's batch is not kept by it).
+        self._last: weakref.ReferenceType[Job[Any]] | None = None
         _exits.register(self)
+
+    def last(self) -> Job[Any] | None:
+        """The job queued or started last, while it lives (gone: it is done). The lane
+        runs its jobs in order: once this one is done, so is every job before it, of any
+        loader or broadcast on these ranks."""
+        last = self._last
+        return last() if last is not None else None
 
     def enqueue(self, job: Job[Any]) -> None:
         """Queue ``job`` behind every job queued before it; it runs on the worker."""
@@ -185,6 +195,7 @@ class Lane:
         if _exits.state["ran"] or sys.is_finalizing():  # no job once the interpreter exits
             _exits.refuse(self.name)
         self._jobs.append(job)
+        self._last = weakref.ref(job)
         self.submitted += 1
         self._start_worker()
 
@@ -310,6 +321,7 @@ class Lane:
             inline = not self._jobs and not self._running
             if inline:
                 self.submitted += 1
+                self._last = weakref.ref(job)
                 self._running = True
                 self._inline = me
                 job._taken = True

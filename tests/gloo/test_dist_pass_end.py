@@ -529,6 +529,51 @@ def test_zip_of_a_loader_with_itself(pool2: Any, prefetch: int) -> None:
     assert [out["head"] for out in results] == [results[0]["head"]] * len(results)
 
 
+class SlowAfter:
+    """A dataset of ``batch(i)`` whose items from ``k`` on take a moment: the steps a pass
+    queued ahead are still drawing when the program starts the next pass."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if i >= self.k:
+            time.sleep(0.2)
+        return batch(i)
+
+    def __len__(self) -> int:
+        return N
+
+
+@in_a_new_process_group
+def _rank_loader_per_epoch(rank: int, world: int, prefetch: int) -> list[list[int]]:
+    """A loader made anew each epoch over the same DataLoader and its restarting sampler
+    (a framework that rebuilds its loaders), each epoch left after 3 batches."""
+    inner = DataLoader(SlowAfter(3), sampler=Restarting(N, int), batch_size=None)  # type: ignore[arg-type]
+    seen = []
+    for _ in range(3):
+        got = []
+        for step, b in enumerate(loader_on(rank, inner, prefetch)):
+            got.append(b)
+            model_step(rank, step)
+            if step == 2:
+                break
+        seen.append(numbers(got))
+    return seen
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_a_loader_made_anew_each_epoch_over_one_source_starts_it_over(
+    pool2: Any, prefetch: int
+) -> None:
+    """The steps the last epoch's loader queued ahead are done before the next loader's
+    ``iter(source)`` restarts the sampler: they never draw (and drop) its first batches."""
+    for rank, seen in enumerate(
+        pool2.run(_rank_loader_per_epoch, prefetch, timeout=CALL_TIMEOUT_S)
+    ):
+        assert seen == [[0, 1, 2]] * 3, f"rank {rank}: {seen}"
+
+
 # -- 4. threads ------------------------------------------------------------------------------------
 
 

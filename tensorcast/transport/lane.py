@@ -179,9 +179,8 @@ class Lane:
         _exits.register(self)
 
     def last(self) -> Job[Any] | None:
-        """The job queued or started last, while it lives (gone: it is done). The lane
-        runs its jobs in order: once this one is done, so is every job before it, of any
-        loader or broadcast on these ranks."""
+        """The job queued or started last, while it lives (gone: done). Jobs run in order:
+        once it is done, so is every job before it, of any loader or broadcast here."""
         last = self._last
         return last() if last is not None else None
 
@@ -385,14 +384,12 @@ class Lane:
         if self._cuda_device is not None:
             torch.cuda.set_device(self._cuda_device)
             apart_from_captures()  # NOTE [ Device work at next() ]
-        if self._device_group:
-            torch.set_num_threads(
-                1
-            )  # this thread's packing only: the loader's workers need the cores
+        if self._device_group:  # this thread's packing only: the loader's workers need the cores
+            torch.set_num_threads(1)
         while True:
             with self._cond:
                 if not self._jobs or self._running:
-                    self._cond.wait(self._wait_s())
+                    self._cond.wait(_sleep_s(self.inflight, self._idle_exit_s))
                 if not self._jobs and not len(self.inflight):
                     if self._worker is me or self._worker is None:
                         self._worker = self._worker_id = None
@@ -414,13 +411,6 @@ class Lane:
                 with self._cond:
                     self._running = False
 
-    def _wait_s(self) -> float:
-        """How long the worker may sleep: until a job, its idle exit, or a deadline."""
-        deadline = self.inflight.next_deadline()
-        if deadline is None:
-            return self._idle_exit_s
-        return min(self._idle_exit_s, max(0.0, deadline - time.monotonic()) + 0.01)
-
     def _check_deadlines(self) -> None:
         """Break the lane when device work is past its deadline and not done: a peer
         died, or never posted its side (NOTE [ Device work at next() ])."""
@@ -434,6 +424,15 @@ class Lane:
                 f"(the channel's timeout): a peer died, or did not post its side of the frame"
             )
         )
+
+
+def _sleep_s(inflight: Inflight, idle_exit_s: float) -> float:
+    """How long a lane's worker may sleep: until a job, its idle exit, or the deadline of
+    the device work in flight."""
+    deadline = inflight.next_deadline()
+    if deadline is None:
+        return idle_exit_s
+    return min(idle_exit_s, max(0.0, deadline - time.monotonic()) + 0.01)
 
 
 class _Abort:

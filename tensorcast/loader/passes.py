@@ -369,6 +369,9 @@ class Pass(_OneCaller):
         self._ending = None
         if isinstance(item, Failure):
             raise item.error
+        steps = self._steps
+        if steps.end_state is not None and steps.taken_over is None:
+            self._ledger.state = steps.end_state  # after the last batch, and the end
         raise StopIteration
 
     def _close(self) -> None:

@@ -137,6 +137,8 @@ class Steps:
         #: on the source, the later pass that draws from what this one draws from (NOTE
         #: [ Where a pass ends ]): this pass draws no more
         self.taken_over: int | None = None
+        #: on the source (``prefetch > 0``), its state once exhausted: the pass's last
+        self.end_state: Any = None
 
     def step(self) -> Any:
         """One step: an :class:`Item`, ``END`` or a :class:`Failure`."""
@@ -189,9 +191,7 @@ class SourceSteps(Steps):
                     batch = next(self.source_iter)  # type: ignore[arg-type]
                     pulled = time.perf_counter() - started
             except StopIteration:
-                self.ended = True
-                sender.send_end(stamp=self.stamp)
-                return END
+                return self._exhausted()
             except BaseException as e:
                 return self._fail(e, f"source iterator failed: {type(e).__name__}: {e}")
             self.pulled = batch
@@ -217,6 +217,19 @@ class SourceSteps(Steps):
         sent = time.perf_counter() - started
         n = out.cut.payload_len
         return Item(own, state, pulled, 0.0, sent, n, n if out.cut.shm else 0)
+
+    def _exhausted(self) -> Any:
+        """The source is exhausted: its state now (a resume from the end of the pass starts
+        from it: a source's own says the pass is over, which the last batch's does not),
+        then the END frame."""
+        if self.stateful is not None:
+            try:
+                self.end_state = copy.deepcopy(self.stateful.state_dict())
+            except Exception as e:
+                return self._fail(e, f"source state_dict() failed: {type(e).__name__}: {e}")
+        self.ended = True
+        self.sender.send_end(stamp=self.stamp)
+        return END
 
     def _taken_over(self, later: int) -> RuntimeError:
         kind = type(self.drawing).__name__

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from cuts import memory_cut
 from lhotse import CutSet
 from lhotse.cut import Cut
@@ -209,3 +210,66 @@ def test_len_samplers_epochs_and_stateless_sources_on_every_rank(pool2: RankPool
     assert source["other warnings"] == receiver["other warnings"] == []
     assert "has no len()" in source["unsized"] and "has no len()" in receiver["unsized"]
     assert source["unsized batches"] == receiver["unsized batches"] == [[0], [1], [2]]
+
+
+# -- a state saved at the end of a pass ---------------------------------------------------------
+
+
+class Epochs:
+    """A resumable source whose state says when its pass is over, as torchdata's
+    ``StatefulDataLoader``'s does: a resume from there starts the next pass whole; a resume
+    from just after the last batch, whose pass is not over yet, yields nothing."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pos = 0
+        self.over = False
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        if self.over:
+            self.pos, self.over = 0, False
+        while self.pos < self.n:
+            self.pos += 1
+            yield torch.tensor([self.pos - 1])
+        self.over = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pos": self.pos, "over": self.over}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pos, self.over = state["pos"], state["over"]
+
+
+def _epochs_loader(rank: int, prefetch: int) -> tc.BroadcastingDataLoader:
+    source = Epochs(4) if rank == 0 else None
+    return tc.BroadcastingDataLoader(source, group=dist.group.WORLD, src=0, prefetch=prefetch)
+
+
+def _rank_end_state(rank: int, world: int) -> dict[int, Any]:
+    out = {}
+    for prefetch in (0, 1, 2):
+        first = _epochs_loader(rank, prefetch)
+        whole = [int(b) for b in first]
+        state = first.state_dict()
+        resumed = _epochs_loader(rank, prefetch)
+        resumed.load_state_dict(state)
+        out[prefetch] = (whole, state, [int(b) for b in resumed])
+    return out
+
+
+def test_a_state_saved_after_a_whole_pass_resumes_into_the_next_one(pool2: RankPool) -> None:
+    """Contract 3.8 at the end of a pass: the state is the source's own once exhausted (its
+    pass is over), so a resume starts the next pass whole, as the bare source does, at
+    every prefetch; it was the state after the last batch, and the resumed pass was empty."""
+    bare = Epochs(4)
+    list(bare)
+    again = Epochs(4)
+    again.load_state_dict(bare.state_dict())
+    want = [int(b) for b in again]
+    assert want == [0, 1, 2, 3]
+    for rank, out in enumerate(pool2.run(_rank_end_state, timeout=TIMEOUT)):
+        for prefetch, (whole, state, resumed) in out.items():
+            assert whole == [0, 1, 2, 3], (rank, prefetch, whole)
+            if rank == 0:
+                assert state == {"pos": 4, "over": True}, (prefetch, state)
+            assert resumed == want, (rank, prefetch, resumed)

@@ -256,8 +256,10 @@ class BroadcastingDataLoader:
 
     @property
     def sampler(self) -> Any:
-        """The source's sampler on the source rank; None elsewhere."""
-        return getattr(self.source, "sampler", None) if self.is_source else None
+        """The source's sampler on the source rank, or the source itself where it is a
+        sampler (it has ``set_epoch`` and no sampler of its own: a lhotse sampler), so that
+        a framework's ``loader.sampler.set_epoch`` reaches it; None elsewhere."""
+        return _sampler_of(self.source) if self.is_source else None
 
     @property
     def batch_sampler(self) -> Any:
@@ -370,6 +372,15 @@ def _refuse_while_open(iters: list[tuple[int, weakref.ReferenceType[Any]]]) -> N
 def _is_open(run: Pass | NoOpPass | None) -> bool:
     """Whether ``run``, a pass (None once dropped), is open."""
     return run is not None and run.open
+
+
+def _sampler_of(source: Any) -> Any:
+    """``source.sampler``, or ``source`` itself where it is a sampler: it has ``set_epoch``
+    and neither a sampler nor a batch sampler of its own."""
+    own = getattr(source, "sampler", None)
+    if own is None and getattr(source, "batch_sampler", None) is None:
+        return source if callable(getattr(source, "set_epoch", None)) else None
+    return own
 
 
 def _length_told(source: Any) -> tuple[dict[str, Any], Exception | None]:

@@ -88,6 +88,29 @@ def test_a_no_op_len_is_a_type_error_where_the_source_has_no_length() -> None:
             len(tc.BroadcastingDataLoader(source))
 
 
+class Sampler:
+    """A source that is a sampler itself, as a lhotse sampler is: it has ``set_epoch``."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return iter([self.epoch])
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+def test_a_source_that_is_a_sampler_is_the_loaders_sampler() -> None:
+    """A framework's ``loader.sampler.set_epoch`` (Lightning's, every epoch) reaches it."""
+    source = Sampler()
+    loader = tc.BroadcastingDataLoader(source)
+    assert loader.sampler is source and loader.batch_sampler is None
+    loader.sampler.set_epoch(3)
+    assert list(loader) == [3]
+    assert tc.BroadcastingDataLoader([1, 2]).sampler is None  # no set_epoch: no sampler
+
+
 def test_bad_arguments() -> None:
     for prefetch in (-1, 1.5, True):
         with pytest.raises(ValueError, match="prefetch"):

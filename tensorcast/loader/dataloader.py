@@ -324,8 +324,8 @@ class BroadcastingDataLoader:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the source's position (source rank only; a no-op elsewhere). Call it
         before ``iter()``, on every rank: a pass that the program dropped (a ``break``) is
-        no obstacle, and the steps it queued are waited for first, so that the next pass
-        starts where ``state_dict`` says.
+        no obstacle, and every step queued on these ranks (its steps among them) is waited
+        for first, so that the next pass starts where ``state_dict`` says.
 
         Raises:
             RuntimeError: a pass of this loader is open (started by ``next()``, not ended,

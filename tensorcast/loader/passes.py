@@ -2,7 +2,7 @@
 
 The steps themselves, and what they hand back, are in ``loader.steps``; a pass that the
 program closes runs one more (NOTE [ An early close ]). What a pass leaves its loader (the
-source's state, its last queued step) goes through a :class:`Ledger`.
+source's state, which pass draws from the source) goes through a :class:`Ledger`.
 
 # NOTE [ Where a pass ends ]
 Every job of a pass is queued from the caller's thread, at a point that is the same on
@@ -39,7 +39,8 @@ differ between processes, and at interpreter exit no thread can start. Hence:
   fails with a ``RuntimeError`` naming the new pass, on every rank (an ERROR frame),
   rather than take the new pass's batches, repeat its own after a restart, or share them.
   So ``zip(loader, loader)`` over such a source raises; a pass left by a ``break`` and
-  kept alive is no obstacle to the next one.
+  kept alive is no obstacle to the next one. This is per loader (its ``Ledger``): a pass
+  of another loader over the same source is not watched.
 - ``load_state_dict()`` refuses while a pass of its loader is open (started, not ended,
   its iterator alive after a ``gc.collect()``, so that every rank decides alike), and
   waits, queuing nothing, for the jobs queued on its lane (its dropped passes' steps
@@ -76,8 +77,9 @@ class Ledger:
     __slots__ = ("drawing", "state")
 
     def __init__(self) -> None:
-        #: the source's state after the last batch yielded, by whichever pass handed it
-        #: out (``prefetch > 0``; else None)
+        #: the source's state after the last batch yielded (``prefetch > 0``; else None),
+        #: by whichever pass handed it out; before a pass's first batch, the state it
+        #: starts from; once the source is exhausted, its state then
         self.state: Any = None
         #: on the source, the steps of the pass that called ``iter(source)`` last, while
         #: they live: a later pass that draws from what they draw from takes it over
@@ -88,14 +90,20 @@ def finish_queued(lane: Lane) -> BaseException | None:
     """Wait for every job queued so far on ``lane`` (a local wait: nothing is queued), by
     any loader or broadcast on its ranks: the steps of dropped passes, of this loader or
     another over the same source, draw from that source. The error of the last one, if it
-    failed. An interrupt leaves the wait owed to the retry."""
+    failed. An interrupt leaves the wait owed to the retry.
+
+    Raises:
+        RuntimeError: called from a job (a source that iterates a loader on its ranks).
+    """
     job = lane.last()
     if job is None:
         return None
     try:
         job.result()
-    except Exception as e:
-        return e
+    except BaseException as e:
+        if job.done and job.error is e:  # the job's own failure, not this wait's
+            return e
+        raise
     return None
 
 
@@ -366,12 +374,12 @@ class Pass(_OneCaller):
         item = self._ending
         self._close()
         self._lane.inflight.reap()  # let go of what the device is done with, here and now
+        steps, ledger = self._steps, self._ledger
+        if steps.end_state is not None and ledger.drawing is not None and ledger.drawing() is steps:
+            ledger.state = steps.end_state  # the source exhausted; no later pass started
         self._ending = None
         if isinstance(item, Failure):
             raise item.error
-        steps = self._steps
-        if steps.end_state is not None and steps.taken_over is None:
-            self._ledger.state = steps.end_state  # after the last batch, and the end
         raise StopIteration
 
     def _close(self) -> None:

@@ -35,7 +35,6 @@ import contextlib
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
@@ -174,15 +173,19 @@ class Lane:
         self.broken: BaseException | None = None
         #: jobs queued or started so far: only the caller's thread adds one (tests read it)
         self.submitted = 0
-        # The job queued or started last, weakly (a dropped pass's batch is not kept by it).
-        self._last: weakref.ReferenceType[Job[Any]] | None = None
+        self._current: Job[Any] | None = None  # the job running, on the worker or inline
         _exits.register(self)
 
     def last(self) -> Job[Any] | None:
-        """The job queued or started last, while it lives (gone: done). Jobs run in order:
-        once it is done, so is every job before it, of any loader or broadcast here."""
-        last = self._last
-        return last() if last is not None else None
+        """The job queued last, else the one running, else None. Jobs run in order: once
+        it is done, so is every job before it, of any loader or broadcast here.
+
+        Raises:
+            RuntimeError: called from a job (a source that iterates a loader on its ranks).
+        """
+        self._not_from_a_job()
+        with self._lock:
+            return self._jobs[-1] if self._jobs else self._current
 
     def enqueue(self, job: Job[Any]) -> None:
         """Queue ``job`` behind every job queued before it; it runs on the worker."""
@@ -194,7 +197,6 @@ class Lane:
         if _exits.state["ran"] or sys.is_finalizing():  # no job once the interpreter exits
             _exits.refuse(self.name)
         self._jobs.append(job)
-        self._last = weakref.ref(job)
         self.submitted += 1
         self._start_worker()
 
@@ -320,8 +322,8 @@ class Lane:
             inline = not self._jobs and not self._running
             if inline:
                 self.submitted += 1
-                self._last = weakref.ref(job)
                 self._running = True
+                self._current = job
                 self._inline = me
                 job._taken = True
                 job.frames_at_start = frames_taken()  # a C call: no interrupt lands in it
@@ -342,7 +344,7 @@ class Lane:
             with self._lock:
                 if self._inline == me:
                     self._running = False
-                    self._inline = None
+                    self._current = self._inline = None
                     if not job.done:  # interrupted before it ran: owed a run
                         job._taken = False
                     if self._jobs:
@@ -397,7 +399,7 @@ class Lane:
                 if self._running or not self._jobs:  # inline job, or device work only
                     job = None
                 else:
-                    job = self._jobs.popleft()
+                    job = self._current = self._jobs.popleft()
                     job._taken = True
                     self._running = True
                     self._worker_id = me.ident
@@ -410,6 +412,7 @@ class Lane:
                 job = None  # type: ignore[assignment]  # keeps no batch alive while idle
                 with self._cond:
                     self._running = False
+                    self._current = None
 
     def _check_deadlines(self) -> None:
         """Break the lane when device work is past its deadline and not done: a peer

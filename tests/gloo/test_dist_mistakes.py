@@ -292,6 +292,35 @@ def test_a_source_whose_len_fails_fails_every_rank_at_once(pool2: RankPool) -> N
     assert receiver[2] < 10 and source[2] < 10, "not at the 20 s timeout"
 
 
+# -- a source that iterates a loader on its own ranks -------------------------------------------
+
+
+def _rank_nested(rank: int, world: int) -> list[str]:
+    def loader(source: Any) -> tc.BroadcastingDataLoader:
+        return tc.BroadcastingDataLoader(
+            source if rank == 0 else None, group=dist.group.WORLD, src=0, prefetch=1, timeout=20
+        )
+
+    inner = loader([torch.tensor([i]) for i in range(4)])
+    outer = loader(b for b in inner)  # a source that iterates another loader on its ranks
+    started = time.monotonic()
+    try:
+        list(outer)
+    except RuntimeError as e:
+        return [type(e).__name__, str(e), f"{time.monotonic() - started:.1f}"]
+    return ["no error"]
+
+
+def test_a_source_that_iterates_a_loader_on_its_ranks_raises_at_once(pool2: RankPool) -> None:
+    """Its steps run on the lane it would queue on: a RuntimeError naming the mistake on
+    the source (the receivers a SourceError carrying it), never a wait on itself."""
+    source, receiver = pool2.run(_rank_nested, timeout=TIMEOUT)
+    assert source[0] == "RuntimeError" and receiver[0] == "SourceError", (source, receiver)
+    for out in (source, receiver):
+        assert "a source must not broadcast or iterate another" in out[1], out
+        assert float(out[2]) < 10, out  # not at the 20 s timeout
+
+
 # -- arguments a call cannot take ----------------------------------------------------------------
 
 

@@ -60,9 +60,12 @@ MAX_SAME_HASH = 16
 
 
 def crowded(keys: Sequence[Any]) -> bool:
-    """Whether more than :data:`MAX_SAME_HASH` of a dict's ``keys`` share one hash (NOTE
-    [ Keys that share a hash ]). Linear: the hashes are ints below 2**61, each its own hash."""
-    if len(keys) <= MAX_SAME_HASH:
+    """Whether more than :data:`MAX_SAME_HASH` of a dict's ``keys`` share one hash, which
+    only big-int keys can (NOTE [ Keys that share a hash ]). Linear: the hashes are ints
+    below 2**61, each its own hash."""
+    if len(keys) <= MAX_SAME_HASH or not any(
+        type(k) is int and not I64_MIN <= k <= I64_MAX for k in keys
+    ):
         return False
     return max(collections.Counter(map(hash, keys)).values()) > MAX_SAME_HASH
 
@@ -236,7 +239,7 @@ def _open(tok: list[Any], remaining: int, path: Path) -> _Frame:
         ):
             raise HeaderError(f"invalid dict token {tok!r:.80}")
         keys = tuple(_decode_key(k) for k in tok[2])
-        if any(type(k) is list for k in tok[2]) and crowded(keys):  # big-int keys
+        if crowded(keys):
             raise HeaderError(
                 f"more than {MAX_SAME_HASH} keys of one dict share a hash (big ints a "
                 f"multiple of 2**61 - 1 apart); such a dict would take quadratic time to build"

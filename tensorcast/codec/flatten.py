@@ -235,7 +235,7 @@ def _mixed_devices(obj: torch.Tensor, leaves: list[BufferLeaf]) -> Fail:
 def _encode_keys(keys: list[Any], container: Any, loose: bool) -> tuple[list[Any], bool]:
     """A dict's keys as tokens, and whether the tokens are now loose (see flatten)."""
     tokens = [_encode_key(k, container) for k in keys]
-    if any(type(k) is list for k in tokens) and crowded(keys):  # big-int keys
+    if crowded(keys):
         raise Fail(container, crowded_keys)
     return tokens, loose or any(type(k) is bool or type(k) is int for k in tokens)
 

@@ -235,13 +235,11 @@ class BroadcastingDataLoader:
     # -- length, epochs and checkpoints ----------------------------------------------
 
     def __len__(self) -> int:
-        if self._role is None and self.source is not None:  # no-op: len(source) itself
-            length = _length(self.source)
+        if self._role is None:  # no-op: len(source) itself
+            length = 0 if self.source is None else _length(self.source)
             if length is None:
                 raise TypeError(f"the source, a {type(self.source).__name__}, has no len()")
             return length
-        if self._role is None:
-            return 0
         if self._length is None:
             raise TypeError(
                 f"the source loader on rank {self._role.src} has no len(); every rank of "

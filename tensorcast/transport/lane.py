@@ -167,7 +167,6 @@ class Lane:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._worker: threading.Thread | None = None
-        self._running = False  # a job is running, on the worker or inline
         self._inline: int | None = None  # the thread running a job inline
         self._worker_id: int | None = None
         self.broken: BaseException | None = None
@@ -271,7 +270,7 @@ class Lane:
     def idle(self) -> bool:
         """Whether nothing is queued or running (a job submitted now would run at once)."""
         with self._lock:
-            return not self._jobs and not self._running
+            return not self._jobs and self._current is None
 
     def on_lane_thread(self) -> bool:
         """Whether the calling thread is running one of this lane's jobs."""
@@ -319,10 +318,9 @@ class Lane:
         with self._lock:
             if _exits.state["ran"] or sys.is_finalizing():
                 _exits.refuse(self.name)
-            inline = not self._jobs and not self._running
+            inline = not self._jobs and self._current is None
             if inline:
                 self.submitted += 1
-                self._running = True
                 self._current = job
                 self._inline = me
                 job._taken = True
@@ -343,7 +341,6 @@ class Lane:
         finally:
             with self._lock:
                 if self._inline == me:
-                    self._running = False
                     self._current = self._inline = None
                     if not job.done:  # interrupted before it ran: owed a run
                         job._taken = False
@@ -390,18 +387,17 @@ class Lane:
             torch.set_num_threads(1)
         while True:
             with self._cond:
-                if not self._jobs or self._running:
+                if not self._jobs or self._current is not None:
                     self._cond.wait(_sleep_s(self.inflight, self._idle_exit_s))
                 if not self._jobs and not len(self.inflight):
                     if self._worker is me or self._worker is None:
                         self._worker = self._worker_id = None
                     return
-                if self._running or not self._jobs:  # inline job, or device work only
+                if self._current is not None or not self._jobs:  # inline job, or device work only
                     job = None
                 else:
                     job = self._current = self._jobs.popleft()
                     job._taken = True
-                    self._running = True
                     self._worker_id = me.ident
             if job is None:
                 self._check_deadlines()
@@ -411,7 +407,6 @@ class Lane:
             finally:
                 job = None  # type: ignore[assignment]  # keeps no batch alive while idle
                 with self._cond:
-                    self._running = False
                     self._current = None
 
     def _check_deadlines(self) -> None:

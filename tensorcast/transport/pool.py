@@ -18,17 +18,27 @@ storage's data pointer when it was pooled. :func:`reusable` is true only when
 
 - the storage's use count is ``held``: no tensor, numpy array (which holds the storage
   through its base), DLPack capsule or slice of it is alive in this process;
-- no caller holds the storage *object*: torch hands out one Python storage object per
-  storage while it lives, so a caller's ``t.untyped_storage()`` kept after ``t`` is the
-  keeper's own object and adds no use count; its Python references tell it apart (the
-  count read when the piece was pooled, from a frame like the check's);
+- no caller holds the storage *object*, nor a weak reference to it: torch hands out one
+  Python storage object per storage while it lives, so a caller's ``t.untyped_storage()``
+  kept after ``t`` is the keeper's own object and adds no use count; its Python
+  references tell it apart. Both counts are read with ``sys.getrefcount`` in a
+  statement of its own, the storage a local of the frame, in frames alike: the count
+  read when the piece was pooled and the count read now. Passed down a call, an object
+  gains one reference per call on Python 3.11 and later, two on 3.10, and maybe none on
+  a later one, so no count is read in a callee and compared with one read in its
+  caller;
 - the storage is not shared with another process: ``share_memory_()``, which a
   ``torch.multiprocessing`` queue runs on every CPU tensor it sends, leaves it
   ``is_shared()`` and mapped by the consumer, whose references this count never sees
   (CUDA storages say ``is_shared()`` always; CUDA IPC keeps a reference in this process
   while a consumer maps one, so the count sees them);
 - its bytes have not moved: ``share_memory_()`` copies them into shared memory and frees
-  the old block, so a raw pointer kept beside the tensor is stale after it.
+  the old block, so a raw pointer kept beside the tensor is stale after it. (A numpy
+  leaf of the batch is such a pointer: a batch's leaves share one storage, so moving one
+  tensor leaf moves them all, and a numpy array made before the move, the batch's numpy
+  leaves too, is left on the freed block, as any ``t.numpy()`` is by torch; the guide
+  says to send a clone. A shared-memory slot is not freed: its old pages stay the slot's,
+  so the slot stays held until the moved storage dies, ``shm._Mapping._moved``.)
 
 Anything else is *gone*: forgotten, never written again (it stays with whoever holds
 it). No raw pointer into pooled memory is used unchecked: a first message's host views
@@ -64,6 +74,7 @@ import math
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -82,30 +93,36 @@ _RETRY_SLEEP = 50e-6  # with _LARGE_RETRIES: about 1 ms at most before allocatin
 OUTPUT_BUFFERS = 12
 
 _use_count = torch._C._storage_Use_Count
+_weakrefs = weakref.getweakrefcount
 _detach = torch.Tensor.detach
 _CPU = torch.device("cpu")
 
 
-def reusable(storage: torch.UntypedStorage, pointer: int, held: int, refs: int) -> bool:
+def reusable(
+    storage: torch.UntypedStorage, pointer: int, held: int, refs: int, counted: int
+) -> bool:
     """Whether memory tensorcast handed out may be written again (NOTE [ Memory handed
     out ]): nothing but its keeper's own ``held`` references holds ``storage`` in this
-    process, no other process maps it, and its bytes are still at ``pointer``, where they
-    were when it was pooled.
+    process, nothing holds a weak reference to its storage object, no other process maps
+    it, and its bytes are still at ``pointer``, where they were when it was pooled.
 
     Args:
         storage: the memory's storage object (one of the ``held``).
         pointer: ``storage.data_ptr()`` when the memory was pooled.
         held: the references the keeper holds itself (its tensor, the storage object,
             any views it keeps).
-        refs: ``sys.getrefcount(storage)`` as the caller read it when nothing but
-            tensorcast could see the memory, from a frame that holds it as its call of
-            this does. torch hands out one storage object per storage while it lives, so a
-            caller's ``t.untyped_storage()`` kept after ``t`` is that same object, which
-            the use count cannot tell from the keeper's: its Python references can.
+        refs: ``sys.getrefcount(storage)`` read when nothing but tensorcast could see the
+            memory, and ``counted`` the same read now: torch hands out one storage object
+            per storage while it lives, so a caller's ``t.untyped_storage()`` kept after
+            ``t`` is that same object, which the use count cannot tell from the keeper's;
+            its Python references can. Both are read by the caller, each in a statement of
+            its own, ``storage`` a local of the frame (NOTE [ Memory handed out ]): what
+            passing an object down a call adds differs between Python versions.
     """
     return (
-        sys.getrefcount(storage) - 1 <= refs  # 1: this call's parameter
+        counted <= refs
         and _use_count(storage._cdata) == held
+        and not _weakrefs(storage)
         and storage.data_ptr() == pointer
         and (storage.device.type == "cuda" or not storage.is_shared())
     )
@@ -156,6 +173,7 @@ class _Entry:
         return (
             sys.getrefcount(storage) <= self._refs  # no caller keeps the object (reusable)
             and _use_count(storage._cdata) == self._base + self.kept.held
+            and not _weakrefs(storage)
             and storage.data_ptr() == self.pointer
             and (self.cuda or not storage.is_shared())
         )

@@ -43,7 +43,7 @@ of its last write (the writer's count, carried by the frame's :class:`Ref`):
     ======================  =====================  ======================================
 
 A reader releases a slot (stores ``g`` in its cell) at its next frame once nothing in
-its process can see the slot: :func:`released`. Nothing ever waits on a cell: the writer
+its process can see the slot: :meth:`_Mapping.idle`. Nothing ever waits on a cell: the writer
 reads them when it looks for a slot and never blocks (none free: a new slot, or the
 wire); readers only write them. So no wait here needs a bound of its own, and a killed
 peer is found by the wire as before (``PeerError`` within the timeout).
@@ -101,6 +101,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from tensorcast._errors import HeaderError
 from tensorcast.transport.pool import reusable
@@ -116,7 +117,6 @@ __all__ = [
     "available",
     "limit",
     "new_token",
-    "released",
 ]
 
 #: where arenas live
@@ -195,17 +195,6 @@ def available() -> str | None:
     return None
 
 
-def released(storage: torch.UntypedStorage, pointer: int, held: int, refs: int) -> bool:
-    """Whether a slot this process viewed may be written again: the rule of any memory
-    tensorcast hands out (``pool.reusable``, NOTE [ Memory handed out ]). A slot is shared
-    with the host's other ranks by design, but its storage is ``torch.frombuffer`` over the
-    mapping, which never says ``is_shared()``: that clause sees only a ``share_memory_()``
-    of the caller's, which also moves the bytes (:meth:`_Mapping.idle` handles that first:
-    the caller's tensor then no longer views the slot). ``refs`` is read one frame up from
-    the rule's own caller, hence the 1 less."""
-    return reusable(storage, pointer, held, refs + 1)
-
-
 def _fence(lock: threading.Lock) -> None:
     """A full barrier between a reader's earlier loads and its next store (see
     NOTE [ Shared-memory slots ])."""
@@ -234,11 +223,11 @@ class _Mapping:
     """One segment mapped in this process, twice (NOTE [ Private views of a slot ]): its
     cells and ``shared``, its data as a uint8 tensor to write into; and ``data``, the same
     bytes through the private mapping, whose storage every view handed out shares.
-    ``base`` is how many references tensorcast itself holds to it (:func:`released`)."""
+    ``base`` is how many references tensorcast itself holds to it (:meth:`idle`)."""
 
     __slots__ = (
-        "address", "at", "base", "capacity", "cells", "data", "handed", "mm", "private",
-        "readers", "refs", "shared",
+        "address", "at", "base", "capacity", "cells", "data", "handed", "mm", "moved",
+        "private", "readers", "refs", "shared",
     )  # fmt: skip
 
     def __init__(self, fd: int, size: int) -> None:
@@ -254,16 +243,26 @@ class _Mapping:
             fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE
         )
         self.handed = 0  # the most bytes of ``data`` handed out since the last drop
+        self.moved: list[StorageWeakRef] = []  # storages moved off the slot, while they live
         self._viewing()
         if _written(self.address, capacity, unread_all=False) is not None:  # mlockall: copied
             self._share_views()
 
     def idle(self) -> bool:
-        """Whether nothing in this process sees the slot (:func:`released`)."""
-        if self._moved():  # the slot is no one's
-            return True
+        """Whether nothing in this process sees the slot: no storage a caller moved off it
+        lives (:meth:`_moved`), and the rule of any memory tensorcast hands out holds for
+        ``data``'s storage (``pool.reusable``, NOTE [ Memory handed out ]). A slot is shared
+        with the host's other ranks by design, but its storage is ``torch.frombuffer`` over
+        the mapping, which never says ``is_shared()``: that clause sees only a
+        ``share_memory_()`` of the caller's, which also moves the storage off the slot."""
+        self._moved()
+        if self.moved:
+            self.moved = [gone for gone in self.moved if not gone.expired()]
+            if self.moved:
+                return False
         storage = self.data.untyped_storage()
-        return released(storage, self.address, self.base, self.refs)
+        counted = sys.getrefcount(storage)  # read as _counted reads it
+        return reusable(storage, self.address, self.base, self.refs, counted)
 
     def _counted(self) -> None:
         """Count what tensorcast itself holds of ``data``'s storage, as :meth:`idle` reads it."""
@@ -322,9 +321,13 @@ class _Mapping:
 
     def _moved(self) -> bool:
         """Whether a caller's ``share_memory_()`` moved ``data``'s storage (and with it the
-        views tensorcast handed out) off the mapping: then ``data`` is made anew over it."""
+        views tensorcast handed out) off the mapping: then ``data`` is made anew over it.
+        The moved storage is watched until it dies: a raw pointer made before the move (a
+        numpy array, a numpy leaf of the same batch) still reads the slot's pages, and
+        holds that storage through its base."""
         if self.data.data_ptr() == self.address:
             return False
+        self.moved.append(StorageWeakRef(self.data.untyped_storage()))
         self._viewing()
         return True
 
@@ -482,31 +485,37 @@ class Writer:
             taken = sum(w.nbytes for w in list(_writers))
         room = self.cap - taken + (old.mapping.mm.size() if old is not None else 0)
         if size > room:
-            if size > self.cap and not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"tensorcast: a {nbytes}-byte payload does not fit in the shared-memory "
-                    f"arena's cap of {self.cap} bytes, so it travels over the wire: {_FIX}",
-                    RuntimeWarning,
-                    stacklevel=4,
+            if size > self.cap:
+                self._warn(
+                    f"a {nbytes}-byte payload does not fit in the shared-memory arena's cap "
+                    f"of {self.cap} bytes, so it travels over the wire: {_FIX}"
+                )
+            else:
+                self._warn(
+                    f"this process's shared-memory arenas hold {taken} bytes of their cap of "
+                    f"{self.cap} (batches still referenced, or other loaders' arenas), so a "
+                    f"{nbytes}-byte payload travels over the wire: let go of batches you no "
+                    f"longer need, or {_FIX}"
                 )
             return None
         try:
             slot = self._create(capacity, size)
         except OSError as e:
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"tensorcast: no room for a {size}-byte segment in {SHM_DIR} ({e}), so "
-                    f"payloads travel over the wire: {_FIX}",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+            self._warn(
+                f"no room for a {size}-byte segment in {SHM_DIR} ({e}), so payloads travel "
+                f"over the wire: {_FIX}"
+            )
             return None
         if old is not None:
             self._retire(old)
         self._slots[at] = slot
         return at
+
+    def _warn(self, what: str) -> None:
+        """Say once per arena why a payload goes on the wire."""
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"tensorcast: {what}", RuntimeWarning, stacklevel=5)
 
     def _create(self, capacity: int, size: int) -> _Slot:
         self._segments += 1
@@ -615,7 +624,7 @@ class Reader:
         return mapping
 
     def release(self) -> None:
-        """Tell the writer of each slot this rank held and no longer sees (:func:`released`)."""
+        """Tell the writer of each slot this rank held and no longer sees (:meth:`_Mapping.idle`)."""
         if not self._held:
             return
         done = []

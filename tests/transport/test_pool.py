@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import sys
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -302,16 +304,40 @@ def test_reusable_is_the_rule_other_pools_call() -> None:
     held = int(torch._C._storage_Use_Count(storage._cdata))
     refs = sys.getrefcount(storage)
     pointer = storage.data_ptr()
-    assert reusable(storage, pointer, held, refs)
+
+    def idle() -> bool:  # each count read in a statement of its own, in frames alike
+        counted = sys.getrefcount(storage)
+        return reusable(storage, pointer, held, refs, counted)
+
+    assert idle()
     view = buffer[10:20]
-    assert not reusable(storage, pointer, held, refs)
+    assert not idle()
     del view
     also = storage  # the storage object kept elsewhere
-    assert not reusable(storage, pointer, held, refs)
+    assert not idle()
     del also
+    seen = weakref.ref(storage)  # a weak reference sees it too, while it lives
+    assert not idle()
+    del seen
+    assert idle()
     storage.share_memory_()
-    assert not reusable(storage, pointer, held, refs)  # moved
-    assert not reusable(storage, storage.data_ptr(), held, refs)  # shared
+    assert not idle()  # moved
+    pointer = storage.data_ptr()
+    assert not idle()  # shared
+
+
+def test_a_weak_reference_to_a_storage_keeps_its_buffer_busy() -> None:
+    pool = BufferPool()
+    first = pool.take(100_000, CPU)
+    first.fill_(7)
+    seen = weakref.ref(first.untyped_storage())
+    del first
+    pool.take(100_000, CPU).fill_(9)  # not into the buffer the weak reference still sees
+    storage = seen()
+    assert storage is not None
+    assert torch.empty(0, dtype=torch.uint8).set_(storage)[:100_000].eq(7).all()
+    del storage, seen
+    gc.collect()
 
 
 def test_kept_outputs_reuse_memory_the_caller_let_go_of() -> None:

@@ -7,7 +7,8 @@ import gc
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -213,11 +214,12 @@ def test_the_writer_never_blocks_it_grows_within_its_cap_then_says_wire() -> Non
     token = new_token()
     writer, reader = Writer(token, 1, 3 * (1 << 20)), Reader(token, 0)
     held = []
-    for _ in range(8):
-        ref = _send(writer, b"q" * 600_000)
-        if ref is None:
-            break
-        held.append(reader.payload(ref, 600_000))
+    with pytest.warns(RuntimeWarning, match="hold .* bytes of their cap .* let go of batches"):
+        for _ in range(8):
+            ref = _send(writer, b"q" * 600_000)
+            if ref is None:
+                break
+            held.append(reader.payload(ref, 600_000))
     assert 1 <= len(held) < 8 and writer.nbytes <= writer.cap
     del held
     reader.release()
@@ -234,17 +236,31 @@ def test_a_payload_over_the_cap_warns_once_and_travels_on_the_wire() -> None:
         assert writer.take(2 << 20) is None
 
 
-def test_a_moved_storage_releases_the_slot_and_keeps_its_own_bytes() -> None:
+def test_a_moved_storage_keeps_its_slot_while_it_lives() -> None:
+    """A caller's ``share_memory_()`` of one leaf moves the whole storage off the slot,
+    but a numpy leaf of the same batch, made before the move, still reads the slot's
+    pages: the slot is not written again until the moved storage dies."""
     token = new_token()
     writer, reader = Writer(token, 1, 1 << 24), Reader(token, 0)
     ref = _send(writer, b"m" * 5000) or pytest.fail("no slot")
-    leaf = reader.payload(ref, 5000)
+    payload = reader.payload(ref, 5000)
+    array = payload[:2000].numpy()  # a numpy leaf: a raw pointer into the slot
+    leaf = payload[2000:]
+    del payload
     leaf.share_memory_()  # what a torch.multiprocessing queue does
     reader.release()
-    ref2 = _send(writer, b"n" * 5000) or pytest.fail("no slot")
-    assert ref2.slot == ref.slot  # released: nothing in this process views the slot
-    assert bytes(leaf.numpy()) == b"m" * 5000
-    assert bytes(reader.payload(ref2, 5000).numpy()) == b"n" * 5000
+    for fill in b"nop":
+        ref2 = _send(writer, bytes([fill]) * 5000) or pytest.fail("no slot")
+        assert ref2.slot != ref.slot
+        assert bytes(reader.payload(ref2, 5000).numpy()) == bytes([fill]) * 5000
+        reader.release()
+    assert bytes(array) == b"m" * 2000 and bytes(leaf.numpy()) == b"m" * 3000
+    del array, leaf
+    reader.release()
+    ref3 = _send(writer, b"q" * 5000) or pytest.fail("no slot")
+    assert ref3.slot == ref.slot  # the moved storage died: nothing sees the slot
+    assert bytes(reader.payload(ref3, 5000).numpy()) == b"q" * 5000
+    writer.close()
 
 
 def test_a_storage_object_kept_alone_keeps_its_slot_then_moves_off_it() -> None:
@@ -270,16 +286,30 @@ def test_a_storage_object_kept_alone_keeps_its_slot_then_moves_off_it() -> None:
     writer.close()
 
 
-def test_the_released_rule_sees_every_view() -> None:
-    data = torch.zeros(100, dtype=torch.uint8)
-    storage = data.untyped_storage()
-    base = torch._C._storage_Use_Count(storage._cdata)
-    refs = sys.getrefcount(storage)
-    view = data[3:7]
-    assert not shm.released(storage, data.data_ptr(), base, refs)
-    del view
-    assert shm.released(storage, data.data_ptr(), base, refs)
-    assert not shm.released(storage, data.data_ptr() + 1, base, refs)
+def test_a_slot_is_released_once_nothing_sees_it_and_not_before() -> None:
+    """Each way a caller can see a slot keeps it: a view, a numpy array, the storage
+    object, a weak reference to it. Let go of, the slot comes back."""
+    token = new_token()
+    writer, reader = Writer(token, 1, 1 << 24), Reader(token, 0)
+    ref = _send(writer, b"r" * 5000) or pytest.fail("no slot")
+    payload = reader.payload(ref, 5000)
+    holds: dict[str, Callable[[torch.Tensor], object]] = {
+        "view": lambda t: t[3:7],
+        "numpy": lambda t: t.numpy()[10:],
+        "storage": lambda t: t.untyped_storage(),
+        "weak reference": lambda t: weakref.ref(t.untyped_storage()),
+    }
+    for what, hold in holds.items():
+        kept = hold(payload)
+        del payload
+        reader.release()
+        assert reader._held, f"a {what} kept did not keep the slot"
+        payload = reader.payload(ref, 5000)
+        del kept
+    del payload
+    reader.release()
+    assert not reader._held
+    writer.close()
 
 
 def test_a_reader_sweeps_what_a_dead_writer_left() -> None:

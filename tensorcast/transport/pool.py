@@ -38,7 +38,7 @@ storage's data pointer when it was pooled. :func:`reusable` is true only when
   tensor leaf moves them all, and a numpy array made before the move, the batch's numpy
   leaves too, is left on the freed block, as any ``t.numpy()`` is by torch; the guide
   says to send a clone. A shared-memory slot is not freed: its old pages stay the slot's,
-  so the slot stays held until the moved storage dies, ``shm._Mapping._moved``.)
+  so the slot stays held until the moved storage dies, ``segment.MappedSegment._moved``.)
 
 Anything else is *gone*: forgotten, never written again (it stays with whoever holds
 it). No raw pointer into pooled memory is used unchecked: a first message's host views

@@ -43,7 +43,7 @@ of its last write (the writer's count, carried by the frame's :class:`Ref`):
     ======================  =====================  ======================================
 
 A reader releases a slot (stores ``g`` in its cell) at its next frame once nothing in
-its process can see the slot: :meth:`_Mapping.idle`. Nothing ever waits on a cell: the writer
+its process can see the slot: :meth:`MappedSegment.idle`. Nothing ever waits on a cell: the writer
 reads them when it looks for a slot and never blocks (none free: a new slot, or the
 wire); readers only write them. So no wait here needs a bound of its own, and a killed
 peer is found by the wire as before (``PeerError`` within the timeout).
@@ -63,48 +63,24 @@ The writer stores into a slot only after loading every cell as ``g``: a control
 dependency, which orders a load before later stores on ARM too (stores are not
 speculated). A :class:`Ref` is read once, from the first message, and every check of it
 uses that one copy (no index read outside its retry loop).
-
-NOTE [ Private views of a slot ]
-Every rank maps a segment twice: shared, for the head, the cells and the writes (the
-source's payload, a relay leader's receive), and private (``MAP_PRIVATE``), for the views
-it hands out. A page of the private mapping that nobody in the process wrote is the
-segment's own page, so the views read what the writer wrote, with no copy; the first write
-into a page (a caller's in-place ``x.mul_(2)``) gives this process its own copy of that
-page, so no other rank, the source included, sees it. Before a slot's views are handed out
-again, :meth:`_Mapping.drop_written` drops the pages the process wrote among those it
-handed out (``MADV_DONTNEED``: the next read maps the segment's page again), found in
-``/proc/self/pagemap``; only where the release rule says nothing in the process sees the
-slot, so no caller's write is dropped under it: a reader as it releases the slot (while
-it waits for the next frame), the writer as it takes it. The cost is that look, about 1
-ms for 60 MB (measured in ``docs/design.md``). Two limits: a process forked while it
-holds a view shares the private mapping's unwritten pages with its child, which then
-sees later frames there (the guide says so); and a process that locks its memory
-(``mlockall``) has its private pages copied when they are mapped or locked, and they
-cannot be dropped: its views go through the shared mapping then, with one warning
-(:meth:`_Mapping._share_views`; a reader's slot locked after it was mapped and before it
-was first handed out is not seen).
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
-import mmap
 import os
 import secrets
 import struct
-import sys
 import threading
 import warnings
 import weakref
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from tensorcast._errors import HeaderError
-from tensorcast.transport.pool import reusable
+from tensorcast.transport.segment import HEAD, MAGIC, PAGE, MappedSegment, data_at
 
 __all__ = [
     "MIN_PAYLOAD",
@@ -125,10 +101,6 @@ SHM_DIR = "/dev/shm"
 MIN_PAYLOAD = 256 << 10
 #: how many slots one arena holds at most
 MAX_SLOTS = 6
-_MAGIC = b"TCSHM001"
-_HEAD = struct.Struct("<8sQQQ")
-_LINE = 64
-_PAGE = 4096
 _DEFAULT_SHARE = 4  # with no limit set, an arena takes at most 1/4 of /dev/shm's free space
 _FIX = (
     "give the container more shared memory (docker run --shm-size=2g, or a memory-backed "
@@ -206,130 +178,13 @@ def _fence(lock: threading.Lock) -> None:
 
 def _capacity(nbytes: int) -> int:
     """Round up to a page, then to 2**k or 1.5 * 2**k (few sizes, a third wasted at most)."""
-    p = 1 << max(nbytes - 1, _PAGE).bit_length()
+    p = 1 << max(nbytes - 1, PAGE).bit_length()
     return p * 3 // 4 if nbytes <= p * 3 // 4 else p
-
-
-def _data_at(readers: int) -> int:
-    return (_LINE * (1 + readers) + _PAGE - 1) // _PAGE * _PAGE
 
 
 def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-
-
-class _Mapping:
-    """One segment mapped in this process, twice (NOTE [ Private views of a slot ]): its
-    cells and ``shared``, its data as a uint8 tensor to write into; and ``data``, the same
-    bytes through the private mapping, whose storage every view handed out shares.
-    ``base`` is how many references tensorcast itself holds to it (:meth:`idle`)."""
-
-    __slots__ = (
-        "address", "at", "base", "capacity", "cells", "data", "handed", "mm", "moved",
-        "private", "readers", "refs", "shared",
-    )  # fmt: skip
-
-    def __init__(self, fd: int, size: int) -> None:
-        self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        magic, at, capacity, readers = _HEAD.unpack_from(self.mm, 0)
-        if magic != _MAGIC or at != _data_at(readers) or at + capacity > size:
-            raise HeaderError("a shared-memory segment that is not tensorcast's")
-        self.at, self.capacity, self.readers = at, capacity, readers
-        words = np.frombuffer(self.mm, dtype=np.uint64, count=at // 8)
-        self.cells = words[_LINE // 8 :].reshape(-1, _LINE // 8)[:readers, :2]
-        self.shared = torch.frombuffer(self.mm, dtype=torch.uint8, count=capacity, offset=at)
-        self.private: mmap.mmap | None = mmap.mmap(
-            fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE
-        )
-        self.handed = 0  # the most bytes of ``data`` handed out since the last drop
-        self.moved: list[StorageWeakRef] = []  # storages moved off the slot, while they live
-        self._viewing()
-        if _written(self.address, capacity, unread_all=False) is not None:  # mlockall: copied
-            self._share_views()
-
-    def idle(self) -> bool:
-        """Whether nothing in this process sees the slot: no storage a caller moved off it
-        lives (:meth:`_moved`), and the rule of any memory tensorcast hands out holds for
-        ``data``'s storage (``pool.reusable``, NOTE [ Memory handed out ]). A slot is shared
-        with the host's other ranks by design, but its storage is ``torch.frombuffer`` over
-        the mapping, which never says ``is_shared()``: that clause sees only a
-        ``share_memory_()`` of the caller's, which also moves the storage off the slot."""
-        self._moved()
-        if self.moved:
-            self.moved = [gone for gone in self.moved if not gone.expired()]
-            if self.moved:
-                return False
-        storage = self.data.untyped_storage()
-        counted = sys.getrefcount(storage)  # read as _counted reads it
-        return reusable(storage, self.address, self.base, self.refs, counted)
-
-    def _counted(self) -> None:
-        """Count what tensorcast itself holds of ``data``'s storage, as :meth:`idle` reads it."""
-        storage = self.data.untyped_storage()
-        self.base = _use_count(storage._cdata)
-        self.refs = sys.getrefcount(storage)
-
-    def view(self, nbytes: int) -> torch.Tensor:
-        """The slot's first ``nbytes`` as this process's views read them: ``data``, made
-        anew when it no longer views the mapping (NOTE [ Private views of a slot ])."""
-        self._moved()
-        self.handed = max(self.handed, nbytes)
-        return self.data[:nbytes]
-
-    def drop_written(self, nbytes: int = 0) -> None:
-        """Make every page handed out, and the first ``nbytes`` about to be, the segment's
-        own again: drop those this process wrote into (NOTE [ Private views of a slot ]).
-        Only for a slot nothing in the process sees (:meth:`idle`)."""
-        if self.private is None:  # views of the shared mapping: nothing to drop
-            return
-        written = _written(self.address, min(max(self.handed, nbytes), self.capacity))
-        self.handed = 0
-        if written is None:
-            return
-        page = mmap.PAGESIZE
-        start = (self.at + written[0]) // page * page
-        try:
-            self.private.madvise(mmap.MADV_DONTNEED, start, self.at + written[1] - start)
-        except OSError:  # EINVAL: its pages are locked (mlockall), copies that stay
-            self._share_views()
-
-    def _share_views(self) -> None:
-        """Views through the shared mapping from now on: this process locks its memory
-        (``mlockall``), so the kernel copied every page of the private mapping when it was
-        mapped or locked, and keeps them. Said once a process."""
-        if not _locked_warned:
-            _locked_warned.append(True)
-            warnings.warn(
-                "tensorcast: this process locks its memory (mlockall), so a batch read from "
-                "the shared-memory lane is the same memory on every rank of the host: a "
-                "write into it in place is seen by all of them. Clone before writing in "
-                "place, or pass shm=False",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        self.private = None
-        self._viewing()
-
-    def _viewing(self) -> None:
-        """``data`` made anew over the mapping the views come from: the private one, or
-        the shared one where this process locks its memory."""
-        viewed = self.mm if self.private is None else self.private
-        self.data = torch.frombuffer(viewed, dtype=torch.uint8, count=self.capacity, offset=self.at)
-        self.address = self.data.data_ptr()
-        self._counted()
-
-    def _moved(self) -> bool:
-        """Whether a caller's ``share_memory_()`` moved ``data``'s storage (and with it the
-        views tensorcast handed out) off the mapping: then ``data`` is made anew over it.
-        The moved storage is watched until it dies: a raw pointer made before the move (a
-        numpy array, a numpy leaf of the same batch) still reads the slot's pages, and
-        holds that storage through its base."""
-        if self.data.data_ptr() == self.address:
-            return False
-        self.moved.append(StorageWeakRef(self.data.untyped_storage()))
-        self._viewing()
-        return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,40 +203,10 @@ class Taken:
     seen: torch.Tensor
 
 
-def _written(address: int, nbytes: int, *, unread_all: bool = True) -> tuple[int, int] | None:
-    """The span of the ``nbytes`` at ``address`` (a private mapping's) whose pages this
-    process wrote into, as offsets from ``address``: from the first such page to the end
-    of the last; None when it wrote into none. Read from ``/proc/self/pagemap`` (a page
-    written is no longer the file's: bit 61 clear, present or swapped), which costs
-    about a tenth of dropping every page and mapping them again; where it cannot be read,
-    every page counts as written (none, with ``unread_all`` False)."""
-    if nbytes <= 0:
-        return None
-    page = mmap.PAGESIZE
-    first, end = address // page, (address + nbytes + page - 1) // page
-    try:
-        fd = os.open("/proc/self/pagemap", os.O_RDONLY)  # this process's, after a fork too
-        try:
-            raw = os.pread(fd, 8 * (end - first), 8 * first)
-        finally:
-            os.close(fd)
-    except OSError:
-        raw = b""
-    if len(raw) != 8 * (end - first):
-        return (0, nbytes) if unread_all else None
-    flags = np.frombuffer(raw, dtype=np.uint64) >> np.uint64(61)  # bits 63, 62, 61
-    mine = np.flatnonzero((flags == 0b100) | (flags & np.uint64(0b010) != 0))
-    if mine.size == 0:  # (present, not the file's) or swapped: pages this process wrote
-        return None
-    lo = (int(mine[0]) + first) * page - address
-    hi = (int(mine[-1]) + first + 1) * page - address
-    return max(lo, 0), min(hi, nbytes)
-
-
 class _Slot:
     __slots__ = ("generation", "mapping", "path", "segment", "unlinked")
 
-    def __init__(self, path: str, segment: int, mapping: _Mapping) -> None:
+    def __init__(self, path: str, segment: int, mapping: MappedSegment) -> None:
         self.path, self.segment, self.mapping = path, segment, mapping
         self.generation = 0
         self.unlinked = False
@@ -478,7 +303,7 @@ class Writer:
         if at is None:
             return None
         capacity = _capacity(nbytes)
-        size = _data_at(self.readers) + capacity
+        size = data_at(self.readers) + capacity
         old = self._slots[at]
         # the cap is the process's: every arena it writes counts
         with _writers_lock:  # a writer made on another thread changes the set
@@ -524,9 +349,9 @@ class Writer:
         try:
             os.ftruncate(fd, size)
             os.posix_fallocate(fd, 0, size)  # ENOSPC now, not SIGBUS on a later write
-            head = _HEAD.pack(_MAGIC, _data_at(self.readers), capacity, self.readers)
+            head = HEAD.pack(MAGIC, data_at(self.readers), capacity, self.readers)
             os.pwrite(fd, head, 0)
-            mapping = _Mapping(fd, size)
+            mapping = MappedSegment(fd, size)
         except BaseException:
             _unlink(path)
             raise
@@ -582,7 +407,7 @@ class Reader:
     def __init__(self, token: str, index: int) -> None:
         self.token = token
         self.index = index
-        self._mapped: list[tuple[int, _Mapping] | None] = [None] * MAX_SLOTS
+        self._mapped: list[tuple[int, MappedSegment] | None] = [None] * MAX_SLOTS
         self._held: dict[int, int] = {}  # slot -> the generation this rank has not released
         self._lock = threading.Lock()
 
@@ -606,11 +431,11 @@ class Reader:
         self._held[ref.slot] = ref.generation
         return mapping.view(nbytes)
 
-    def _map(self, segment: int) -> _Mapping:
+    def _map(self, segment: int) -> MappedSegment:
         path = f"{SHM_DIR}/{self.token}-{segment}"
         fd = os.open(path, os.O_RDWR)
         try:
-            mapping = _Mapping(fd, os.fstat(fd).st_size)
+            mapping = MappedSegment(fd, os.fstat(fd).st_size)
         finally:
             os.close(fd)
         if self.index >= mapping.readers:
@@ -624,7 +449,7 @@ class Reader:
         return mapping
 
     def release(self) -> None:
-        """Tell the writer of each slot this rank held and no longer sees (:meth:`_Mapping.idle`)."""
+        """Tell the writer of each slot this rank held and no longer sees (:meth:`MappedSegment.idle`)."""
         if not self._held:
             return
         done = []
@@ -646,7 +471,3 @@ class Reader:
         """Unlink what the writer left in ``/dev/shm`` (the lane broke: it may be dead)."""
         for path in glob.glob(f"{SHM_DIR}/{glob.escape(self.token)}-*"):
             _unlink(path)
-
-
-_use_count = torch._C._storage_Use_Count
-_locked_warned: list[bool] = []  # whether this process said its memory is locked

@@ -15,7 +15,12 @@ named by the channel's token (made by the source, told at the setup agreement) a
 number that is never reused. A segment is unlinked as soon as every reader mapped it, by
 whichever of the writer and the last reader sees that first, so a killed process leaves
 nothing behind; what a kill leaves before that, the survivors sweep by the token
-(:meth:`Writer.close`, :meth:`Reader.sweep`) when the lane breaks.
+(:meth:`Writer.close`, :meth:`Reader.sweep`) when the lane breaks. What no survivor
+sweeps (every rank of the host killed at once, by SIGKILL or a SIGTERM Python does not
+catch, or survivors that ended on another error first) is swept by whichever process of
+the same PID namespace next makes an arena or ends with one: a token names its
+writer's namespace and pid, and a segment whose writer is dead is no one's
+(:func:`sweep_dead`).
 
 # NOTE [ Shared-memory slots ]
 A segment's layout (little-endian; one 64-byte line per reader, so that no two writers
@@ -67,6 +72,7 @@ uses that one copy (no index read outside its retry loop).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import os
@@ -93,6 +99,7 @@ __all__ = [
     "available",
     "limit",
     "new_token",
+    "sweep_dead",
 ]
 
 #: where arenas live
@@ -135,9 +142,60 @@ class Ref:
 REF_SIZE = Ref._STRUCT.size
 
 
+def _pid_namespace() -> int:
+    """This process's PID namespace (the inode of ``/proc/self/ns/pid``), 0 if unknown."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def new_token() -> str:
-    """A name no other channel, job or host's arena has: its segments' common prefix."""
-    return f"tensorcast-{os.getpid()}-{secrets.token_hex(6)}"
+    """A name no other channel, job or host's arena has: its segments' common prefix. It
+    names the writer's PID namespace and pid (:func:`sweep_dead`)."""
+    return f"tensorcast-{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def sweep_dead() -> None:
+    """Unlink the segments in ``/dev/shm`` whose writer is dead: those it made that not
+    every reader had mapped when every rank was killed. Only a writer of this PID
+    namespace is judged (another namespace's pids mean nothing here), and one whose pid
+    names a process, alive or a zombie (even another process that took the pid), is
+    left alone. Local: it never waits on anything but the file system."""
+    namespace = _pid_namespace()
+    if not namespace:
+        return
+    prefix = f"tensorcast-{namespace}-"
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix) :].partition("-")[0] if name.startswith(prefix) else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            _unlink(f"{SHM_DIR}/{name}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: another user's process has the pid
+        return True
+    return True
+
+
+def _first_arena() -> None:
+    """Once a process, as it makes its first arena: sweep what dead writers left, now and
+    as it ends."""
+    if not _swept:
+        _swept.append(True)
+        sweep_dead()
+        atexit.register(sweep_dead)
+
+
+_swept: list[bool] = []
 
 
 def limit() -> int:
@@ -236,6 +294,7 @@ class Writer:
         self._cleanup = weakref.finalize(self, _unlink_all, self._slots, os.getpid())
         with _writers_lock:
             _writers.add(self)
+            _first_arena()
 
     @property
     def nbytes(self) -> int:
@@ -410,6 +469,8 @@ class Reader:
         self._mapped: list[tuple[int, MappedSegment] | None] = [None] * MAX_SLOTS
         self._held: dict[int, int] = {}  # slot -> the generation this rank has not released
         self._lock = threading.Lock()
+        with _writers_lock:
+            _first_arena()
 
     def payload(self, ref: Ref, nbytes: int) -> torch.Tensor:
         """The ``nbytes`` of the slot ``ref`` names, mapping its segment on first sight.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
 import sys
 import warnings
 import weakref
@@ -318,6 +319,58 @@ def test_a_reader_sweeps_what_a_dead_writer_left() -> None:
     _send(writer, b"s" * 5000)
     assert any(n.startswith(token) for n in _mine())
     Reader(token, 0).sweep()
+    assert not any(n.startswith(token) for n in _mine())
+
+
+def test_only_what_a_dead_writer_of_this_pid_namespace_left_is_swept() -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout.strip()  # fmt: skip
+    namespace = shm._pid_namespace()
+    assert namespace, "no /proc/self/ns/pid here"
+    names = {
+        "dead": f"tensorcast-{namespace}-{dead}-0a1b-1",
+        "alive": f"tensorcast-{namespace}-{os.getpid()}-0a1b-1",
+        "another namespace": f"tensorcast-{namespace + 1}-{dead}-0a1b-1",
+        "not a token": f"tensorcast-{namespace}-x{dead}-0a1b-1",
+    }
+    try:
+        for name in names.values():
+            Path(shm.SHM_DIR, name).write_bytes(b"x")
+        shm.sweep_dead()
+        left = {what for what, name in names.items() if Path(shm.SHM_DIR, name).exists()}
+        assert left == {"alive", "another namespace", "not a token"}
+    finally:
+        for name in names.values():
+            Path(shm.SHM_DIR, name).unlink(missing_ok=True)
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+from tensorcast.transport.shm import Writer, new_token
+writer = Writer(new_token(), 1, 1 << 24)
+got = writer.take(1 << 20)  # a new segment that its one reader never maps
+writer.sent(got.ref)
+print(writer.token, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+_NEXT_PROCESS = """
+from tensorcast.transport.shm import Reader, new_token
+Reader(new_token(), 0)  # the first arena this process makes
+"""
+
+
+def test_a_segment_no_survivor_swept_goes_with_the_next_process_that_makes_an_arena() -> None:
+    """Every rank of the host killed while a segment waits for a reader to map it: no
+    process alive can sweep it by its token; the next one that makes an arena does."""
+    env = dict(os.environ)
+    code, out = run_killable([sys.executable, "-c", _KILLED_WRITER], Path.cwd(), env, 120)
+    token = out.strip().splitlines()[0]
+    assert code == -9 and any(n.startswith(token) for n in _mine()), out
+    code, out = run_killable([sys.executable, "-c", _NEXT_PROCESS], Path.cwd(), env, 120)
+    assert code == 0, out
     assert not any(n.startswith(token) for n in _mine())
 
 

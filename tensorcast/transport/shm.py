@@ -196,6 +196,7 @@ def _first_arena() -> None:
 
 
 _swept: list[bool] = []
+_wire_warned: list[bool] = []  # whether this process said a payload went on the wire
 
 
 def limit() -> int:
@@ -288,7 +289,6 @@ class Writer:
         self.cap = cap
         self._slots: list[_Slot | None] = [None] * MAX_SLOTS
         self._segments = 0
-        self._warned = False
         #: whether the last payload offered went into a slot (the encoder trims otherwise)
         self.last_used = False
         self._cleanup = weakref.finalize(self, _unlink_all, self._slots, os.getpid())
@@ -395,10 +395,12 @@ class Writer:
         self._slots[at] = slot
         return at
 
-    def _warn(self, what: str) -> None:
-        """Say once per arena why a payload goes on the wire."""
-        if not self._warned:
-            self._warned = True
+    @staticmethod
+    def _warn(what: str) -> None:
+        """Say once per process why a payload goes on the wire (its first arena to fall
+        back says so; the others' reasons are alike: the same cap, the same ``/dev/shm``)."""
+        if not _wire_warned:
+            _wire_warned.append(True)
             warnings.warn(f"tensorcast: {what}", RuntimeWarning, stacklevel=5)
 
     def _create(self, capacity: int, size: int) -> _Slot:

@@ -19,6 +19,7 @@ from models import dp_tp_mesh, model_step
 from taps import WireTap, tapped
 
 import tensorcast as tc
+from tensorcast.transport import shm
 from tensorcast.transport.shm import SHM_DIR
 
 _BIG = 300_000  # float32s: 1.2 MB, over the lane's smallest payload
@@ -41,6 +42,7 @@ def lane(limit: int = 1 << 30, host: str | None = None) -> Iterator[None]:
     bytes, on the host ``host`` (None: the real one)."""
     saved = {k: os.environ.get(k) for k in ("TENSORCAST_SHM_LIMIT", "TENSORCAST_HOST_ID")}
     os.environ["TENSORCAST_SHM_LIMIT"] = str(limit)
+    shm._wire_warned.clear()  # said once a process: each test is one here
     if host is not None:
         os.environ["TENSORCAST_HOST_ID"] = host
     try:

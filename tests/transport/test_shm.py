@@ -30,6 +30,7 @@ def _mine() -> set[str]:
 @pytest.fixture(autouse=True)
 def shm_left_as_it_was() -> Iterator[None]:
     gc.collect()  # the arenas of earlier tests count against the process's cap until freed
+    shm._wire_warned.clear()  # said once a process: each test is a process of its own here
     before = _mine()
     yield
     assert _mine() <= before, f"left in {shm.SHM_DIR}: {sorted(_mine() - before)}"
@@ -235,6 +236,15 @@ def test_a_payload_over_the_cap_warns_once_and_travels_on_the_wire() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert writer.take(2 << 20) is None
+
+
+def test_a_process_is_told_once_whichever_of_its_arenas_falls_back() -> None:
+    one, two = Writer(new_token(), 1, 1 << 20), Writer(new_token(), 1, 1 << 20)
+    with pytest.warns(RuntimeWarning, match="--shm-size") as said:
+        assert one.take(2 << 20) is None and two.take(2 << 20) is None
+        assert one.take(600_000) is not None and two.take(600_000) is None  # the cap is full
+    assert len([w for w in said if "tensorcast" in str(w.message)]) == 1
+    one.close()
 
 
 def test_a_moved_storage_keeps_its_slot_while_it_lives() -> None:

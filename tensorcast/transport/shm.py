@@ -217,6 +217,21 @@ def limit() -> int:
     return st.f_bavail * st.f_frsize // _DEFAULT_SHARE
 
 
+def _leaves_half_free(grow: int) -> bool:
+    """Whether ``/dev/shm`` keeps half of its space free once an arena takes ``grow`` more
+    bytes, where no ``TENSORCAST_SHM_LIMIT`` is set: each arena's default cap is a share of
+    the space free when it was made, and several sources on a host (one per DP slot) would
+    otherwise fill it between them, leaving a DataLoader's workers and NCCL, which share
+    it, none. A limit set explicitly is the user's call."""
+    if grow <= 0 or os.environ.get("TENSORCAST_SHM_LIMIT", "").strip():
+        return True
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return True  # the segment's own allocation says whether there is room
+    return (st.f_bavail * st.f_frsize - grow) * 2 >= st.f_blocks * st.f_frsize
+
+
 def available() -> str | None:
     """Why this process cannot use the lane, or None when it can."""
     if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK | os.X_OK):
@@ -381,6 +396,13 @@ class Writer:
                     f"{nbytes}-byte payload travels over the wire: let go of batches you no "
                     f"longer need, or {_FIX}"
                 )
+            return None
+        if not _leaves_half_free(size - (old.mapping.mm.size() if old is not None else 0)):
+            self._warn(
+                f"a new {size}-byte segment would leave less than half of {SHM_DIR} free for "
+                f"its other users (DataLoader workers, NCCL), so payloads travel over the "
+                f"wire: {_FIX}"
+            )
             return None
         try:
             slot = self._create(capacity, size)

@@ -238,6 +238,27 @@ def test_a_payload_over_the_cap_warns_once_and_travels_on_the_wire() -> None:
         assert writer.take(2 << 20) is None
 
 
+def test_with_no_limit_set_an_arena_leaves_half_of_dev_shm_to_its_other_users(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Several sources on a host each take a share of the space free when they start: by
+    default none grows past half of ``/dev/shm`` (DataLoader workers and NCCL use it too)."""
+    monkeypatch.delenv("TENSORCAST_SHM_LIMIT", raising=False)
+    page, real = 4096, os.statvfs
+    fs = SimpleNamespace(f_frsize=page, f_blocks=(8 << 20) // page, f_bavail=(5 << 20) // page)
+    monkeypatch.setattr(os, "statvfs", lambda path: fs if path == shm.SHM_DIR else real(path))
+    token = new_token()
+    writer, reader = Writer(token, 1, 1 << 30), Reader(token, 0)
+    ref = _send(writer, b"h" * 600_000) or pytest.fail("no slot")
+    held = reader.payload(ref, 600_000)
+    with pytest.warns(RuntimeWarning, match="less than half of /dev/shm free"):
+        assert writer.take(2 << 20) is None  # 5 MiB free of 8: 2 more would leave 3
+    monkeypatch.setenv("TENSORCAST_SHM_LIMIT", str(1 << 30))  # set: the user's call
+    assert writer.take(2 << 20) is not None
+    del held
+    writer.close()
+
+
 def test_a_process_is_told_once_whichever_of_its_arenas_falls_back() -> None:
     one, two = Writer(new_token(), 1, 1 << 20), Writer(new_token(), 1, 1 << 20)
     with pytest.warns(RuntimeWarning, match="--shm-size") as said:

@@ -77,6 +77,7 @@ import contextlib
 import glob
 import os
 import secrets
+import stat
 import struct
 import threading
 import warnings
@@ -161,7 +162,9 @@ def sweep_dead() -> None:
     every reader had mapped when every rank was killed. Only a writer of this PID
     namespace is judged (another namespace's pids mean nothing here), and one whose pid
     names a process, alive or a zombie (even another process that took the pid), is
-    left alone. Local: it never waits on anything but the file system."""
+    left alone; only files of this user's (``/dev/shm`` is sticky: another user's are
+    theirs to sweep). Local, and never raises: it runs as an arena is made and at exit,
+    and a name anyone can make in ``/dev/shm`` must not stop either."""
     namespace = _pid_namespace()
     if not namespace:
         return
@@ -172,8 +175,15 @@ def sweep_dead() -> None:
         return
     for name in names:
         pid = name[len(prefix) :].partition("-")[0] if name.startswith(prefix) else ""
-        if pid.isdigit() and not _alive(int(pid)):
-            _unlink(f"{SHM_DIR}/{name}")
+        if not (pid.isascii() and pid.isdigit() and len(pid) <= 10):
+            continue
+        path = f"{SHM_DIR}/{name}"
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not _alive(int(pid)):
+                os.unlink(path)
+        except (OSError, OverflowError):  # gone meanwhile, not ours, a pid past any
+            continue
 
 
 def _alive(pid: int) -> bool:
@@ -374,7 +384,13 @@ class Writer:
         return bool((cells[:, 1] == g).all()) and slot.mapping.idle()
 
     def _grow(self, at: int | None, nbytes: int) -> int | None:
-        if at is None:
+        if at is None:  # every slot exists and is busy
+            self._warn(
+                f"all {MAX_SLOTS} slots of a shared-memory arena hold batches still referenced "
+                f"(on this rank, or not yet let go of by a reader of the host), so a "
+                f"{nbytes}-byte payload travels over the wire: let go of batches you no "
+                f"longer need, and clone those you keep for long"
+            )
             return None
         capacity = _capacity(nbytes)
         size = data_at(self.readers) + capacity

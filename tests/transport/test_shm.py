@@ -259,6 +259,21 @@ def test_with_no_limit_set_an_arena_leaves_half_of_dev_shm_to_its_other_users(
     writer.close()
 
 
+def test_an_arena_whose_every_slot_is_held_says_so_once_and_uses_the_wire() -> None:
+    token = new_token()
+    writer, reader = Writer(token, 1, 1 << 30), Reader(token, 0)
+    held = []
+    for i in range(shm.MAX_SLOTS):
+        ref = _send(writer, bytes([i]) * 300_000) or pytest.fail("no slot")
+        held.append(reader.payload(ref, 300_000))
+    with pytest.warns(RuntimeWarning, match=f"all {shm.MAX_SLOTS} slots .* still referenced"):
+        assert writer.take(300_000) is None
+    del held
+    reader.release()
+    assert writer.take(300_000) is not None
+    writer.close()
+
+
 def test_a_process_is_told_once_whichever_of_its_arenas_falls_back() -> None:
     one, two = Writer(new_token(), 1, 1 << 20), Writer(new_token(), 1, 1 << 20)
     with pytest.warns(RuntimeWarning, match="--shm-size") as said:
@@ -365,16 +380,30 @@ def test_only_what_a_dead_writer_of_this_pid_namespace_left_is_swept() -> None:
         "alive": f"tensorcast-{namespace}-{os.getpid()}-0a1b-1",
         "another namespace": f"tensorcast-{namespace + 1}-{dead}-0a1b-1",
         "not a token": f"tensorcast-{namespace}-x{dead}-0a1b-1",
+        "past any pid": f"tensorcast-{namespace}-{'9' * 10}-0a1b-1",
+        "digits of another script": f"tensorcast-{namespace}-\u00b2-0a1b-1",
+        "a folder": f"tensorcast-{namespace}-{dead}-0a1b-2",
+        "another user's": f"tensorcast-{namespace}-{dead}-0a1b-3",
     }
+    if os.geteuid() != 0:  # only root can hand a file to another user
+        del names["another user's"]
     try:
-        for name in names.values():
-            Path(shm.SHM_DIR, name).write_bytes(b"x")
-        shm.sweep_dead()
+        for what, name in names.items():
+            if what == "a folder":
+                Path(shm.SHM_DIR, name).mkdir()
+            else:
+                Path(shm.SHM_DIR, name).write_bytes(b"x")
+        if "another user's" in names:
+            os.chown(Path(shm.SHM_DIR, names["another user's"]), 65534, 65534)
+        shm.sweep_dead()  # never raises on what anyone can make in /dev/shm
         left = {what for what, name in names.items() if Path(shm.SHM_DIR, name).exists()}
-        assert left == {"alive", "another namespace", "not a token"}
+        assert left == set(names) - {"dead"}
     finally:
-        for name in names.values():
-            Path(shm.SHM_DIR, name).unlink(missing_ok=True)
+        for what, name in names.items():
+            if what == "a folder":
+                Path(shm.SHM_DIR, name).rmdir()
+            else:
+                Path(shm.SHM_DIR, name).unlink(missing_ok=True)
 
 
 _KILLED_WRITER = """

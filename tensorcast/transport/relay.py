@@ -194,6 +194,9 @@ def open_side(
     """
     ranks, host_wire = group.ranks, group.wire.streams is None
     order = sorted(ranks)
+    wrong = [r for r in order if extras[r].get("shm_error")]
+    if wrong:  # a setting one rank cannot read: every rank says so, at once
+        raise ValueError(f"{what}: on rank {wrong[0]}: {extras[wrong[0]]['shm_error']}")
     hosts: dict[str, list[int]] = {}
     if shm is not False and host_wire:
         for r in order:
@@ -237,11 +240,18 @@ def told(source: bool, extra: dict[str, Any] | None, shm: bool | None) -> dict[s
     token of the arena it would write."""
     if shm is False:
         return extra
-    why = _shm.available() or ""
-    if source and not why and _shm.limit() == 0:
+    why, error = _shm.available() or "", ""
+    try:  # read on every rank: any may write an arena (a host's leader)
+        cap = _shm.limit()
+    except ValueError as e:  # told, so that every rank raises it (:func:`open_side`)
+        cap, error = 0, str(e)
+    if source and not why and cap == 0:
         why = f"no free space in {_shm.SHM_DIR}"
     # every rank's token: a rank may lead its host's arena (NOTE [ Several hosts ])
-    return {**(extra or {}), "host": host_id(), "shm_why_not": why, "shm_token": _shm.new_token()}
+    return {
+        **(extra or {}), "host": host_id(), "shm_why_not": why, "shm_error": error,
+        "shm_token": _shm.new_token(),
+    }  # fmt: skip
 
 
 def writer(side: _shm.Writer | _shm.Reader | None) -> _shm.Writer | None:

@@ -274,6 +274,30 @@ def test_shm_true_where_it_cannot_be_raises_at_setup_saying_why(pool2: Any) -> N
         assert "shm=True" in message and "not on the source rank 0's host" in message
 
 
+def _rank_bad_limit(rank: int, world: int, hosts: list[int]) -> tuple[str, float]:
+    """``TENSORCAST_SHM_LIMIT`` that rank 1 alone cannot read ("1G"): whether or not its
+    role reads it (a reader does not, nor a rank alone on its host), every rank says so at
+    once, naming it (it was ignored there, and a host's leader raised alone)."""
+    with lane(host=f"host-{hosts[rank]}"):
+        if rank == 1:
+            os.environ["TENSORCAST_SHM_LIMIT"] = "1G"
+        started = time.monotonic()
+        try:
+            _loader(rank, 2, timeout=20)
+        except ValueError as e:
+            return str(e), time.monotonic() - started
+    return "no error", 0.0
+
+
+@pytest.mark.parametrize("hosts", [[0, 0], [0, 1]], ids=["one-host", "two-hosts"])
+def test_a_limit_one_rank_cannot_read_fails_every_rank_at_setup(
+    pool2: Any, hosts: list[int]
+) -> None:
+    for message, waited in pool2.run(_rank_bad_limit, hosts, timeout=60):
+        assert "on rank 1" in message and "TENSORCAST_SHM_LIMIT" in message, message
+        assert waited < 10, waited
+
+
 @tapped
 def _rank_hosts(rank: int, world: int, tap: WireTap, hosts: list[int]) -> dict[str, Any]:
     """Ranks on the simulated hosts ``hosts[rank]``: every rank gets every batch bit for

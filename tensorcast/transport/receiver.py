@@ -212,9 +212,14 @@ class Receiver:
         elif self._shm is not None:
             self._shm.sweep()
         if isinstance(error, RuntimeError) and not isinstance(error, TensorcastError):
+            relayed = self._relay.doing if self._relay is not None else ""
+            doing = (
+                f"{relayed} (the source is rank {self.src})"
+                if relayed
+                else f"receiving the rest of a frame from the source rank {self.src}"
+            )
             raise PeerError(
-                f"receiving the rest of a frame from the source rank {self.src} on ranks "
-                f"{list(group.ranks)} failed: {type(error).__name__}: {error}"
+                f"{doing} on ranks {list(group.ranks)} failed: {type(error).__name__}: {error}"
             ) from error
 
     def _read(

@@ -94,14 +94,26 @@ class Route:
 
 class Relay:
     """This rank's part of a relayed channel (NOTE [ Several hosts ]): its :class:`Route`,
-    and the arena it writes as a leader (``writer``) or reads (``reader``)."""
+    and the arena it writes as a leader (``writer``) or reads (``reader``). ``ranks``: the
+    group's global ranks, in the order the route's indices count them."""
 
     def __init__(
-        self, route: Route, writer: _shm.Writer | None, reader: _shm.Reader | None
+        self,
+        route: Route,
+        writer: _shm.Writer | None,
+        reader: _shm.Reader | None,
+        ranks: Sequence[int] = (),
     ) -> None:
         self.route = route
         self.writer = writer
         self.reader = reader
+        self.ranks = tuple(ranks)
+        #: what this rank's last wait of a frame was, for the error when it fails: the
+        #: peer it waited on is not always the source (a host's leader, its followers)
+        self.doing = ""
+
+    def _rank(self, index: int) -> int:
+        return self.ranks[index] if self.ranks else index
 
     def send(self, wire: Any, payload: torch.Tensor, in_slot: bool) -> Any:
         """On the source: post ``payload`` to the leaders, and to its host's receivers
@@ -121,10 +133,13 @@ class Relay:
         """On a receiver: the frame's payload of ``nbytes`` bytes and whether it was read
         from shared memory; ``ref`` is the source's slot when the frame says SHM."""
         p2p, route = cast(_PointToPoint, wire), self.route
+        self.doing = ""
         if route.near_source and ref is not None:
             return _read(self.reader, ref, nbytes, route.upstream), True
         if route.near_source or route.leads:
             return self._lead(p2p, pool, nbytes, timeout), False
+        leader = self._rank(route.upstream)
+        self.doing = f"receiving the rest of a frame from this host's leader, rank {leader}"
         message = torch.empty(_shm.REF_SIZE, dtype=torch.uint8)
         p2p.recv(message, route.upstream).wait(timeout)
         mem = message.numpy().data
@@ -150,6 +165,8 @@ class Relay:
             slot.ref.pack_into(message.numpy().data, 0)
             assert writer is not None
             writer.sent(slot.ref)
+        ranks = [self._rank(f) for f in followers]
+        self.doing = f"passing the rest of a frame on to this host's ranks {ranks}, as their leader"
         posted = [p2p.send(message, followers)]
         if slot is None:
             posted.append(p2p.send(payload, followers))
@@ -216,10 +233,10 @@ def open_side(
     if rank == src:
         route = Route(leaders=tuple(map(local, leaders)), near=tuple(map(local, near)))
         writer = _shm.Writer(extras[src]["shm_token"], len(near), _shm.limit()) if near else None
-        return writer, Relay(route, None, None)
+        return writer, Relay(route, None, None, order)
     if rank in near:
         reader = _shm.Reader(extras[src]["shm_token"], near.index(rank))
-        return reader, Relay(Route(upstream=local(src), near_source=True), None, reader)
+        return reader, Relay(Route(upstream=local(src), near_source=True), None, reader, order)
     on = hosts[str(extras[rank]["host"])]
     if rank == on[0]:
         followers = on[1:]
@@ -229,9 +246,9 @@ def open_side(
             else None
         )
         route = Route(upstream=local(src), leads=True, followers=tuple(map(local, followers)))
-        return None, Relay(route, writer, None)
+        return None, Relay(route, writer, None, order)
     reader = _shm.Reader(extras[on[0]]["shm_token"], on.index(rank) - 1)
-    return reader, Relay(Route(upstream=local(on[0])), None, reader)
+    return reader, Relay(Route(upstream=local(on[0])), None, reader, order)
 
 
 def told(source: bool, extra: dict[str, Any] | None, shm: bool | None) -> dict[str, Any] | None:

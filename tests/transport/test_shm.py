@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -18,6 +19,7 @@ import pytest
 import torch
 from subprocs import run_killable
 
+import tensorcast as tc
 from tensorcast.transport import shm
 from tensorcast.transport.frame import SHM_REF_BYTES, Flags, cut_frame
 from tensorcast.transport.shm import Reader, Ref, Writer, new_token
@@ -435,8 +437,6 @@ def test_a_segment_no_survivor_swept_goes_with_the_next_process_that_makes_an_ar
 
 
 def test_a_bad_ref_is_a_header_error() -> None:
-    import tensorcast as tc
-
     token = new_token()
     writer, reader = Writer(token, 1, 1 << 24), Reader(token, 0)
     ref = _send(writer, b"b" * 5000) or pytest.fail("no slot")
@@ -460,8 +460,6 @@ def test_a_frame_in_shared_memory_carries_its_ref_in_the_first_message() -> None
 
 @pytest.mark.parametrize("bad", ["yes", 1, 0])
 def test_shm_is_none_true_or_false(bad: object) -> None:
-    import tensorcast as tc
-
     with pytest.raises(TypeError, match="shm must be None"):
         tc.BroadcastingDataLoader([1], shm=bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="shm must be None"):
@@ -514,3 +512,52 @@ def test_a_route_over_hosts_takes_one_rank_per_remote_host() -> None:
     # one host: the arena alone; every rank on its own host: the wire alone
     assert [route for _, route in _routes(["a", "a"])] == [None, None]
     assert _routes(["a", "b", "c"]) == [("", None)] * 3
+
+
+class _Wire:
+    """A relayed wire whose receives or sends fail as a dead peer's do."""
+
+    def __init__(self, failing: str) -> None:
+        self.failing, self.now = failing, ""
+
+    def send(self, tensor: torch.Tensor, peers: tuple[int, ...]) -> _Wire:
+        self.now = "send"
+        return self
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> _Wire:
+        self.now = "recv"
+        return self
+
+    def wait(self, timeout: Any) -> None:
+        if self.now == self.failing:
+            raise RuntimeError("Connection closed by peer")
+
+
+def test_a_relayed_wait_that_fails_names_the_peer_it_waited_on() -> None:
+    """A host's leader or follower that fails in the relay names the peer it waited on
+    (not the source), in the receiver's ``PeerError``."""
+    import datetime
+
+    from tensorcast.transport.pool import BufferPool
+    from tensorcast.transport.receiver import Receiver
+    from tensorcast.transport.relay import Relay, Route
+
+    ranks, wait = (10, 11, 12, 13), datetime.timedelta(seconds=1)
+    follower = Relay(Route(upstream=2), None, None, ranks)
+    leader = Relay(Route(upstream=0, leads=True, followers=(3,)), None, None, ranks)
+    for relay, failing, says in [
+        (follower, "recv", "receiving the rest of a frame from this host's leader, rank 12"),
+        (
+            leader,
+            "send",
+            "passing the rest of a frame on to this host's ranks [13], as their leader",
+        ),
+    ]:
+        with pytest.raises(RuntimeError) as caught:
+            relay.receive(_Wire(failing), BufferPool(), None, 5000, wait)
+        me = SimpleNamespace(
+            group=SimpleNamespace(lane=SimpleNamespace(break_=lambda e: None), ranks=ranks),
+            _relay=relay, _shm=None, src=10,
+        )  # fmt: skip
+        with pytest.raises(tc.PeerError, match=f"^{re.escape(says)} \\(the source is rank 10\\)"):
+            Receiver._break(me, caught.value)  # type: ignore[arg-type]

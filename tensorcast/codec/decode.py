@@ -11,6 +11,18 @@ through a ``codec.views.ViewSpec``), trimmed leaves re-padded (``codec.repad``).
 A trimmed leaf's stored bytes change from batch to batch, and so do the offsets after
 it: such headers are read whole, and share their tokens, whose compiled program is
 found by their text.
+
+# NOTE [ Numpy leaves beside tensors ]
+A batch's leaves are views of one buffer, so they share one storage. ``share_memory_()``
+on one tensor leaf (which a ``torch.multiprocessing`` queue runs) moves that storage, the
+other tensor leaves with it, and frees the old block: an ndarray made before the move
+would be left on freed memory, as any ``t.numpy()`` of a moved tensor is (a segfault, or
+the next batch's bytes). So where a batch has tensor leaves on tensorcast's own host
+memory (a pooled buffer, a first message, a shared-memory slot; the source's own tree as
+a receiver's), its ndarray leaves are copies of their bytes: their own memory, which no
+leaf's move can free. The cost is a copy of those bytes, on every rank; ndarray leaves
+beside tensors are mostly small (ids, lengths). A batch of ndarray leaves alone, and a
+caller's own buffer (``tc.unpack``), keep their views.
 """
 
 from __future__ import annotations
@@ -404,15 +416,21 @@ def leaf_views(
             values[i] = repad.value
             repads.append(repad)
     if spec.others:
-        _read_others(spec, values, buffer, host)
+        _read_others(spec, values, buffer, host, apart=reuse is not None and bool(spec.specs))
     return values, repads
 
 
 def _read_others(
-    spec: ViewSpec, values: list[Any], buffer: torch.Tensor, host: torch.Tensor | None
+    spec: ViewSpec,
+    values: list[Any],
+    buffer: torch.Tensor,
+    host: torch.Tensor | None,
+    *,
+    apart: bool = False,
 ) -> None:
     """Fill in ``values`` the leaves that are not tensors: from their ``host`` block when
-    given, else from ``buffer`` (viewed on a host, copied back from a device)."""
+    given, else from ``buffer`` (viewed on a host, copied back from a device). ``apart``:
+    ndarray leaves of a host ``buffer`` are copies (NOTE [ Numpy leaves beside tensors ])."""
     if host is not None:
         block = host.numpy()
         for (i, (kind, code, shape, _off, n)), (_, _, pos) in zip(spec.others, spec.host_spans):
@@ -427,6 +445,8 @@ def _read_others(
                 # while any array views it, so a pooled buffer is not reused under them.
                 host_view = buffer[:].numpy()
             piece = host_view[off : off + n]
+            if apart and kind == "ndarray":
+                piece = piece.copy()
         else:
             piece = buffer[off : off + n].cpu().numpy()  # a copy back from the device
         values[i] = _other(kind, code, shape, piece)

@@ -444,11 +444,13 @@ class Encoded:
             elif kind == "str":
                 values[i] = data.decode("utf-8", "surrogatepass")
             else:
+                on_cpu = buffer.device.type == "cpu"
                 if host is None:  # one holder view: it keeps the storage's use count up
-                    host = (
-                        buffer[:].numpy() if buffer.device.type == "cpu" else buffer.cpu().numpy()
-                    )
-                values[i] = host[off : off + data.nbytes].view(data.dtype).reshape(shape)
+                    host = buffer[:].numpy() if on_cpu else buffer.cpu().numpy()
+                piece = host[off : off + data.nbytes]
+                if on_cpu and spec.specs:  # NOTE [ Numpy leaves beside tensors ]
+                    piece = piece.copy()
+                values[i] = piece.view(data.dtype).reshape(shape)
         return values, repads
 
 

@@ -33,12 +33,12 @@ storage's data pointer when it was pooled. :func:`reusable` is true only when
   (CUDA storages say ``is_shared()`` always; CUDA IPC keeps a reference in this process
   while a consumer maps one, so the count sees them);
 - its bytes have not moved: ``share_memory_()`` copies them into shared memory and frees
-  the old block, so a raw pointer kept beside the tensor is stale after it. (A numpy
-  leaf of the batch is such a pointer: a batch's leaves share one storage, so moving one
-  tensor leaf moves them all, and a numpy array made before the move, the batch's numpy
-  leaves too, is left on the freed block, as any ``t.numpy()`` is by torch; the guide
-  says to send a clone. A shared-memory slot is not freed: its old pages stay the slot's,
-  so the slot stays held until the moved storage dies, ``segment.MappedSegment._moved``.)
+  the old block, so a raw pointer kept beside the tensor is stale after it. (A batch's
+  leaves share one storage, so moving one tensor leaf moves them all; its ndarray leaves
+  are copies for that reason, NOTE [ Numpy leaves beside tensors ] in ``codec/decode.py``.
+  A shared-memory slot is not freed by a move: its old pages stay the slot's, and a
+  caller's ``t.numpy()`` made before the move may still read them, so the slot stays
+  held until the moved storage dies, ``MappedSegment.idle`` in ``transport/segment.py``.)
 
 Anything else is *gone*: forgotten, never written again (it stays with whoever holds
 it). No raw pointer into pooled memory is used unchecked: a first message's host views

@@ -8,13 +8,17 @@ would on its own rank.
 from __future__ import annotations
 
 import datetime
+import os
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from subprocs import run_killable
 from taps import first_message_problems
 from trees import (
     STEADY_STEPS,
@@ -466,3 +470,45 @@ def test_sender_and_receiver_rebuild_trimmed_leaves_into_reused_memory() -> None
         ptrs.append(got[0]["audio"].data_ptr())
         del got, own  # the caller lets go of the batch
     assert ptrs[1] == ptrs[2] == ptrs[0], "a CPU receiver re-pads into reused memory"
+
+
+_MOVED = """
+import datetime, sys, threading
+import numpy as np, torch
+from tensorcast.transport.groups import Group
+from tensorcast.transport.lane import Lane
+from tensorcast.transport.receiver import Receiver
+from tensorcast.transport.sender import Sender
+from tensorcast.transport.testing import FakeWire
+
+T = datetime.timedelta(seconds=10)
+wires = FakeWire.pair()
+groups = [Group((0, 1), w, Lane(f"fake{w.rank}", w.abort)) for w in wires]
+sender = Sender(groups[0], 0, 1)
+receiver = Receiver(groups[1], 0, rank=1, channel_id=1, diagnose=lambda *_: "fine")
+kept = []
+for step in range(6):
+    tree = {"audio": torch.full((8, 40_000), float(step)), "ids": np.full(64, step, np.int64)}
+    got = []
+    t = threading.Thread(target=lambda: got.append(receiver.recv(None, T)))
+    t.start()
+    own = sender.send_batch(tree, None, T)
+    t.join(20)
+    for batch in (own, got[0]):
+        batch["audio"].share_memory_()  # what a torch.multiprocessing queue does
+        kept.append((step, batch["ids"]))
+    del own, got, batch
+    churn = [torch.full((1 << 20,), 255, dtype=torch.uint8) for _ in range(8)]
+bad = [(s, int(ids[0])) for s, ids in kept if not (ids == s).all()]
+print("changed:", bad)
+sys.exit(1 if bad else 0)
+"""
+
+
+def test_numpy_leaves_outlive_a_tensor_leaf_moved_into_shared_memory(tmp_path: Path) -> None:
+    """NOTE [ Numpy leaves beside tensors ]: a tensor leaf moved by ``share_memory_()`` frees
+    the block the batch was rebuilt on; the batch's numpy leaves, kept, stay as they were,
+    on the source's own tree and on the receiver's. (In a process of its own: they were
+    left on the freed block, and reading them could segfault.)"""
+    code, out = run_killable([sys.executable, "-c", _MOVED], tmp_path, dict(os.environ), 120)
+    assert code == 0, out

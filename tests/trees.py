@@ -402,7 +402,11 @@ class _GrowDuringGC:
     do, without depending on thread scheduling.
     """
 
-    def __init__(self, target: dict[str, int], limit: int = 100_000):
+    # The limit is headroom, not a bound anyone should reach: every collection between the
+    # batch's draw and the encoder's walk of it adds a key (a prefetching source draws it
+    # a frame ahead, and with the threshold at 1 every allocation in the process, on any
+    # thread, collects), and once at the limit the dict stops changing under the walk.
+    def __init__(self, target: dict[str, int], limit: int = 5_000_000):
         self.target = target
         self.limit = limit
 

@@ -33,7 +33,10 @@ GIL:
    keeps the process from ending.
 
 Nothing is ever queued from the hook, nor from a finaliser (NOTE [ Where a pass ends ] in
-``loader.passes``): at exit the peers may be gone or exiting too.
+``loader.passes``): at exit the peers may be gone or exiting too. Besides the hook, only
+local clean-up runs at exit, file operations that wait on nothing: the shared-memory
+arenas' (``transport.shm``: a writer unlinks its segments, and a process sweeps those
+whose writer died).
 """
 
 from __future__ import annotations

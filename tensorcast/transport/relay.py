@@ -102,7 +102,7 @@ class Relay:
         route: Route,
         writer: _shm.Writer | None,
         reader: _shm.Reader | None,
-        ranks: Sequence[int] = (),
+        ranks: Sequence[int],
     ) -> None:
         self.route = route
         self.writer = writer
@@ -111,9 +111,6 @@ class Relay:
         #: what this rank's last wait of a frame was, for the error when it fails: the
         #: peer it waited on is not always the source (a host's leader, its followers)
         self.doing = ""
-
-    def _rank(self, index: int) -> int:
-        return self.ranks[index] if self.ranks else index
 
     def send(self, wire: Any, payload: torch.Tensor, in_slot: bool) -> Any:
         """On the source: post ``payload`` to the leaders, and to its host's receivers
@@ -138,7 +135,7 @@ class Relay:
             return _read(self.reader, ref, nbytes, route.upstream), True
         if route.near_source or route.leads:
             return self._lead(p2p, pool, nbytes, timeout), False
-        leader = self._rank(route.upstream)
+        leader = self.ranks[route.upstream]
         self.doing = f"receiving the rest of a frame from this host's leader, rank {leader}"
         message = torch.empty(_shm.REF_SIZE, dtype=torch.uint8)
         p2p.recv(message, route.upstream).wait(timeout)
@@ -165,7 +162,7 @@ class Relay:
             slot.ref.pack_into(message.numpy().data, 0)
             assert writer is not None
             writer.sent(slot.ref)
-        ranks = [self._rank(f) for f in followers]
+        ranks = [self.ranks[f] for f in followers]
         self.doing = f"passing the rest of a frame on to this host's ranks {ranks}, as their leader"
         posted = [p2p.send(message, followers)]
         if slot is None:

@@ -395,10 +395,11 @@ class Writer:
         capacity = _capacity(nbytes)
         size = data_at(self.readers) + capacity
         old = self._slots[at]
+        freed = old.mapping.mm.size() if old is not None else 0  # the slot it replaces
         # the cap is the process's: every arena it writes counts
         with _writers_lock:  # a writer made on another thread changes the set
             taken = sum(w.nbytes for w in list(_writers))
-        room = self.cap - taken + (old.mapping.mm.size() if old is not None else 0)
+        room = self.cap - taken + freed
         if size > room:
             if size > self.cap:
                 self._warn(
@@ -413,7 +414,7 @@ class Writer:
                     f"longer need, or {_FIX}"
                 )
             return None
-        if not _leaves_half_free(size - (old.mapping.mm.size() if old is not None else 0)):
+        if not _leaves_half_free(size - freed):
             self._warn(
                 f"a new {size}-byte segment would leave less than half of {SHM_DIR} free for "
                 f"its other users (DataLoader workers, NCCL), so payloads travel over the "
@@ -550,7 +551,8 @@ class Reader:
         return mapping
 
     def release(self) -> None:
-        """Tell the writer of each slot this rank held and no longer sees (:meth:`MappedSegment.idle`)."""
+        """Tell the writer of each slot this rank held and no longer sees
+        (:meth:`MappedSegment.idle`)."""
         if not self._held:
             return
         done = []

@@ -359,7 +359,9 @@ def decide(runs: Runs, *, receiver: str = "host") -> Trim | None:
     would not pay.
 
     The floor: the bytes saved, less the record's own, are at least
-    :data:`MIN_SAVED_BYTES` and an eighth of the leaf's. Above it, where the receivers
+    :data:`MIN_SAVED_BYTES` and an eighth of the leaf's. A leaf that is (nearly) all
+    padding keeps ``1 / MAX_REBUILD_RATIO`` of its bytes in its rows' prefixes, so that
+    its receivers' bound on what a header rebuilds holds. Above it, where the receivers
     rebuild decides: on a ``"device"`` (a GPU, whose re-pad is nearly free) the floor
     alone; on a ``"host"``, whose re-pad writes the whole leaf again, the trim must also
     save :data:`HOST_MIN_SHARE` of the leaf and :data:`HOST_MIN_SAVED_BYTES`, what it
@@ -371,10 +373,21 @@ def decide(runs: Runs, *, receiver: str = "host") -> Trim | None:
     _check_receiver(receiver)
     table = side_table(runs)
     full = table.full_nbytes
+    if full > MAX_REBUILD_RATIO * (table.nbytes + len(_dumps(table.record))):
+        table = _within_bound(table)  # receivers would refuse it as it is
     travels = table.nbytes + len(_dumps(table.record))
-    if full > MAX_REBUILD_RATIO * travels:  # receivers would refuse it: it travels whole
-        return None
     return table if _pays(full - travels, full, len(table.runs), receiver) else None
+
+
+def _within_bound(table: Trim) -> Trim:
+    """``table`` with every row keeping enough of its run that the prefixes alone hold
+    ``1 / MAX_REBUILD_RATIO`` of the leaf: a leaf (nearly) all padding stays within the
+    bound its receivers check (``repad.check_rebuild``) and still drops all but that."""
+    rows = len(table.runs)
+    least = -(-table.full_nbytes // (MAX_REBUILD_RATIO * table.itemsize * rows))  # elements
+    runs = np.minimum(np.asarray(table.runs, np.int64), table.row_len - least)
+    runs[runs < min_run(table.itemsize)] = 0
+    return Trim(table.row_len, table.itemsize, tuple(runs.tolist()), table.elements, table.which)
 
 
 def find(leaf: Any, *, receiver: str = "host") -> Trim | None:

@@ -142,12 +142,19 @@ def test_a_header_over_the_rebuild_limit_is_refused(monkeypatch: pytest.MonkeyPa
             tc.unpack(packed)
 
 
-def test_the_encoder_trims_nothing_its_receivers_would_refuse() -> None:
-    """A leaf that is all padding saves every byte but would rebuild to more than
-    ``MAX_REBUILD_RATIO`` times its record: it travels whole, and arrives."""
-    leaf = torch.zeros(4, 1 << 18)
+@pytest.mark.parametrize("real", [0, 3, 100, 300])
+def test_a_leaf_nearly_all_padding_keeps_just_enough_for_its_receivers_bound(real: int) -> None:
+    """Law: whatever a leaf's padding, what it stores and its record are at least
+    ``1 / MAX_REBUILD_RATIO`` of its bytes (its receivers accept it) and, where more of
+    its rows is padding than that, no more than that plus a row's rounding: a leaf all
+    padding (an all -100 label tensor) drops all but a 1024th, it does not travel whole."""
+    leaf = torch.full((4, 1 << 18), -100.0)
+    leaf[:, :real] = torch.arange(1.0, real + 1)
     packed = tc.pack({"x": leaf})
-    assert not tc.read_header(packed.header).leaves[0].trimmed
+    spec = tc.read_header(packed.header).leaves[0]
+    assert spec.trimmed
+    assert leaf.nbytes <= R.MAX_REBUILD_RATIO * (packed.nbytes + len(packed.header))
+    assert packed.nbytes <= max(leaf.nbytes // R.MAX_REBUILD_RATIO, 4 * real * 4) + 64
     assert_same(tc.unpack(packed), {"x": leaf})
 
 

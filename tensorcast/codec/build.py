@@ -286,11 +286,10 @@ def _make(tag: str, items: list[Any], extra: Any, path: Path) -> Any:
             return extra.from_tree(items[0])
         if extra.kind == "namedtuple":
             return extra.cls._make(items)
-        values = dict(zip(extra.fields, items))
-        obj = extra.cls(**{k: v for k, v in values.items() if k in extra.init_fields})
-        for k, v in values.items():
-            if k not in extra.init_fields:
-                object.__setattr__(obj, k, v)
+        # as copy.copy rebuilds one: the fields as sent, no __init__ (registry.register_type)
+        obj = extra.cls.__new__(extra.cls)
+        for k, v in zip(extra.fields, items):
+            object.__setattr__(obj, k, v)
         return obj
     except HeaderError:
         raise

@@ -271,7 +271,7 @@ class Decoded:
 
         Raises:
             TypeError: it is not a 1-D ``torch.uint8`` tensor.
-            ValueError: it is not contiguous.
+            ValueError: it is not contiguous, or is a meta tensor.
             HeaderError: its size is not the header's.
         """
         if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
@@ -284,6 +284,8 @@ class Decoded:
             )
         if not buffer.is_contiguous():
             raise ValueError("the buffer must be contiguous; call .contiguous() first")
+        if buffer.is_meta:
+            raise ValueError("the buffer is a meta tensor, which holds no data to rebuild from")
         nbytes = self.structure.nbytes
         if buffer.numel() != nbytes:
             raise HeaderError(

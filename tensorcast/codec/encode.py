@@ -117,7 +117,7 @@ class Layout:
         self.trimmed = trimmed
         #: the views leaves are written through (bool leaves as bytes): every layout is
         #: written, so it is made with the layout
-        self.write_spec = ViewSpec(table, bool_as_bytes=True, trimmed=trimmed)
+        self.write_spec = ViewSpec(table, as_bytes=True, trimmed=trimmed)
         self._candidates: dict[str, list[int]] = {}  # receiver -> leaves worth a probe
         self._read_spec: ViewSpec | None = None
         self._program: Program | None = None
@@ -319,9 +319,7 @@ class Encoded:
         if views is None:
             views = spec.tensor_views(buffer)
         srcs = [leaves[i][3] for i in spec.tensor_index]
-        for j in spec.bools:
-            # As bytes: a bool copy would turn bytes other than 0 / 1 (masks made with
-            # .view(torch.bool)) into 1, and the bytes must arrive as they are.
+        for j, _ in spec.bytewise:  # bool and float4, written as their bytes (views.py)
             srcs[j] = srcs[j].view(torch.uint8)
         if len(views) == 1:
             views[0].copy_(srcs[0])
@@ -424,8 +422,8 @@ class Encoded:
         where it has one)."""
         spec = self.layout.write_spec
         out: list[Any] = list(tensor_views)
-        for j in spec.bools:
-            out[j] = out[j].view(torch.bool)  # written as bytes
+        for j, dtype in spec.bytewise:
+            out[j] = out[j].view(dtype)  # written as bytes
         if not spec.others and not spec.trimmed:
             return out, []
         values = spec.placed(out)

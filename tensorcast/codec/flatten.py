@@ -29,6 +29,7 @@ from tensorcast.codec.flatten_errors import (
     contains_itself,
     crowded_keys,
     locate,
+    lost_attributes,
     mixed_devices,
     unsupported_because,
     unsupported_leaf,
@@ -209,6 +210,10 @@ def _walk_other(
             codec_trees[key] = (entry.name, sub)  # for error paths inside it
             stack.append(sub)
         else:
+            if entry.kind == "dataclass":
+                own = getattr(obj, "__dict__", None)
+                if own is not None and not own.keys() <= entry.attrs:
+                    raise Fail(obj, functools.partial(lost_attributes, obj, entry.attrs))
             tokens.append(["r", entry.name, list(entry.fields)])
             for name in reversed(entry.fields):
                 stack.append(getattr(obj, name))

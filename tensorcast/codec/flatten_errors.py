@@ -145,6 +145,18 @@ def unsupported_leaf(obj: Any, path: Path) -> None:
     raise unsupported(obj, path)
 
 
+def lost_attributes(obj: Any, attrs: frozenset[str], path: Path) -> None:
+    lost = sorted(set(vars(obj)) - attrs)
+    raise unsupported(
+        obj,
+        path,
+        f"its attributes {lost} are not dataclass fields, and only fields travel (the "
+        f"receivers rebuild it from its fields, without running __init__); declare each "
+        f"as a field (dataclasses.field(init=False) for one set in __post_init__), or "
+        f"delete it before sending",
+    )
+
+
 def bad_key(key: Any, path: Path) -> None:
     raise UnsupportedLeafError(
         f"unsupported dict key of type `{type(key).__qualname__}` ({key!r}) in `"

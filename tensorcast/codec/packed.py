@@ -48,6 +48,12 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device | No
     if device is None:
         return None
     dev = torch.device(device)
+    if dev.type == "meta":
+        # a meta tensor holds no data: every leaf would arrive as its shape alone
+        raise ValueError(
+            f"device={device!r} holds no data, so nothing would arrive; pass device=None, "
+            f"'cpu' or a CUDA device"
+        )
     if dev.type == "cuda" and not torch.cuda.is_available():
         # else torch's bare "Torch not compiled with CUDA enabled" from deep in a step
         built = "a CPU-only build" if torch.version.cuda is None else "no visible CUDA device"

@@ -16,6 +16,7 @@ __all__ = ["Path", "render_path"]
 Path = tuple[Any, ...] | None
 
 _MAX_PATH_PARTS = 64
+_LONG_INT_BITS = 1024  # keys past this many bits are shown by their size
 
 
 def render_path(path: Path, root: str = "") -> str:
@@ -27,7 +28,7 @@ def render_path(path: Path, root: str = "") -> str:
     parts: list[str] = []
     while path is not None and len(parts) < _MAX_PATH_PARTS:
         path, key, style = path[0], path[1], path[2]
-        parts.append(f"[{key!r}]" if style == 0 else f".{key}" if style == 1 else f"<{key}>")
+        parts.append(f"[{_key(key)}]" if style == 0 else f".{key}" if style == 1 else f"<{key}>")
     if path is not None:
         # Chains built while compiling carry their depth; others are counted once.
         if len(path) > 3:
@@ -38,3 +39,11 @@ def render_path(path: Path, root: str = "") -> str:
                 path, hidden = path[0], hidden + 1
         parts.append(f"…({hidden:,} levels)…")
     return root + "".join(reversed(parts))
+
+
+def _key(key: Any) -> str:
+    """A key as a path shows it: its repr, but an int too long for one (Python refuses
+    to write ints of over 4,300 digits) by its size."""
+    if type(key) is int and key.bit_length() > _LONG_INT_BITS:
+        return f"<int of {key.bit_length():,} bits>"
+    return repr(key)

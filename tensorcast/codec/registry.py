@@ -13,6 +13,7 @@ lhotse object is met, so ``import tensorcast`` does not import lhotse.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import threading
 from collections.abc import Callable
@@ -32,7 +33,10 @@ class TypeEntry:
     name: str
     kind: EntryKind
     fields: tuple[str, ...] = ()
-    init_fields: frozenset[str] = frozenset()
+    #: a dataclass's instance attributes that travel or need not: its fields, and its
+    #: ``functools.cached_property`` names (computed again where they are read). Any
+    #: other attribute in an instance's ``__dict__`` would be lost: the encoder refuses it.
+    attrs: frozenset[str] = frozenset()
     to_tree: Callable[[Any], Any] | None = None
     from_tree: Callable[[Any], Any] | None = None
 
@@ -74,6 +78,13 @@ def register_type(cls: type, *, name: str | None = None) -> type:
     Every rank must register the type under the same name before the first batch that
     holds it is sent or received. Registering the same type again is a no-op.
 
+    A NamedTuple is rebuilt from its fields (``cls._make``). A dataclass is rebuilt as
+    ``copy.copy`` and pickle rebuild one: a new instance with every field set to the value
+    sent, without running ``__init__`` or ``__post_init__`` (which would run again on
+    values that already went through them). Only fields travel: an instance attribute that
+    is not a field (set in ``__post_init__`` or later) is refused on the sending side,
+    naming it; a ``functools.cached_property`` is computed again where it is read.
+
     Args:
         cls: a ``typing.NamedTuple`` / ``collections.namedtuple`` class, or a dataclass.
         name: the name the type travels under. Defaults to ``module.QualName``.
@@ -92,12 +103,11 @@ def register_type(cls: type, *, name: str | None = None) -> type:
         raise TypeError(f"register_type name= must be a non-empty str, got {name!r}")
     if _is_namedtuple(cls):
         fields = tuple(cls._fields)  # type: ignore[attr-defined]
-        _add(TypeEntry(cls, name, "namedtuple", fields, frozenset(fields)))
+        _add(TypeEntry(cls, name, "namedtuple", fields))
     elif dataclasses.is_dataclass(cls):
-        dc_fields = dataclasses.fields(cls)
-        fields = tuple(f.name for f in dc_fields)
-        init = frozenset(f.name for f in dc_fields if f.init)
-        _add(TypeEntry(cls, name, "dataclass", fields, init))
+        fields = tuple(f.name for f in dataclasses.fields(cls))
+        cached = {k for k in dir(cls) if isinstance(_static(cls, k), functools.cached_property)}
+        _add(TypeEntry(cls, name, "dataclass", fields, frozenset(fields) | cached))
     else:
         raise TypeError(
             f"register_type accepts NamedTuple and dataclass types only, got "
@@ -105,6 +115,14 @@ def register_type(cls: type, *, name: str | None = None) -> type:
             f"tensors and plain values"
         )
     return cls
+
+
+def _static(cls: type, name: str) -> Any:
+    """``name`` on ``cls`` or a base, as stored (no descriptor runs), else None."""
+    for base in cls.__mro__:
+        if name in vars(base):
+            return vars(base)[name]
+    return None
 
 
 def register_codec(

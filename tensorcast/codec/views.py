@@ -54,6 +54,10 @@ __all__ = ["MAX_ITEMSIZE", "KeptViews", "Reuses", "ViewSpec"]
 
 _detach = torch.Tensor.detach
 _NO_OUTPUTS: Mapping[int, torch.Tensor] = MappingProxyType({})
+# Leaves the encoder writes as their bytes (``ViewSpec(as_bytes=True)``): a bool copy
+# would turn bytes other than 0 / 1 (masks made with ``.view(torch.bool)``) into 1, and
+# float4 has no strided copy; as uint8, both are a plain copy of their bytes.
+_AS_BYTES = frozenset(("BOOL", "F4_E2M1_X2"))
 
 
 class KeptViews:
@@ -156,7 +160,7 @@ class ViewSpec:
     """
 
     __slots__ = (
-        "bools",
+        "bytewise",
         "codes",
         "count",
         "host_nbytes",
@@ -173,14 +177,14 @@ class ViewSpec:
     def __init__(
         self,
         table: Sequence[Sequence[Any]],
-        bool_as_bytes: bool = False,
+        as_bytes: bool = False,
         trimmed: Set[int] = frozenset(),
     ):
         self.count = len(table)  # the leaves in the table
         self.specs: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
         self.codes: dict[str, int] = {}  # code -> itemsize, for the typed bases
         self.tensor_index: list[int] = []  # the leaf index of each spec
-        self.bools: list[int] = []  # positions in specs of bool leaves
+        self.bytewise: list[tuple[int, torch.dtype]] = []  # (position in specs, dtype)
         self.others: list[tuple[int, Any]] = []  # (leaf index, row) of the other leaves
         self.trimmed: list[tuple[int, Any]] = []  # (leaf index, row) of trimmed leaves
         for i, row in enumerate(table):
@@ -191,10 +195,9 @@ class ViewSpec:
             if kind != "tensor":
                 self.others.append((i, row))
                 continue
-            if code == "BOOL":
-                self.bools.append(len(self.specs))
-                if bool_as_bytes:
-                    code = "U8"
+            if as_bytes and code in _AS_BYTES:
+                self.bytewise.append((len(self.specs), TORCH_CODES[code]))
+                code = "U8"
             isz = CODE_ITEMSIZE[code]
             self.codes[code] = isz
             shape_t = tuple(shape)

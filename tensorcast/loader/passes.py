@@ -375,8 +375,12 @@ class Pass(_OneCaller):
         self._close()
         self._lane.inflight.reap()  # let go of what the device is done with, here and now
         steps, ledger = self._steps, self._ledger
-        if steps.end_state is not None and ledger.drawing is not None and ledger.drawing() is steps:
-            ledger.state = steps.end_state  # the source exhausted; no later pass started
+        if isinstance(item, End) and ledger.drawing is not None and ledger.drawing() is steps:
+            # The source exhausted and nothing drawn past it, no later pass started: its
+            # own state is the position from now on (a resume from the end of the pass
+            # starts there, which the last batch's does not say), and it stays current
+            # through what the caller does before the next pass (a set_epoch).
+            ledger.state = None
         self._ending = None
         if isinstance(item, Failure):
             raise item.error

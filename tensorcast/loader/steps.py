@@ -137,8 +137,6 @@ class Steps:
         #: on the source, the later pass that draws from what this one draws from (NOTE
         #: [ Where a pass ends ]): this pass draws no more
         self.taken_over: int | None = None
-        #: on the source (``prefetch > 0``), its state once exhausted: the pass's last
-        self.end_state: Any = None
 
     def step(self) -> Any:
         """One step: an :class:`Item`, ``END`` or a :class:`Failure`."""
@@ -219,14 +217,7 @@ class SourceSteps(Steps):
         return Item(own, state, pulled, 0.0, sent, n, n if out.cut.shm else 0)
 
     def _exhausted(self) -> Any:
-        """The source is exhausted: its state now (a resume from the end of the pass starts
-        from it: a source's own says the pass is over, which the last batch's does not),
-        then the END frame."""
-        if self.stateful is not None:
-            try:
-                self.end_state = copy.deepcopy(self.stateful.state_dict())
-            except Exception:  # the pass still ends whole; its state stays the last batch's
-                self.end_state = None
+        """The source is exhausted: the END frame."""
         self.ended = True
         self.sender.send_end(stamp=self.stamp)
         return END

@@ -224,6 +224,10 @@ class Epochs:
         self.n = n
         self.pos = 0
         self.over = False
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         if self.over:
@@ -234,10 +238,10 @@ class Epochs:
         self.over = True
 
     def state_dict(self) -> dict[str, Any]:
-        return {"pos": self.pos, "over": self.over}
+        return {"pos": self.pos, "over": self.over, "epoch": self.epoch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.pos, self.over = state["pos"], state["over"]
+        self.pos, self.over, self.epoch = state["pos"], state["over"], state["epoch"]
 
 
 def _epochs_loader(rank: int, prefetch: int) -> tc.BroadcastingDataLoader:
@@ -250,6 +254,7 @@ def _rank_end_state(rank: int, world: int) -> dict[int, Any]:
     for prefetch in (0, 1, 2):
         first = _epochs_loader(rank, prefetch)
         whole = [int(b) for b in first]
+        first.set_epoch(1)  # between passes, as a framework does
         state = first.state_dict()
         resumed = _epochs_loader(rank, prefetch)
         resumed.load_state_dict(state)
@@ -260,7 +265,9 @@ def _rank_end_state(rank: int, world: int) -> dict[int, Any]:
 def test_a_state_saved_after_a_whole_pass_resumes_into_the_next_one(pool2: RankPool) -> None:
     """Contract 3.8 at the end of a pass: the state is the source's own once exhausted (its
     pass is over), so a resume starts the next pass whole, as the bare source does, at
-    every prefetch; it was the state after the last batch, and the resumed pass was empty."""
+    every prefetch; it was the state after the last batch, and the resumed pass was empty.
+    It stays the source's own until the next pass: a ``set_epoch`` between passes is in it
+    (it was the state when the source ran out, and the resume skipped an epoch)."""
     bare = Epochs(4)
     list(bare)
     again = Epochs(4)
@@ -271,5 +278,5 @@ def test_a_state_saved_after_a_whole_pass_resumes_into_the_next_one(pool2: RankP
         for prefetch, (whole, state, resumed) in out.items():
             assert whole == [0, 1, 2, 3], (rank, prefetch, whole)
             if rank == 0:
-                assert state == {"pos": 4, "over": True}, (prefetch, state)
+                assert state == {"pos": 4, "over": True, "epoch": 1}, (prefetch, state)
             assert resumed == want, (rank, prefetch, resumed)

@@ -9,11 +9,12 @@ axes) and kept with tensorcast's state for the default group.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -94,19 +95,77 @@ def broadcast(
         PeerError: a peer died or did not answer within the timeout.
         TypeError: ``trim`` is not a bool.
     """
-    check_trim(trim)
-    if not distributed():
-        raise RuntimeError(
-            "tensorcast.broadcast needs torch.distributed: call "
-            "torch.distributed.init_process_group() first (tensorcast.broadcast_batch and "
-            "BroadcastingDataLoader are no-ops without it)"
-        )
-    wait = None if timeout is None else to_timedelta(timeout)
-    dev = None if device is None else output_device(device)
-    if shm is not None:
-        check_shm(shm)
-    src = check_src(src)
-    return _run(_broadcast_role(group, src, wait, shm), tree, dev, wait, trim)
+    known = _known(functools.partial(_broadcast_role, group, src, None, shm, open_new=False))
+    with _taking_part(known):
+        check_trim(trim)
+        if not distributed():
+            raise RuntimeError(
+                "tensorcast.broadcast needs torch.distributed: call "
+                "torch.distributed.init_process_group() first (tensorcast.broadcast_batch and "
+                "BroadcastingDataLoader are no-ops without it)"
+            )
+        wait = None if timeout is None else to_timedelta(timeout)
+        dev = None if device is None else output_device(device)
+        if shm is not None:
+            check_shm(shm)
+        src = check_src(src)
+    role = known if known is not None else _broadcast_role(group, src, wait, shm)
+    assert role is not None  # opened where it was not
+    return _run(role, tree, dev, wait, trim)
+
+
+# NOTE [ A call that does not take its part ]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Every rank's calls over a group line up one for one: its peers cannot tell a call this
+# rank never made from one it made late. So a call that raised on one rank before taking
+# its part (a mistyped argument, caught by the caller) would leave that rank a frame behind
+# or ahead, and its next call would return another call's batch with no error anywhere.
+# Where the call's channel exists, a call whose own arguments fail still takes its part,
+# then raises: a source sends an ERROR frame (its receivers raise ``SourceError`` naming
+# the mistake), a receiver reads the frame and drops it. A first call has no channel yet:
+# its peers fail at the setup's agreement instead. A setup that fails on a rank whose
+# peers never joined it (a later call with another ``src`` or axes on one rank) breaks
+# every group of this rank's that shares a peer with it (``World.break_groups``): the
+# peers went on without it, and what it would read there next may be another call's.
+
+
+def _known(find: Callable[[], Role | None]) -> Role | None:
+    """The role a call's arguments name, where it already exists: never sets one up and
+    never raises (the arguments are checked after it)."""
+    try:
+        return find()
+    except Exception:
+        return None
+
+
+@contextlib.contextmanager
+def _taking_part(known: Role | None) -> Iterator[None]:
+    """Checks of a call's own arguments: where the call's channel exists, a failure still
+    takes its part in the frame, then raises (NOTE [ A call that does not take its part ])."""
+    try:
+        yield
+    except Exception as e:
+        if known is not None:
+            _take_part(known, e)
+        raise
+
+
+def _take_part(role: Role, error: Exception) -> None:
+    """This rank's part in a frame whose call failed here before it began: the source
+    tells its receivers (they raise ``SourceError``), a receiver reads the frame and drops
+    it (the source's own failure, if it failed too, included)."""
+    lane = role.group.lane
+    frames_taken = functools.partial(getattr, role, "frames")
+    if isinstance(role, Sender):
+        message = f"its call failed before sending: {type(error).__name__}: {error}"
+        lane.run(functools.partial(role.send_error, message), frames_taken)
+        return
+    try:
+        value = lane.run(functools.partial(role.recv, None), frames_taken)
+    except SourceError:
+        return
+    if isinstance(value, DevicePart):
+        hand_out(value, lane)
 
 
 def _run(
@@ -137,8 +196,15 @@ _last: tuple[Any, int, Any, Any, bool | None] | None = None
 
 
 def _broadcast_role(
-    group: Any, src: int, setup: datetime.timedelta | None = None, shm: bool | None = None
-) -> Role:
+    group: Any,
+    src: int,
+    setup: datetime.timedelta | None = None,
+    shm: bool | None = None,
+    *,
+    open_new: bool = True,
+) -> Role | None:
+    """The role of ``tc.broadcast`` over ``group`` from ``src``, set up on first use (None
+    instead, with ``open_new=False``)."""
     global _last
     default = dist.distributed_c10d._get_default_group()
     last = _last
@@ -158,6 +224,8 @@ def _broadcast_role(
         roles = _roles.setdefault(world, {})
     role = roles.get(key)
     if role is None:
+        if not open_new:
+            return None
         what = f"tensorcast.broadcast(src={src})"
         # The call's timeout bounds this setup; later calls give their own for messages.
         role, _ = open_role(
@@ -200,17 +268,21 @@ def broadcast_batch(
     as for ``tc.broadcast`` (a ``TypeError`` unless a bool, or None for ``shm``, on every
     rank, no-op or not).
     """
-    check_trim(trim)
-    wait = to_timedelta(timeout)
-    check_shm(shm)
-    names = _mesh.normalize_axes(axes)
-    what = "tensorcast.broadcast_batch"
-    if not distributed():  # the mesh's mistakes raise or warn all the same, as the loader's
-        _mesh.present_axes(device_mesh, names, what=what, stacklevel=2)
-        return batch
-    if not _mesh.spanning_axes(device_mesh, names, what=what, stacklevel=2):
-        return batch
-    dev = output_device(device)
+    known = _known(functools.partial(_mesh_role, device_mesh, axes, shm))
+    with _taking_part(known):
+        check_trim(trim)
+        wait = to_timedelta(timeout)
+        check_shm(shm)
+        names = _mesh.normalize_axes(axes)
+        what = "tensorcast.broadcast_batch"
+        if not distributed():  # the mesh's mistakes raise or warn all the same, as the loader's
+            _mesh.present_axes(device_mesh, names, what=what, stacklevel=2)
+            return batch
+        if not _mesh.spanning_axes(device_mesh, names, what=what, stacklevel=2):
+            return batch
+        dev = output_device(device)
+    if known is not None:
+        return _run(known, batch, dev, wait, trim)
     world = _world()
     with _lock:
         cache: dict[Any, tuple[Any, Role]] = device_mesh.__dict__.setdefault(_ATTR, {})
@@ -222,3 +294,11 @@ def broadcast_batch(
     else:
         role = hit[1]
     return _run(role, batch, dev, wait, trim)
+
+
+def _mesh_role(device_mesh: Any, axes: Sequence[str] | str, shm: Any) -> Role | None:
+    """The role ``broadcast_batch`` has on ``device_mesh`` for ``axes``, if set up."""
+    hit = vars(device_mesh).get(_ATTR, {}).get((_mesh.normalize_axes(axes), shm))
+    if hit is None or hit[0]() is not _world():
+        return None
+    return hit[1]  # type: ignore[no-any-return]

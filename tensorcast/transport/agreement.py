@@ -334,7 +334,7 @@ class Agreement:
             f"rank {self.rank} gave up waiting for {_ranks(missing)} to set up {what} (it came "
             f"before them, and they did not come within {total:g} s){gone}",
         )
-        raise DesyncError(
+        raise _absent(
             f"rank {self.rank}: rank(s) {missing} did not set up {what} within {total:g} s"
             f"{gone}; every rank of the mesh or group (this rank waited for "
             f"{sorted(set(ranks))}: its group, and the mesh's first rank if any) must set it "
@@ -405,10 +405,18 @@ class Agreement:
             go, "", f"rank {self.rank} gave up waiting for {why} within {total:g} s)"
         ).decode()
         if outcome.startswith(f"rank {self.rank} gave up"):
-            raise DesyncError(
+            raise _absent(
                 f"rank {self.rank}: {raised} within {total:g} s{self._gone(missing)}"
             ) from None
         return outcome
+
+
+def _absent(message: str) -> DesyncError:
+    """The error of a rank that gave up waiting for its peers: they may be doing something
+    else over the same ranks (``World.break_groups``)."""
+    error = DesyncError(message)
+    error.peers_absent = True  # type: ignore[attr-defined]
+    return error
 
 
 def _unconfirmed(

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from tensorcast import codec
-from tensorcast._errors import PeerError
+from tensorcast._errors import DesyncError, PeerError
 from tensorcast.transport import exits as _exits
 from tensorcast.transport import relay as _relay
 from tensorcast.transport.agreement import Agreement, ranks_name, store_failed
@@ -204,6 +204,17 @@ class World:
                     self._watch.start()
                 group = self._groups[ranks] = made
             return group
+
+    def break_groups(self, ranks: Sequence[int], cause: BaseException) -> None:
+        """Break every group of this rank's that shares a peer with ``ranks``: a call of
+        this rank's over ``ranks`` failed before taking its part (a setup its peers never
+        joined), and they may have gone on without it, so what this rank would read there
+        next may be another call's (NOTE [ A call that does not take its part ])."""
+        peers = set(ranks) - {self.rank}
+        with self._lock:
+            hit = [g for r, g in self._groups.items() if peers.intersection(r)]
+        for group in hit:
+            group.lane.break_(cause)
 
     def _make_group(self, ranks: tuple[int, ...], connect: datetime.timedelta) -> Group:
         local = ranks.index(self.rank)
@@ -375,9 +386,14 @@ def open_role(
     state, promises, wait = world(), promises_enabled(), setup_timeout or timeout
     versions = {"format": codec.FORMAT_VERSION, "frames": FRAMES_VERSION, "promises": promises}
     told, setup = _relay.told(state.rank == src, extra, shm), {**setup, **versions, "shm": shm}
-    channel_id, extras = state.agreement.agree(
-        scope, group, what, setup, told, first=first, timeout=wait
-    )
+    try:
+        channel_id, extras = state.agreement.agree(
+            scope, group, what, setup, told, first=first, timeout=wait
+        )
+    except DesyncError as e:
+        if getattr(e, "peers_absent", False):  # NOTE [ A call that does not take its part ]
+            state.break_groups(group, e)
+        raise
     made, timeout = state.group(tuple(sorted(group)), wait), timeout or state.timeout
     arena, relay = _relay.open_side(shm, made, src, state.rank, extras, what)
     promises = promises and relay is None  # NOTE [ Several hosts ]

@@ -373,3 +373,66 @@ def test_bad_arguments_raise_before_anything_is_sent(pool4: RankPool) -> None:
         else:
             assert pair.startswith(f"ValueError: global rank {rank} is not a member"), pair
         assert after == "[0.0, 1.0, 2.0, 3.0]"
+
+
+# -- a call that raises on one rank only (NOTE [ A call that does not take its part ]) ----------
+
+
+def _rank_one_rank_mistypes(rank: int, world: int) -> list[str]:
+    """Steps of ``tc.broadcast`` on an open channel where one rank's call has a bad
+    argument, caught: the source's (its receivers are told), then a receiver's (it reads
+    the frame and drops it). Every later step is the same batch on both ranks."""
+    out = []
+    for step, bad in ((1, None), (2, 0), (3, None), (4, 1), (5, None)):
+        kw: dict[str, Any] = {}
+        if bad == rank:
+            kw = {"trim": "yes"} if rank == 0 else {"device": "nonsense"}
+        try:
+            got = tc.broadcast({"step": step} if rank == 0 else None, 0, timeout=20, **kw)
+            out.append(f"{step}: {got['step']}")
+        except Exception as e:
+            out.append(f"{step}: {type(e).__name__}: {e}"[:90])
+    return out
+
+
+def test_a_call_that_fails_on_one_rank_still_takes_its_part(pool2: RankPool) -> None:
+    """It used to return at once, unsent or unread, and every later step on the other rank
+    was another step's batch, with no error anywhere."""
+    source, receiver = pool2.run(_rank_one_rank_mistypes, timeout=TIMEOUT)
+    assert source[0::2] == receiver[0::2] == ["1: 1", "3: 3", "5: 5"]
+    assert source[1].startswith("2: TypeError: trim must be True or False"), source
+    assert receiver[1].startswith("2: SourceError: source rank 0 reported: its call failed"), (
+        receiver
+    )
+    assert source[3] == "4: 4" and receiver[3].startswith("4: RuntimeError: Expected one of")
+
+
+def _rank_later_setup_alone(rank: int, world: int) -> list[str]:
+    """After a step from rank 0, the last rank alone calls with itself as ``src`` (a new
+    channel its peers never set up), then every rank calls from rank 0 again; the group is
+    torn down after."""
+    out = []
+    last = world - 1
+    try:
+        for src in (0, last if rank == last else 0, 0):
+            t0 = time.monotonic()
+            try:
+                got = tc.broadcast({"from": src} if rank == src else None, src, timeout=2)
+                out.append(f"{got['from']}")
+            except tc.TensorcastError as e:
+                out.append(f"{type(e).__name__} after {time.monotonic() - t0:.0f} s: {e}"[:60])
+        return out
+    finally:
+        dist.destroy_process_group()  # its channel over the ranks may be broken for good
+
+
+def test_a_setup_a_rank_makes_alone_breaks_its_channels_over_the_same_ranks(
+    pool4: RankPool,
+) -> None:
+    """The last rank's third call used to return the frame of rank 0's second, silently
+    (its peers had gone on without it, and the source's send to it had gone through)."""
+    *others, alone = pool4.run(_rank_later_setup_alone, timeout=TIMEOUT)
+    assert alone[0] == "0" and alone[1].startswith("DesyncError after 2 s: rank 3: rank(s)")
+    assert alone[2].startswith("PeerError"), alone
+    for out in others:
+        assert out[0] == "0" and "PeerError" in out[1] + out[2], out

@@ -31,6 +31,12 @@ def distributed() -> bool:
     return _AVAILABLE and dist.is_initialized()
 
 
+# The shortest timeout: the waits below count in milliseconds (a shorter one was 0, the
+# default's, there).
+_SHORTEST_S = 1e-3
+_SHORTEST = datetime.timedelta(seconds=_SHORTEST_S)
+
+
 def to_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
     """A timeout in seconds (or a timedelta) as a timedelta; None stays None.
 
@@ -40,19 +46,20 @@ def to_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedel
     if timeout is None:
         return None
     if isinstance(timeout, datetime.timedelta):
-        if not datetime.timedelta(0) < timeout < datetime.timedelta(seconds=_MAX_TIMEOUT_S):
+        if not _SHORTEST <= timeout < datetime.timedelta(seconds=_MAX_TIMEOUT_S):
             raise ValueError(
-                f"timeout must be a positive timedelta of under {_MAX_TIMEOUT_S:.0e} s, got "
+                f"timeout must be a timedelta of 1 ms to {_MAX_TIMEOUT_S:.0e} s, got "
                 f"{timeout!r} (None: the default process group's timeout)"
             )
         return timeout
     if (
         isinstance(timeout, bool)
         or not isinstance(timeout, (int, float))
-        or not 0 < timeout < _MAX_TIMEOUT_S  # NaN too
+        or not _SHORTEST_S <= timeout < _MAX_TIMEOUT_S  # NaN too
     ):
         raise ValueError(
-            f"timeout must be a positive number of seconds, and finite, got {timeout!r} "
+            f"timeout must be a positive number of seconds, 0.001 (1 ms: the waits' "
+            f"resolution) or more, and finite, got {timeout!r} "
             f"(None: the default process group's timeout)"
         )
     return datetime.timedelta(seconds=timeout)

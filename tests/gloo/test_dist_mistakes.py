@@ -335,6 +335,8 @@ def _rank_bad_arguments(rank: int, world: int) -> list[str]:
         {"timeout": float("nan")},
         {"timeout": float("inf")},
         {"timeout": datetime.timedelta(0)},
+        {"timeout": 1e-9},  # was the default group's timeout: 1e-9 s is timedelta(0)
+        {"timeout": datetime.timedelta(microseconds=400)},
         {"src": "0"},
         {"src": 0.0},
         {"group": "WORLD"},
@@ -359,11 +361,14 @@ def _rank_bad_arguments(rank: int, world: int) -> list[str]:
 
 def test_bad_arguments_raise_before_anything_is_sent(pool4: RankPool) -> None:
     for rank, out in enumerate(pool4.run(_rank_bad_arguments, timeout=TIMEOUT)):
-        device, nan, inf, zero, src_str, src_float, group_str, group_int, pair, after = out
+        device, nan, inf, zero, tiny, tiny_delta, src_str, src_float = out[:8]
+        group_str, group_int, pair, after = out[8:]
         assert device.startswith("ValueError: device='meta': a batch lands on the CPU or a CUDA")
         for message in (nan, inf):
             assert message.startswith("ValueError: timeout must be a positive number of"), message
-        assert zero.startswith("ValueError: timeout must be a positive timedelta"), zero
+        assert zero.startswith("ValueError: timeout must be a timedelta of 1 ms to"), zero
+        for message in (tiny, tiny_delta):
+            assert message.startswith("ValueError: timeout must be"), message
         for message in (src_str, src_float):
             assert message.startswith("TypeError: src must be an int, a global rank"), message
         for message in (group_str, group_int):

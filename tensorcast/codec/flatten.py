@@ -210,13 +210,18 @@ def _walk_other(
             codec_trees[key] = (entry.name, sub)  # for error paths inside it
             stack.append(sub)
         else:
-            if entry.kind == "dataclass":
-                own = getattr(obj, "__dict__", None)
-                if own is not None and not own.keys() <= entry.attrs:
-                    raise Fail(obj, functools.partial(lost_attributes, obj, entry.attrs))
+            _check_attrs(obj, entry)
             tokens.append(["r", entry.name, list(entry.fields)])
             for name in reversed(entry.fields):
                 stack.append(getattr(obj, name))
+
+
+def _check_attrs(obj: Any, entry: _registry.TypeEntry) -> None:
+    """A registered dataclass travels as its fields: an attribute of the instance that is
+    not one (nor a cached property) would be lost (``registry.register_type``)."""
+    own = getattr(obj, "__dict__", None) if entry.kind == "dataclass" else None
+    if own is not None and not own.keys() <= entry.attrs:
+        raise Fail(obj, functools.partial(lost_attributes, obj, entry.attrs))
 
 
 def _read_dict(obj: Any) -> tuple[list[Any], list[Any]]:

@@ -49,6 +49,12 @@ _roles: weakref.WeakKeyDictionary[World, dict[tuple[tuple[int, ...], int, bool |
 )
 
 
+_NOT_DISTRIBUTED = (
+    "tensorcast.broadcast needs torch.distributed: call torch.distributed.init_process_group() "
+    "first (tensorcast.broadcast_batch and BroadcastingDataLoader are no-ops without it)"
+)
+
+
 def broadcast(
     tree: Any,
     src: int,
@@ -99,11 +105,7 @@ def broadcast(
     with _taking_part(known):
         check_trim(trim)
         if not distributed():
-            raise RuntimeError(
-                "tensorcast.broadcast needs torch.distributed: call "
-                "torch.distributed.init_process_group() first (tensorcast.broadcast_batch and "
-                "BroadcastingDataLoader are no-ops without it)"
-            )
+            raise RuntimeError(_NOT_DISTRIBUTED)
         wait = None if timeout is None else to_timedelta(timeout)
         dev = None if device is None else output_device(device)
         if shm is not None:
@@ -123,10 +125,13 @@ def broadcast(
 # Where the call's channel exists, a call whose own arguments fail still takes its part,
 # then raises: a source sends an ERROR frame (its receivers raise ``SourceError`` naming
 # the mistake), a receiver reads the frame and drops it. A first call has no channel yet:
-# its peers fail at the setup's agreement instead. A setup that fails on a rank whose
-# peers never joined it (a later call with another ``src`` or axes on one rank) breaks
-# every group of this rank's that shares a peer with it (``World.break_groups``): the
-# peers went on without it, and what it would read there next may be another call's.
+# its peers fail at the setup's agreement instead. A setup that fails on a rank because
+# its peers did not come (a later call with another ``src`` or axes on that rank only)
+# leaves every group of this rank's that shares a peer with it suspect
+# (``World.suspect_groups``): at its next job there, unless they have come to that setup
+# since (late: they were told, and skipped it too), they went on without this rank, and
+# what it would read there may be another call's, so the group breaks
+# (``lane.settle_suspect``).
 
 
 def _known(find: Callable[[], Role | None]) -> Role | None:

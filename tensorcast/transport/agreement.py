@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import hashlib
 import json
 import logging
@@ -334,12 +335,17 @@ class Agreement:
             f"rank {self.rank} gave up waiting for {_ranks(missing)} to set up {what} (it came "
             f"before them, and they did not come within {total:g} s){gone}",
         )
-        raise _absent(
+        error = DesyncError(
             f"rank {self.rank}: rank(s) {missing} did not set up {what} within {total:g} s"
             f"{gone}; every rank of the mesh or group (this rank waited for "
             f"{sorted(set(ranks))}: its group, and the mesh's first rank if any) must set it "
             f"up together, in the same order as its other tensorcast loaders and broadcasts"
         )
+        # whether they come to it late (they write their keys as they enter: then they are
+        # told, and skip it as this rank did), read at this rank's next job over them
+        arrived = [base + str(r) for r in missing]
+        error.came = functools.partial(self.store.check, arrived)  # type: ignore[attr-defined]
+        raise error
 
     def _gone(self, missing: list[int]) -> str:
         """What the store says of missing ranks: that their process exited, where it did."""
@@ -405,18 +411,10 @@ class Agreement:
             go, "", f"rank {self.rank} gave up waiting for {why} within {total:g} s)"
         ).decode()
         if outcome.startswith(f"rank {self.rank} gave up"):
-            raise _absent(
+            raise DesyncError(
                 f"rank {self.rank}: {raised} within {total:g} s{self._gone(missing)}"
             ) from None
         return outcome
-
-
-def _absent(message: str) -> DesyncError:
-    """The error of a rank that gave up waiting for its peers: they may be doing something
-    else over the same ranks (``World.break_groups``)."""
-    error = DesyncError(message)
-    error.peers_absent = True  # type: ignore[attr-defined]
-    return error
 
 
 def _unconfirmed(

@@ -205,16 +205,17 @@ class World:
                 group = self._groups[ranks] = made
             return group
 
-    def break_groups(self, ranks: Sequence[int], cause: BaseException) -> None:
-        """Break every group of this rank's that shares a peer with ``ranks``: a call of
-        this rank's over ``ranks`` failed before taking its part (a setup its peers never
-        joined), and they may have gone on without it, so what this rank would read there
-        next may be another call's (NOTE [ A call that does not take its part ])."""
+    def suspect_groups(
+        self, ranks: Sequence[int], cause: BaseException, came: Callable[[], bool]
+    ) -> None:
+        """A setup over ``ranks`` failed on this rank for want of peers (``came()``: whether
+        they have come to it since): every group of this rank's that shares a peer with it
+        breaks at its next job unless they have (``lane.settle_suspect``)."""
         peers = set(ranks) - {self.rank}
         with self._lock:
             hit = [g for r, g in self._groups.items() if peers.intersection(r)]
         for group in hit:
-            group.lane.break_(cause)
+            group.lane.suspect = (cause, came)
 
     def _make_group(self, ranks: tuple[int, ...], connect: datetime.timedelta) -> Group:
         local = ranks.index(self.rank)
@@ -386,14 +387,7 @@ def open_role(
     state, promises, wait = world(), promises_enabled(), setup_timeout or timeout
     versions = {"format": codec.FORMAT_VERSION, "frames": FRAMES_VERSION, "promises": promises}
     told, setup = _relay.told(state.rank == src, extra, shm), {**setup, **versions, "shm": shm}
-    try:
-        channel_id, extras = state.agreement.agree(
-            scope, group, what, setup, told, first=first, timeout=wait
-        )
-    except DesyncError as e:
-        if getattr(e, "peers_absent", False):  # NOTE [ A call that does not take its part ]
-            state.break_groups(group, e)
-        raise
+    channel_id, extras = _agree(state, scope, group, what, setup, told, first, wait)
     made, timeout = state.group(tuple(sorted(group)), wait), timeout or state.timeout
     arena, relay = _relay.open_side(shm, made, src, state.rank, extras, what)
     promises = promises and relay is None  # NOTE [ Several hosts ]
@@ -409,6 +403,27 @@ def open_role(
         diagnose=functools.partial(_why, state.reach, src, state.rank), shm=_relay.reader(arena),
         relay=relay,
     ), extras  # fmt: skip
+
+
+def _agree(
+    state: World,
+    scope: str,
+    group: Sequence[int],
+    what: str,
+    setup: dict[str, Any],
+    told: dict[str, Any] | None,
+    first: tuple[int, int] | None,
+    wait: datetime.timedelta | None,
+) -> tuple[int, dict[int, dict[str, Any]]]:
+    """``Agreement.agree``; where this rank's peers did not come, its groups that share a
+    peer with them are suspect (NOTE [ A call that does not take its part ])."""
+    try:
+        return state.agreement.agree(scope, group, what, setup, told, first=first, timeout=wait)
+    except DesyncError as e:
+        came = getattr(e, "came", None)  # set where peers did not come: they may come late
+        if came is not None:
+            state.suspect_groups(group, e, came)
+        raise
 
 
 def _why(

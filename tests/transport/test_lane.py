@@ -272,3 +272,27 @@ def test_a_guarded_job_never_runs_on_a_broken_lane_inline_or_on_the_worker() -> 
         queued.result()
     plain.result()
     assert ran == ["plain"] and aborted == ["abort"]
+
+
+def test_a_suspect_lane_breaks_at_its_next_job_unless_the_peers_came() -> None:
+    """NOTE [ A call that does not take its part ]: after a setup that failed here for want
+    of peers, the lane's next job asks whether they came to it since; where they did not
+    (or the store cannot say), the lane breaks before the job takes a frame."""
+    for came, broken in ((lambda: True, False), (lambda: False, True), (lambda: 1 / 0, True)):
+        lane, aborted = _lane()
+        cause = RuntimeError("rank 2: rank(s) [0, 1] did not set up ...")
+        lane.suspect = (cause, came)  # type: ignore[assignment]
+        ran: list[int] = []
+
+        def step(ran: list[int] = ran, lane: Lane = lane) -> int:
+            lane.check()  # what a role does first
+            ran.append(1)
+            return 1
+
+        if broken:
+            with pytest.raises(PeerError, match="did not set up"):
+                lane.run(step, lambda: 0)
+            assert lane.broken is cause and aborted == ["abort"] and not ran
+        else:
+            assert lane.run(step, lambda: 0) == 1 and lane.broken is None
+        assert lane.suspect is None  # asked once

@@ -222,6 +222,7 @@ class Agreement:
         timeout: datetime.timedelta | None,
     ) -> tuple[int, dict[int, dict[str, Any]]]:
         timeout = timeout or self.timeout
+        start = time.monotonic()
         with self._lock:
             seq = self._seq[scope] = self._seq.get(scope, 0) + 1
         base = f"agree/{scope}/{seq}/"
@@ -242,7 +243,10 @@ class Agreement:
         if self._pause is not None:
             self._pause()
         scope_ranks = first[1] if first is not None else len(group)
-        self._round_two(base, list(group), scope_ranks, what, timeout)
+        # both rounds within about the timeout (not twice it), and min(1 s, a quarter) to confirm
+        total = timeout.total_seconds()
+        until = max(start + total, time.monotonic() + min(1.0, 0.25 * total))
+        self._round_two(base, list(group), scope_ranks, what, total, until)
         # "ok": every rank of the scope has read the keys it needed, so each deletes its own
         # and the last one through deletes the scope's
         with contextlib.suppress(RuntimeError):  # a store that cannot delete keeps them
@@ -377,15 +381,15 @@ class Agreement:
         raise DesyncError(message)
 
     def _round_two(
-        self, base: str, group: list[int], scope_ranks: int, what: str, timeout: datetime.timedelta
+        self, base: str, group: list[int], scope_ranks: int, what: str, total: float, until: float
     ) -> None:
-        """Every rank confirms; the scope's outcome is set once, and every rank reads it."""
+        """Every rank confirms; the scope's outcome is set once, and every rank reads it.
+        Waits until ``until`` (monotonic; see ``_agree``) for ``total`` seconds' setup."""
         go = base + "go"
         self.store.append(base + "ready", f"{self.rank},")
         if self.store.add(base + "count", 1) == scope_ranks:
             self.store.compare_set(go, "", "ok")
-        total = timeout.total_seconds()
-        if self._poll([go], time.monotonic() + total):
+        if self._poll([go], until):
             outcome = self.store.get(go).decode()
         else:
             outcome = self._give_up_confirming(base, group, scope_ranks, what, total)

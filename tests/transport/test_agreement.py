@@ -220,6 +220,20 @@ def test_a_rank_paused_between_the_rounds_raises_when_it_resumes() -> None:
     assert isinstance(out[1], DesyncError) and "rank 0 gave up waiting" in str(out[1]), out[1]
 
 
+def test_both_rounds_end_within_about_one_timeout() -> None:
+    """Rank 1 comes at 0.7 s of rank 0's 1 s timeout, then stops between the rounds: rank 0
+    gives up at about 1 s from its start, not at 1.7 s (each round had the whole timeout)."""
+    scope = ranks_name([0, 1])
+
+    def build(r: int, agreement: Agreement) -> Any:
+        if r == 1:
+            time.sleep(0.7)
+        return agreement.agree(scope, [0, 1], "tensorcast.broadcast(src=0)", SETUP)
+
+    out, took, _ = _run_world(2, build, timeout_s=1.0, pause={1: lambda: time.sleep(2.5)})
+    assert "did not confirm" in str(out[0]) and took[0] < 1.4, (out[0], took)
+
+
 def test_a_late_rank_is_told_at_once_that_the_others_gave_up() -> None:
     scope = ranks_name([0, 1])
 

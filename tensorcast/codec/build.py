@@ -287,7 +287,7 @@ def _make(tag: str, items: list[Any], extra: Any, path: Path) -> Any:
         if extra.kind == "namedtuple":
             return extra.cls._make(items)
         # as copy.copy rebuilds one: the fields as sent, no __init__ (registry.register_type)
-        obj = extra.cls.__new__(extra.cls)
+        obj = object.__new__(extra.cls)  # not the class's own __new__, which may want args
         for k, v in zip(extra.fields, items):
             object.__setattr__(obj, k, v)
         return obj

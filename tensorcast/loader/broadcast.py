@@ -102,7 +102,7 @@ def broadcast(
         TypeError: ``trim`` is not a bool.
     """
     known = _known(functools.partial(_broadcast_role, group, src, None, shm, open_new=False))
-    with _taking_part(known):
+    with _taking_part(known, timeout):
         check_trim(trim)
         if not distributed():
             raise RuntimeError(_NOT_DISTRIBUTED)
@@ -123,15 +123,19 @@ def broadcast(
 # its part (a mistyped argument, caught by the caller) would leave that rank a frame behind
 # or ahead, and its next call would return another call's batch with no error anywhere.
 # Where the call's channel exists, a call whose own arguments fail still takes its part,
-# then raises: a source sends an ERROR frame (its receivers raise ``SourceError`` naming
-# the mistake), a receiver reads the frame and drops it. A first call has no channel yet:
-# its peers fail at the setup's agreement instead. A setup that fails on a rank because
+# then raises its own error: a source sends an ERROR frame (its receivers raise
+# ``SourceError`` naming the mistake), a receiver reads the frame and drops it. A first
+# call has no channel yet: its peers fail at the setup's agreement instead. Nor does a
+# call whose arguments that pick the channel (``src``, ``group``, ``shm``, axes) are
+# themselves wrong: it cannot tell which channel it was meant for, and raises only. A setup that fails on a rank because
 # its peers did not come (a later call with another ``src`` or axes on that rank only)
 # leaves every group of this rank's that shares a peer with it suspect
 # (``World.suspect_groups``): at its next job there, unless they have come to that setup
 # since (late: they were told, and skipped it too), they went on without this rank, and
 # what it would read there may be another call's, so the group breaks
-# (``lane.settle_suspect``).
+# (``lane.settle_suspects``). The store says only that they came, not what they sent
+# before: a peer whose own first call of that setup comes late, after it went on over the
+# same ranks, and before this rank's next job there, is not told apart.
 
 
 def _known(find: Callable[[], Role | None]) -> Role | None:
@@ -144,18 +148,30 @@ def _known(find: Callable[[], Role | None]) -> Role | None:
 
 
 @contextlib.contextmanager
-def _taking_part(known: Role | None) -> Iterator[None]:
+def _taking_part(known: Role | None, timeout: Any) -> Iterator[None]:
     """Checks of a call's own arguments: where the call's channel exists, a failure still
-    takes its part in the frame, then raises (NOTE [ A call that does not take its part ])."""
+    takes its part in the frame (within ``timeout`` where it is valid), then raises: its
+    own error, whatever that part met (NOTE [ A call that does not take its part ])."""
     try:
         yield
     except Exception as e:
         if known is not None:
-            _take_part(known, e)
+            try:
+                _take_part(known, e, _valid_timeout(timeout))
+            except Exception as part:  # the frame's own failure: said beside the caller's
+                if hasattr(e, "add_note"):  # Python 3.11+
+                    e.add_note(f"taking this rank's part in the frame failed: {part!r}")
         raise
 
 
-def _take_part(role: Role, error: Exception) -> None:
+def _valid_timeout(timeout: Any) -> datetime.timedelta | None:
+    try:
+        return to_timedelta(timeout)
+    except ValueError:
+        return None
+
+
+def _take_part(role: Role, error: Exception, wait: datetime.timedelta | None) -> None:
     """This rank's part in a frame whose call failed here before it began: the source
     tells its receivers (they raise ``SourceError``), a receiver reads the frame and drops
     it (the source's own failure, if it failed too, included)."""
@@ -163,10 +179,10 @@ def _take_part(role: Role, error: Exception) -> None:
     frames_taken = functools.partial(getattr, role, "frames")
     if isinstance(role, Sender):
         message = f"its call failed before sending: {type(error).__name__}: {error}"
-        lane.run(functools.partial(role.send_error, message), frames_taken)
+        lane.run(functools.partial(role.send_error, message, wait), frames_taken)
         return
     try:
-        value = lane.run(functools.partial(role.recv, None), frames_taken)
+        value = lane.run(functools.partial(role.recv, None, wait), frames_taken)
     except SourceError:
         return
     if isinstance(value, DevicePart):
@@ -274,7 +290,7 @@ def broadcast_batch(
     rank, no-op or not).
     """
     known = _known(functools.partial(_mesh_role, device_mesh, axes, shm))
-    with _taking_part(known):
+    with _taking_part(known, timeout):
         check_trim(trim)
         wait = to_timedelta(timeout)
         check_shm(shm)

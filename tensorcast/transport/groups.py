@@ -210,12 +210,12 @@ class World:
     ) -> None:
         """A setup over ``ranks`` failed on this rank for want of peers (``came()``: whether
         they have come to it since): every group of this rank's that shares a peer with it
-        breaks at its next job unless they have (``lane.settle_suspect``)."""
+        breaks at its next job unless they have (``lane.settle_suspects``)."""
         peers = set(ranks) - {self.rank}
         with self._lock:
             hit = [g for r, g in self._groups.items() if peers.intersection(r)]
         for group in hit:
-            group.lane.suspect = (cause, came)
+            group.lane.suspects.append((cause, came))
 
     def _make_group(self, ranks: tuple[int, ...], connect: datetime.timedelta) -> Group:
         local = ranks.index(self.rank)

@@ -170,7 +170,7 @@ class Lane:
         self._inline: int | None = None  # the thread running a job inline
         self._worker_id: int | None = None
         self.broken: BaseException | None = None
-        self.suspect: tuple[BaseException, Callable[[], bool]] | None = None  # see settle_suspect
+        self.suspects: list[tuple[BaseException, Callable[[], bool]]] = []  # settle_suspects
         #: jobs queued or started so far: only the caller's thread adds one (tests read it)
         self.submitted = 0
         self._current: Job[Any] | None = None  # the job running, on the worker or inline
@@ -190,6 +190,8 @@ class Lane:
     def enqueue(self, job: Job[Any]) -> None:
         """Queue ``job`` behind every job queued before it; it runs on the worker."""
         self._not_from_a_job()
+        if self.suspects:
+            settle_suspects(self)
         with self._lock:
             self._queue(job)
 
@@ -316,8 +318,8 @@ class Lane:
         me = threading.get_ident()
         if me == self._inline or me == self._worker_id:
             self._not_from_a_job()
-        if self.suspect is not None:
-            settle_suspect(self)
+        if self.suspects:
+            settle_suspects(self)
         with self._lock:
             if _exits.state["ran"] or sys.is_finalizing():
                 _exits.refuse(self.name)
@@ -480,18 +482,20 @@ def _own(error: BaseException) -> bool:
     return isinstance(error, (TensorcastError, UnsupportedLeafError, ValueError))
 
 
-def settle_suspect(lane: Lane) -> None:
-    """At the lane's first job after a setup over its ranks failed here for want of peers
-    that never came to it (``lane.suspect``: the failure, and whether they came since):
-    where they still have not, they went on without this rank, and what it would read or
-    send here next would pair with another call, so the lane breaks (NOTE [ A call that
-    does not take its part ] in ``loader/broadcast.py``). On the caller's thread."""
-    assert lane.suspect is not None
-    cause, came = lane.suspect
-    lane.suspect = None
-    try:
-        ok = came()
-    except Exception:  # the store cannot say: as if they had not
-        ok = False
-    if not ok:
-        lane.break_(cause)
+def settle_suspects(lane: Lane) -> None:
+    """At the lane's first job after setups over its ranks failed here for want of peers
+    (``lane.suspects``: each failure, and whether its peers came to it since): where any
+    still have not, they went on without this rank, and what it would read or send here
+    next would pair with another call, so the lane breaks (NOTE [ A call that does not
+    take its part ] in ``loader/broadcast.py``). On the caller's thread; each ``came()``
+    is a store read, bounded by the store's timeout."""
+    with lane._lock:
+        suspects, lane.suspects = lane.suspects, []
+    for cause, came in suspects:
+        try:
+            ok = came()
+        except Exception:  # the store cannot say: as if they had not
+            ok = False
+        if not ok:
+            lane.break_(cause)
+            return

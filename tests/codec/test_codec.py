@@ -356,6 +356,16 @@ def test_a_dataclass_comes_back_as_sent_without_running_its_init_again() -> None
     assert type(got) is Normalised
     assert got.ids == [1, 7, 8] and torch.equal(got.audio, torch.tensor([1.0, 2.0]))
 
+    @dataclasses.dataclass
+    class OwnNew:  # a __new__ that wants the arguments is not called either
+        x: int
+
+        def __new__(cls, x: int) -> Any:
+            return super().__new__(cls)
+
+    tc.register_type(OwnNew, name="tests.codec.OwnNew")
+    assert roundtrip(OwnNew(3)) == OwnNew(3)
+
 
 def test_an_attribute_that_is_not_a_field_is_refused_where_it_would_be_lost() -> None:
     obj = Sample(torch.zeros(2), "hi")

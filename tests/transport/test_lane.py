@@ -281,7 +281,8 @@ def test_a_suspect_lane_breaks_at_its_next_job_unless_the_peers_came() -> None:
     for came, broken in ((lambda: True, False), (lambda: False, True), (lambda: 1 / 0, True)):
         lane, aborted = _lane()
         cause = RuntimeError("rank 2: rank(s) [0, 1] did not set up ...")
-        lane.suspect = (cause, came)  # type: ignore[assignment]
+        lane.suspects.append((RuntimeError("came"), lambda: True))  # an earlier one, cleared
+        lane.suspects.append((cause, came))  # type: ignore[arg-type]
         ran: list[int] = []
 
         def step(ran: list[int] = ran, lane: Lane = lane) -> int:
@@ -295,4 +296,13 @@ def test_a_suspect_lane_breaks_at_its_next_job_unless_the_peers_came() -> None:
             assert lane.broken is cause and aborted == ["abort"] and not ran
         else:
             assert lane.run(step, lambda: 0) == 1 and lane.broken is None
-        assert lane.suspect is None  # asked once
+        assert lane.suspects == []  # asked once
+    # a queued job (a loader's prefetched step) settles them too, before it is queued
+    lane, _ = _lane()
+    cause = RuntimeError("rank 1: rank(s) [0] did not set up ...")
+    lane.suspects.append((cause, lambda: False))
+    job: Job[int] = Job(lambda: 1, guarded=True)
+    lane.enqueue(job)
+    assert lane.broken is cause
+    with pytest.raises(PeerError):
+        job.result()

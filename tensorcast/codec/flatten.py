@@ -219,9 +219,13 @@ def _walk_other(
 def _check_attrs(obj: Any, entry: _registry.TypeEntry) -> None:
     """A registered dataclass travels as its fields: an attribute of the instance that is
     not one (nor a cached property) would be lost (``registry.register_type``)."""
-    own = getattr(obj, "__dict__", None) if entry.kind == "dataclass" else None
-    if own is not None and not own.keys() <= entry.attrs:
-        raise Fail(obj, functools.partial(lost_attributes, obj, entry.attrs))
+    if entry.kind != "dataclass":
+        return
+    own = getattr(obj, "__dict__", None)
+    if (own is not None and not own.keys() <= entry.attrs) or any(
+        hasattr(obj, name) for name in entry.slots
+    ):
+        raise Fail(obj, functools.partial(lost_attributes, obj, entry))
 
 
 def _read_dict(obj: Any) -> tuple[list[Any], list[Any]]:

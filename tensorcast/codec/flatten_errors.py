@@ -145,8 +145,9 @@ def unsupported_leaf(obj: Any, path: Path) -> None:
     raise unsupported(obj, path)
 
 
-def lost_attributes(obj: Any, attrs: frozenset[str], path: Path) -> None:
-    lost = sorted(set(vars(obj)) - attrs)
+def lost_attributes(obj: Any, entry: _registry.TypeEntry, path: Path) -> None:
+    own = set(getattr(obj, "__dict__", ())) - entry.attrs
+    lost = sorted(own | {name for name in entry.slots if hasattr(obj, name)})
     raise unsupported(
         obj,
         path,

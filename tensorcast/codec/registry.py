@@ -37,6 +37,9 @@ class TypeEntry:
     #: ``functools.cached_property`` names (computed again where they are read). Any
     #: other attribute in an instance's ``__dict__`` would be lost: the encoder refuses it.
     attrs: frozenset[str] = frozenset()
+    #: a dataclass's slots (of it or a base) that are not fields: one that holds a value
+    #: would be lost too
+    slots: tuple[str, ...] = ()
     to_tree: Callable[[Any], Any] | None = None
     from_tree: Callable[[Any], Any] | None = None
 
@@ -107,7 +110,9 @@ def register_type(cls: type, *, name: str | None = None) -> type:
     elif dataclasses.is_dataclass(cls):
         fields = tuple(f.name for f in dataclasses.fields(cls))
         cached = {k for k in dir(cls) if isinstance(_static(cls, k), functools.cached_property)}
-        _add(TypeEntry(cls, name, "dataclass", fields, frozenset(fields) | cached))
+        slots = {n for b in cls.__mro__ for n in _slot_names(b)} - set(fields)
+        slots -= {"__dict__", "__weakref__"}
+        _add(TypeEntry(cls, name, "dataclass", fields, frozenset(fields) | cached, tuple(slots)))
     else:
         raise TypeError(
             f"register_type accepts NamedTuple and dataclass types only, got "
@@ -115,6 +120,11 @@ def register_type(cls: type, *, name: str | None = None) -> type:
             f"tensors and plain values"
         )
     return cls
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    slots = vars(cls).get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
 
 
 def _static(cls: type, name: str) -> Any:

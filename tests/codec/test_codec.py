@@ -372,6 +372,20 @@ def test_an_attribute_that_is_not_a_field_is_refused_where_it_would_be_lost() ->
     obj.extra = 5  # type: ignore[attr-defined]
     with pytest.raises(tc.UnsupportedLeafError, match=r"batch\['x'\]\[1\].*\['extra'\].*field"):
         tc.pack({"x": [0, obj]})
+
+    class Base:
+        __slots__ = ("_cache",)
+
+    @dataclasses.dataclass
+    class Mixed(Base):  # a base's slot is no field either
+        x: int
+
+    tc.register_type(Mixed, name="tests.codec.Mixed")
+    mixed = Mixed(1)
+    assert roundtrip(mixed) == mixed  # its slot empty: nothing to lose
+    mixed._cache = 5
+    with pytest.raises(tc.UnsupportedLeafError, match=r"\['_cache'\] are not dataclass fields"):
+        tc.pack(mixed)
     cached = Cached([1, 2, 3])
     assert cached.total == 6  # cached in the instance's __dict__: computed again on arrival
     got = roundtrip(cached)

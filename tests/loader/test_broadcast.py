@@ -54,3 +54,21 @@ def test_broadcast_batch_is_a_no_op_without_torch_distributed() -> None:
         tc.BroadcastingDataLoader([batch], Unnamed())
     with pytest.raises(RuntimeError, match="init_process_group"):
         tc.broadcast(batch, 0)
+
+
+def test_a_failing_call_raises_its_own_error_whatever_its_part_in_the_frame_meets() -> None:
+    """NOTE [ A call that does not take its part ]: the caller's mistake is what it sees;
+    the frame's failure (here the wait for it) is a note beside it, not in its place."""
+    import types
+
+    from tensorcast.loader import broadcast as B
+
+    def run(fn: Any, frames: Any) -> Any:
+        raise tc.PeerError("waiting for the source rank 0 timed out")
+
+    lane = types.SimpleNamespace(run=run)
+    role = types.SimpleNamespace(group=types.SimpleNamespace(lane=lane), recv=print)
+    with pytest.raises(TypeError, match="trim must be") as info, B._taking_part(role, 5):  # type: ignore[arg-type]
+        raise TypeError("trim must be True or False, got 'yes'")
+    notes = getattr(info.value, "__notes__", [""])
+    assert "waiting for the source rank 0 timed out" in notes[0], notes

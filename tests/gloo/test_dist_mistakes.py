@@ -428,6 +428,8 @@ def _rank_later_setup_alone(rank: int, world: int) -> list[str]:
                 out.append(f"{type(e).__name__} after {time.monotonic() - t0:.0f} s: {e}"[:60])
         return out
     finally:
+        if rank == 0:  # alive a moment, beating: its receivers' diagnosis says so at once
+            time.sleep(1.5)
         dist.destroy_process_group()  # its channel over the ranks may be broken for good
 
 

@@ -373,9 +373,10 @@ def decide(runs: Runs, *, receiver: str = "host") -> Trim | None:
     _check_receiver(receiver)
     table = side_table(runs)
     full = table.full_nbytes
-    if full > MAX_REBUILD_RATIO * (table.nbytes + len(_dumps(table.record))):
-        table = _within_bound(table)  # receivers would refuse it as it is
     travels = table.nbytes + len(_dumps(table.record))
+    if full > MAX_REBUILD_RATIO * travels:  # receivers would refuse it as it is
+        table = _within_bound(table)
+        travels = table.nbytes + len(_dumps(table.record))
     return table if _pays(full - travels, full, len(table.runs), receiver) else None
 
 

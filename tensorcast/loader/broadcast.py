@@ -127,12 +127,13 @@ def broadcast(
 # ``SourceError`` naming the mistake), a receiver reads the frame and drops it. A first
 # call has no channel yet: its peers fail at the setup's agreement instead. Nor does a
 # call whose arguments that pick the channel (``src``, ``group``, ``shm``, axes) are
-# themselves wrong: it cannot tell which channel it was meant for, and raises only. A setup that fails on a rank because
-# its peers did not come (a later call with another ``src`` or axes on that rank only)
-# leaves every group of this rank's that shares a peer with it suspect
-# (``World.suspect_groups``): at its next job there, unless they have come to that setup
-# since (late: they were told, and skipped it too), they went on without this rank, and
-# what it would read there may be another call's, so the group breaks
+# themselves wrong: it cannot tell which channel it was meant for, and raises only.
+#
+# A setup that fails on a rank because its peers did not come (a later call with another
+# ``src`` or axes on that rank only) leaves every group of this rank's that shares a peer
+# with it suspect (``World.suspect_groups``). At its next job there, unless they have come
+# to that setup since (late: they were told, and skipped it too), they went on without
+# this rank, and what it would read there may be another call's, so the group breaks
 # (``lane.settle_suspects``). The store says only that they came, not what they sent
 # before: a peer whose own first call of that setup comes late, after it went on over the
 # same ranks, and before this rank's next job there, is not told apart.
@@ -304,16 +305,11 @@ def broadcast_batch(
         dev = output_device(device)
     if known is not None:
         return _run(known, batch, dev, wait, trim)
-    world = _world()
+    # none yet for this world (``_mesh_role``): set up, then kept on the mesh
+    role, _ = _mesh.mesh_role(device_mesh, names, what, {}, setup_timeout=wait, shm=shm)
     with _lock:
         cache: dict[Any, tuple[Any, Role]] = device_mesh.__dict__.setdefault(_ATTR, {})
-        hit = cache.get((names, shm))
-    if hit is None or hit[0]() is not world:
-        role, _ = _mesh.mesh_role(device_mesh, names, what, {}, setup_timeout=wait, shm=shm)
-        with _lock:
-            cache[(names, shm)] = (weakref.ref(world), role)
-    else:
-        role = hit[1]
+        cache[(names, shm)] = (weakref.ref(_world()), role)
     return _run(role, batch, dev, wait, trim)
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "SourceError",
     "TensorcastError",
     "UnsupportedLeafError",
+    "describe",
 ]
 
 
@@ -60,3 +61,15 @@ class UnsupportedLeafError(TypeError):
 
     The message names the leaf's path in the tree and its type, and says how to fix it.
     """
+
+
+def describe(error: BaseException) -> str:
+    """``error`` in words for a message to peers, ``"ValueError: shard 3 is corrupt"``,
+    whatever the exception does: one whose ``str()`` raises (a user's exception with a
+    broken ``__str__``) is told by its type, as Python's own traceback tells it, so the
+    failure that is reported is never replaced by the one made reporting it."""
+    try:
+        text = str(error)
+    except Exception:
+        text = "<exception str() failed>"
+    return f"{type(error).__name__}: {text}"

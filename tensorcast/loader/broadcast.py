@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorcast._errors import SourceError
+from tensorcast._errors import SourceError, describe
 from tensorcast.codec import check_trim
 from tensorcast.loader import mesh as _mesh
 from tensorcast.loader.args import check_shm, check_src, distributed, output_device, to_timedelta
@@ -179,7 +179,7 @@ def _take_part(role: Role, error: Exception, wait: datetime.timedelta | None) ->
     lane = role.group.lane
     frames_taken = functools.partial(getattr, role, "frames")
     if isinstance(role, Sender):
-        message = f"its call failed before sending: {type(error).__name__}: {error}"
+        message = f"its call failed before sending: {describe(error)}"
         lane.run(functools.partial(role.send_error, message, wait), frames_taken)
         return
     try:

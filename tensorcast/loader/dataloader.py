@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorcast._errors import SourceError
+from tensorcast._errors import SourceError, describe
 from tensorcast.loader import mesh as _mesh
 from tensorcast.loader.args import (
     check_shm,
@@ -390,7 +390,7 @@ def _length_told(source: Any) -> tuple[dict[str, Any], Exception | None]:
     try:
         return {"length": _length(source)}, None
     except Exception as e:
-        return {"length": None, "length failed": f"{type(e).__name__}: {e}"[:_TOLD_CHARS]}, e
+        return {"length": None, "length failed": describe(e)[:_TOLD_CHARS]}, e
 
 
 def _told_length(told: dict[str, Any], role: Role, failed: Exception | None) -> int | None:

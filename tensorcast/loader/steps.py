@@ -47,7 +47,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from tensorcast._errors import DesyncError, SourceError
+from tensorcast._errors import DesyncError, SourceError, describe
 from tensorcast.transport import CLOSE, END, End, Receiver, Role, Sender, Stamp
 from tensorcast.transport import interrupt_points as _interrupts
 
@@ -191,7 +191,7 @@ class SourceSteps(Steps):
             except StopIteration:
                 return self._exhausted()
             except BaseException as e:
-                return self._fail(e, f"source iterator failed: {type(e).__name__}: {e}")
+                return self._fail(e, f"source iterator failed: {describe(e)}")
             self.pulled = batch
         if _interrupts.hook is not None:
             _interrupts.hook("step.pulled")
@@ -202,11 +202,11 @@ class SourceSteps(Steps):
             target = self.stateful
             state = copy.deepcopy(target.state_dict()) if target is not None else None
         except Exception as e:
-            return self._fail(e, f"source state_dict() failed: {type(e).__name__}: {e}")
+            return self._fail(e, f"source state_dict() failed: {describe(e)}")
         try:
             out, own = sender.write(batch, self.device)
         except Exception as e:
-            return self._fail(e, f"batch serialization failed: {type(e).__name__}: {e}")
+            return self._fail(e, f"batch serialization failed: {describe(e)}")
         started = time.perf_counter()
         sender.send(out, stamp=self.stamp)  # a failure in it breaks the lane
         self.pulled = _NOTHING

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tensorcast import codec as _codec
-from tensorcast._errors import PeerError
+from tensorcast._errors import PeerError, describe
 from tensorcast.codec import Decoded, Encoded, Encoder, Packed, Repad
 from tensorcast.transport.frame import (
     DEFAULT_TIMEOUT,
@@ -207,7 +207,7 @@ class Sender:
         try:
             out, own = self.write(batch, device, timeout, trim=trim)
         except Exception as e:
-            message = f"batch serialization failed: {type(e).__name__}: {e}"
+            message = f"batch serialization failed: {describe(e)}"
             self.send_error(message, timeout, stamp)
             raise
         self.send(out, timeout, stamp)

@@ -25,6 +25,27 @@ def test_a_failing_source_is_raised_there_and_a_source_error_elsewhere(prefetch:
         next(receiver_pass)
 
 
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise TypeError("a broken __str__")
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_source_error_that_cannot_be_printed_still_reaches_every_rank(prefetch: int) -> None:
+    # its str() raising inside the report used to replace it on the source and send
+    # nothing: the receivers' pass ended early (prefetch >= 1) or desynced (prefetch 0)
+    source = Counter(5, fail_at=1)
+    source.error = _Unprintable()
+    source_pass, receiver_pass, _ = passes(source, prefetch)
+    assert next(source_pass)["i"] == 0
+    with pytest.raises(_Unprintable) as raised:
+        next(source_pass)
+    assert raised.value is source.error, "the very exception object"
+    assert next(receiver_pass)["i"] == 0
+    with pytest.raises(SourceError, match=r"failed: _Unprintable: <exception str\(\) failed>"):
+        next(receiver_pass)
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_a_pass_left_after_the_same_batch_closes_on_both_sides(prefetch: int) -> None:
     source_pass, receiver_pass, _ = passes(Counter(8), prefetch)

@@ -260,7 +260,9 @@ def told(source: bool, extra: dict[str, Any] | None, shm: bool | None) -> dict[s
     except ValueError as e:  # told, so that every rank raises it (:func:`open_side`)
         cap, error = 0, str(e)
     if source and not why and cap == 0:
-        why = f"no free space in {_shm.SHM_DIR}"
+        why = _shm.no_room()
+        if shm is None and not error and why.startswith("no free space"):
+            _shm.warn_wire(f"{why}, so payloads travel over the wire: {_shm.FIX}", stacklevel=4)
     # every rank's token: a rank may lead its host's arena (NOTE [ Several hosts ])
     return {
         **(extra or {}), "host": host_id(), "shm_why_not": why, "shm_error": error,

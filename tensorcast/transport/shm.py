@@ -90,6 +90,7 @@ from tensorcast._errors import HeaderError
 from tensorcast.transport.segment import HEAD, MAGIC, PAGE, MappedSegment, data_at
 
 __all__ = [
+    "FIX",
     "MIN_PAYLOAD",
     "REF_SIZE",
     "SHM_DIR",
@@ -99,8 +100,10 @@ __all__ = [
     "Writer",
     "available",
     "limit",
+    "no_room",
     "new_token",
     "sweep_dead",
+    "warn_wire",
 ]
 
 #: where arenas live
@@ -110,7 +113,8 @@ MIN_PAYLOAD = 256 << 10
 #: how many slots one arena holds at most
 MAX_SLOTS = 6
 _DEFAULT_SHARE = 4  # with no limit set, an arena takes at most 1/4 of /dev/shm's free space
-_FIX = (
+#: what to change where a payload cannot use the lane for want of room
+FIX = (
     "give the container more shared memory (docker run --shm-size=2g, or a memory-backed "
     "emptyDir on /dev/shm in Kubernetes), or set TENSORCAST_SHM_LIMIT (bytes; 0 turns the "
     "lane off and silences this)"
@@ -215,16 +219,36 @@ def limit() -> int:
     text = os.environ.get("TENSORCAST_SHM_LIMIT")
     if text is not None and text.strip():
         try:
-            return max(0, int(text))
+            value = int(text)
         except ValueError:
+            value = -1
+        if value < 0:
             raise ValueError(
-                f"TENSORCAST_SHM_LIMIT must be a number of bytes, got {text!r}"
-            ) from None
+                f"TENSORCAST_SHM_LIMIT must be a number of bytes (0 turns the lane off), got "
+                f"{text!r}"
+            )
+        return value
     try:
         st = os.statvfs(SHM_DIR)
     except OSError:
         return 0
     return st.f_bavail * st.f_frsize // _DEFAULT_SHARE
+
+
+def warn_wire(what: str, stacklevel: int = 5) -> None:
+    """Say once per process why a payload goes on the wire (its first arena to fall back,
+    or its first setup without room, says so; the others' reasons are alike: the same cap,
+    the same ``/dev/shm``)."""
+    if not _wire_warned:
+        _wire_warned.append(True)
+        warnings.warn(f"tensorcast: {what}", RuntimeWarning, stacklevel=stacklevel)
+
+
+def no_room() -> str:
+    """Why a source whose :func:`limit` is 0 cannot write an arena."""
+    if (os.environ.get("TENSORCAST_SHM_LIMIT") or "").strip():
+        return "TENSORCAST_SHM_LIMIT=0 turns it off"
+    return f"no free space in {SHM_DIR}"
 
 
 def _leaves_half_free(grow: int) -> bool:
@@ -404,21 +428,21 @@ class Writer:
             if size > self.cap:
                 self._warn(
                     f"a {nbytes}-byte payload does not fit in the shared-memory arena's cap "
-                    f"of {self.cap} bytes, so it travels over the wire: {_FIX}"
+                    f"of {self.cap} bytes, so it travels over the wire: {FIX}"
                 )
             else:
                 self._warn(
                     f"this process's shared-memory arenas hold {taken} bytes of their cap of "
                     f"{self.cap} (batches still referenced, or other loaders' arenas), so a "
                     f"{nbytes}-byte payload travels over the wire: let go of batches you no "
-                    f"longer need, or {_FIX}"
+                    f"longer need, or {FIX}"
                 )
             return None
         if not _leaves_half_free(size - freed):
             self._warn(
                 f"a new {size}-byte segment would leave less than half of {SHM_DIR} free for "
                 f"its other users (DataLoader workers, NCCL), so payloads travel over the "
-                f"wire: {_FIX}"
+                f"wire: {FIX}"
             )
             return None
         try:
@@ -426,7 +450,7 @@ class Writer:
         except OSError as e:
             self._warn(
                 f"no room for a {size}-byte segment in {SHM_DIR} ({e}), so payloads travel "
-                f"over the wire: {_FIX}"
+                f"over the wire: {FIX}"
             )
             return None
         if old is not None:
@@ -436,11 +460,7 @@ class Writer:
 
     @staticmethod
     def _warn(what: str) -> None:
-        """Say once per process why a payload goes on the wire (its first arena to fall
-        back says so; the others' reasons are alike: the same cap, the same ``/dev/shm``)."""
-        if not _wire_warned:
-            _wire_warned.append(True)
-            warnings.warn(f"tensorcast: {what}", RuntimeWarning, stacklevel=5)
+        warn_wire(what, stacklevel=6)
 
     def _create(self, capacity: int, size: int) -> _Slot:
         self._segments += 1

@@ -20,6 +20,7 @@ import torch
 from subprocs import run_killable
 
 import tensorcast as tc
+from tensorcast.transport import relay as relays
 from tensorcast.transport import shm
 from tensorcast.transport.frame import SHM_REF_BYTES, Flags, cut_frame
 from tensorcast.transport.shm import Reader, Ref, Writer, new_token
@@ -464,6 +465,30 @@ def test_shm_is_none_true_or_false(bad: object) -> None:
         tc.BroadcastingDataLoader([1], shm=bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="shm must be None"):
         tc.broadcast_batch({}, None, shm=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("text", ["-1", "lots", "1.5"])
+def test_a_limit_that_is_no_number_of_bytes_is_refused(
+    text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TENSORCAST_SHM_LIMIT", text)  # -1 used to turn the lane off unsaid
+    with pytest.raises(ValueError, match="must be a number of bytes"):
+        shm.limit()
+
+
+def test_a_source_without_room_says_why_and_is_told_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm, "limit", lambda: 0)  # /dev/shm full: its free share is 0
+    monkeypatch.setattr(shm, "available", lambda: None)
+    with pytest.warns(RuntimeWarning, match="no free space in /dev/shm, so payloads travel"):
+        told = relays.told(True, None, None)
+    assert told is not None and told["shm_why_not"] == "no free space in /dev/shm"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        relays.told(True, None, None)  # said once a process
+        monkeypatch.setenv("TENSORCAST_SHM_LIMIT", "0")
+        shm._wire_warned.clear()
+        told = relays.told(True, None, None)  # the user turned it off: nothing to say
+    assert told is not None and "TENSORCAST_SHM_LIMIT=0" in told["shm_why_not"]
 
 
 def test_a_forked_child_leaves_its_parents_segments() -> None:

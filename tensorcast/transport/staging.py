@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import datetime
 import functools
+import inspect
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -52,13 +54,18 @@ class Staging:
         group: tensorcast's group; its wire's ``streams`` (None on a host wire) are where
             payloads travel, and its lane holds posted work until done.
         root: the source's group-local rank.
-        on_error: called with what posting a payload raised (it breaks the lane).
+        on_error: called with what posting a payload raised (it breaks the lane); a bound
+            method is held weakly (its object owns this).
     """
 
     def __init__(self, group: Group, root: int, on_error: Callable[[BaseException], None]) -> None:
         self._group = group
         self._root = root
-        self._on_error = on_error
+        # A method of the side that owns this is held weakly: a strong reference would make
+        # a cycle, kept (with the side's shared-memory arena) until the garbage collector runs.
+        self._on_error: Callable[[], Callable[[BaseException], None] | None] = (
+            weakref.WeakMethod(on_error) if inspect.ismethod(on_error) else lambda: on_error
+        )
         self._pools: dict[torch.device, BufferPool] = {}  # pinned staging, per GPU
 
     def _pool(self, streams: Streams) -> BufferPool:
@@ -154,7 +161,9 @@ class Staging:
             build = _on_device(build, device)
         if n:
             work["send"] = lambda buffer: wire.payload(buffer, root, timeout)
-        return self._part(streams, n, build, timeout, self._on_error, **work)
+        on_error = self._on_error()
+        assert on_error is not None, "called by the side that owns it, which is alive"
+        return self._part(streams, n, build, timeout, on_error, **work)
 
     def upload(
         self,

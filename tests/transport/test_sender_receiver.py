@@ -8,9 +8,11 @@ would on its own rank.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +107,21 @@ def test_inline_separate_and_spilled_frames_rebuild_and_grow_alike() -> None:
         assert sender.frames == receiver.frames == step + 1, "each role counts its frames"
         assert sender.stamp.step == receiver.stamp.step == step + 1, "outside a pass: its own"
     assert rgroup.capacity > _frame.INITIAL_CAPACITY
+
+
+def test_a_side_let_go_of_is_freed_at_once_not_by_the_garbage_collector() -> None:
+    # A side held its staging, which held a method of the side: a cycle, so a loader let go
+    # of kept its shared-memory arena until a collection, and the next one's arena, over the
+    # process's cap, sent everything on the wire.
+    sender, receiver, *_ = pair()
+    transfer(sender, receiver, {"a": torch.arange(300_000, dtype=torch.int32)})
+    sides = [weakref.ref(sender), weakref.ref(receiver)]
+    gc.disable()
+    try:
+        del sender, receiver, _
+        assert [side() for side in sides] == [None, None]
+    finally:
+        gc.enable()
 
 
 # Layouts of one payload size and one cut, so that each lands where the last one did.

@@ -229,7 +229,7 @@ def open_side(
     leaders = [on[0] for on in hosts.values() if on is not home]
     if rank == src:
         route = Route(leaders=tuple(map(local, leaders)), near=tuple(map(local, near)))
-        writer = _shm.Writer(extras[src]["shm_token"], len(near), _shm.limit()) if near else None
+        writer = _writer(extras, src, near) if near else None
         return writer, Relay(route, None, None, order)
     if rank in near:
         reader = _shm.Reader(extras[src]["shm_token"], near.index(rank))
@@ -237,11 +237,7 @@ def open_side(
     on = hosts[str(extras[rank]["host"])]
     if rank == on[0]:
         followers = on[1:]
-        writer = (
-            _shm.Writer(extras[rank]["shm_token"], len(followers), _shm.limit())
-            if followers
-            else None
-        )
+        writer = _writer(extras, rank, followers) if followers else None
         route = Route(upstream=local(src), leads=True, followers=tuple(map(local, followers)))
         return None, Relay(route, writer, None, order)
     reader = _shm.Reader(extras[on[0]]["shm_token"], on.index(rank) - 1)
@@ -329,9 +325,12 @@ def arena(
     readers = [r for r in sorted(ranks) if r != src]
     if not readers:
         return None
-    token = extras[src]["shm_token"]
-    return (
-        _shm.Writer(token, len(readers), _shm.limit())
-        if rank == src
-        else _shm.Reader(token, readers.index(rank))
-    )
+    if rank == src:
+        return _writer(extras, src, readers)
+    return _shm.Reader(extras[src]["shm_token"], readers.index(rank))
+
+
+def _writer(extras: dict[int, dict[str, Any]], rank: int, readers: Sequence[int]) -> _shm.Writer:
+    """The arena ``rank`` writes for ``readers`` (each reader's index, its place there)."""
+    tokens = [extras[r]["shm_token"] for r in readers]
+    return _shm.Writer(extras[rank]["shm_token"], len(readers), _shm.limit(), tokens)

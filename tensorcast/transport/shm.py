@@ -13,8 +13,9 @@ The arena is the source's :class:`Writer`; each receiver holds a :class:`Reader`
 is one file in ``/dev/shm`` (mode 0600, ``os.open`` + ``mmap``: no resource tracker),
 named by the channel's token (made by the source, told at the setup agreement) and a
 number that is never reused. A segment is unlinked as soon as every reader mapped it, by
-whichever of the writer and the last reader sees that first, so a killed process leaves
-nothing behind; what a kill leaves before that, the survivors sweep by the token
+whichever of the writer and the last reader sees that first (a writer that ends before a
+live reader mapped it leaves it to that reader: NOTE [ An arena that ends before its
+readers read ]), so a killed process leaves nothing behind; what a kill leaves before that, the survivors sweep by the token
 (:meth:`Writer.close`, :meth:`Reader.sweep`) when the lane breaks. What no survivor
 sweeps (every rank of the host killed at once, by SIGKILL or a SIGTERM Python does not
 catch, or survivors that ended on another error first) is swept by whichever process of
@@ -82,6 +83,7 @@ import struct
 import threading
 import warnings
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -330,9 +332,14 @@ class Writer:
         token: the segments' common prefix (:func:`new_token`).
         readers: the receivers on this host, each with its index in ``[0, readers)``.
         cap: the bytes this process's arenas may take together (:func:`limit`).
+        reader_tokens: the readers' own tokens, in their order: a reader still alive that
+            has not mapped a slot keeps it when the arena goes (NOTE [ An arena that ends
+            before its readers read ]); none given, the arena unlinks everything.
     """
 
-    def __init__(self, token: str, readers: int, cap: int) -> None:
+    def __init__(
+        self, token: str, readers: int, cap: int, reader_tokens: Sequence[str] = ()
+    ) -> None:
         self.token = token
         self.readers = readers
         self.cap = cap
@@ -340,7 +347,8 @@ class Writer:
         self._segments = 0
         #: whether the last payload offered went into a slot (the encoder trims otherwise)
         self.last_used = False
-        self._cleanup = weakref.finalize(self, _unlink_all, self._slots, os.getpid())
+        pids = tuple(map(_pid_of, reader_tokens))
+        self._cleanup = weakref.finalize(self, _unlink_all, self._slots, os.getpid(), pids)
         with _writers_lock:
             _writers.add(self)
             _first_arena()
@@ -507,12 +515,44 @@ _writers: weakref.WeakSet[Writer] = weakref.WeakSet()
 _writers_lock = threading.Lock()
 
 
-def _unlink_all(slots: list[_Slot | None], pid: int) -> None:
+def _unlink_all(slots: list[_Slot | None], pid: int, readers: tuple[int | None, ...]) -> None:
+    """An arena let go of, or its process ending: unlink its segments, but for one whose
+    last payload went out and that a reader still alive has not mapped yet (NOTE [ An
+    arena that ends before its readers read ])."""
     if os.getpid() != pid:  # a forked child (a DataLoader worker) leaves its parent's alone
         return
     for slot in slots:
-        if slot is not None and not slot.unlinked:
+        if slot is not None and not slot.unlinked and not _awaited(slot, readers):
             _unlink(slot.path)
+
+
+# NOTE [ An arena that ends before its readers read ]
+# A source's call returns once its frame's first message went out, and its receivers map
+# the slot when they read that message: a source that ends its program at once (a
+# ``tensorcast.broadcast``, then exit) may end before they have. Its arena then leaves such
+# a slot's segment to them: the last reader to map it unlinks it as always, and a reader
+# that ends without mapping it sweeps it at its exit (its writer is dead: ``sweep_dead``).
+# A reader is waited for only while its process lives (its pid, from its token, in this
+# PID namespace); one of another namespace, or killed before it mapped, is not, so the
+# segment goes now. What is left for a reader that is killed later is swept by the next
+# process of the namespace that makes an arena or ends with one.
+
+
+def _pid_of(token: str) -> int | None:
+    """The pid a :func:`new_token` of this PID namespace names, else None."""
+    parts = token.split("-")
+    namespace = _pid_namespace()
+    if len(parts) == 4 and namespace and parts[1] == str(namespace) and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def _awaited(slot: _Slot, readers: tuple[int | None, ...]) -> bool:
+    """Whether a reader still alive has yet to map ``slot``, whose payload went out."""
+    if not slot.generation:
+        return False
+    mapped = slot.mapping.cells[:, 0]
+    return any(pid is not None and not mapped[i] and _alive(pid) for i, pid in enumerate(readers))
 
 
 class Reader:

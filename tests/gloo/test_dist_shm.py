@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from models import dp_tp_mesh, model_step
+from subprocs import run_ranks
 from taps import WireTap, tapped
 
 import tensorcast as tc
@@ -369,3 +370,36 @@ def test_trimming_is_skipped_only_where_every_receiver_reads_the_arena(
     # two hosts: the wire carries every payload to the other host, trimmed
     for nbytes in pool4.run(_rank_trims, [0, 0, 1, 1], timeout=60):
         assert nbytes < 4 * 0.7 * whole
+
+
+_ENDS_AT_ONCE = """
+os.environ["TENSORCAST_SHM_LIMIT"] = str(1 << 30)
+import torch
+import tensorcast as tc
+
+want = {"x": torch.arange(300_000.0)}  # over the lane's smallest payload: through the arena
+if RANK == 0:  # the reader maps the slot a second after its first message came (descheduled)
+    from tensorcast.transport import shm
+
+    mapping = shm.Reader.payload
+
+    def late(self, ref, nbytes):
+        time.sleep(1.0)
+        return mapping(self, ref, nbytes)
+
+    shm.Reader.payload = late
+got = tc.broadcast(want if RANK == 1 else None, src=1, timeout=TIMEOUT_S)
+assert torch.equal(got["x"], want["x"])
+print("EQUAL", flush=True)
+"""
+
+
+def test_a_source_that_ends_its_program_at_once_leaves_its_payload_to_its_readers(
+    tmp_path: Any,
+) -> None:
+    # Its arena's segments were unlinked at its exit, before a reader had mapped the last:
+    # that reader raised PeerError ("the source rank 1's shared-memory segment is gone").
+    # Rank 0 hosts the store, so the source is rank 1.
+    outs = run_ranks(_ENDS_AT_ONCE, 2, tmp_path, timeout=60, pg_timeout=20)
+    for rank, (code, out, err) in enumerate(outs):
+        assert code == 0 and "EQUAL" in out, f"rank {rank}: {err[-3000:]}"

@@ -60,6 +60,33 @@ def test_a_slot_is_unlinked_once_every_reader_mapped_it() -> None:
     assert bytes(first.numpy()) == bytes(second.numpy()) == b"a" * 5000
 
 
+def _dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    return int(done.stdout)
+
+
+def test_an_arena_let_go_of_leaves_a_sent_slot_to_a_live_reader_that_has_not_mapped_it() -> None:
+    token, alive = new_token(), new_token()  # this process's pid: a reader alive
+    writer = Writer(token, 1, 1 << 24, [alive])
+    ref = _send(writer, b"a" * 5000) or pytest.fail("no slot")
+    writer.take(5000) or pytest.fail("no slot")  # taken, its frame never sent
+    del writer  # the source's program ended before its reader read
+    assert sorted(n for n in _mine() if n.startswith(token)) == [f"{token}-1"]
+    reader = Reader(token, 0)
+    assert bytes(reader.payload(ref, 5000).numpy()) == b"a" * 5000
+    assert f"{token}-1" not in _mine()  # the last reader to map it unlinked it
+
+
+def test_an_arena_let_go_of_unlinks_what_only_dead_or_unknown_readers_wait_for() -> None:
+    for readers in ([new_token().replace(f"-{os.getpid()}-", f"-{_dead_pid()}-")], []):
+        token = new_token()
+        writer = Writer(token, 1, 1 << 24, readers)
+        _send(writer, b"a" * 5000) or pytest.fail("no slot")
+        del writer
+        assert not [n for n in _mine() if n.startswith(token)]
+
+
 def test_a_slot_is_written_again_only_once_every_reader_and_the_writer_let_go() -> None:
     token = new_token()
     writer, reader = Writer(token, 1, 1 << 24), Reader(token, 0)

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch.utils.data import default_collate, default_convert
 
-from tensorcast.codec.encode import check_trim
+from tensorcast.codec.encode import check_align, check_trim
 from tensorcast.codec.packed import DEFAULT_ALIGN, Packed, pack
 
 __all__ = ["PackedCollate", "packed_collate"]
@@ -36,8 +36,8 @@ class PackedCollate:
     ) -> None:
         self._default = collate_fn is None
         self.collate_fn = collate_fn if collate_fn is not None else default_collate
-        self.align = align
-        self.trim = check_trim(trim)  # at construction, not in a worker
+        self.align = check_align(align)  # at construction, not in a worker
+        self.trim = check_trim(trim)
 
     def __call__(self, samples: list[Any]) -> Packed:
         if self._default and not isinstance(samples, list):

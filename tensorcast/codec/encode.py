@@ -48,6 +48,7 @@ __all__ = [
     "Encoded",
     "Encoder",
     "Layout",
+    "check_align",
     "check_trim",
     "encode",
     "lay_out",
@@ -493,6 +494,17 @@ def _write_others(
             buffer[off : off + n].copy_(staged)
 
 
+def check_align(align: object) -> int:
+    """``align`` itself when it is a power of two the format allows.
+
+    Raises:
+        ValueError: anything else (0, 3, a str, a float), with what was given.
+    """
+    if type(align) is not int or not 1 <= align <= _schema.MAX_ALIGN or align & (align - 1):
+        raise ValueError(f"align must be a power of two in [1, {_schema.MAX_ALIGN}], got {align!r}")
+    return align
+
+
 def check_trim(trim: object) -> bool:
     """``trim`` itself when it is a ``bool``, what every entry point accepts.
 
@@ -526,11 +538,7 @@ class Encoder:
     __slots__ = ("_align", "_layout", "_trim")
 
     def __init__(self, *, align: int = DEFAULT_ALIGN, trim: bool = True) -> None:
-        if type(align) is not int or not 1 <= align <= _schema.MAX_ALIGN or align & (align - 1):
-            raise ValueError(
-                f"align must be a power of two in [1, {_schema.MAX_ALIGN}], got {align!r}"
-            )
-        self._align = align
+        self._align = check_align(align)
         self._trim = check_trim(trim)
         #: the last batch's layout; it holds no tensors, so it keeps no batch alive
         self._layout: Layout | None = None

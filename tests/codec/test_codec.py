@@ -851,6 +851,12 @@ def test_packed_collate_with_a_custom_function_and_align() -> None:
     assert out["n"] == 2 and torch.equal(out["t"], torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
 
 
+@pytest.mark.parametrize("align", [0, 3, -64, "64", 64.0, 1 << 17])
+def test_packed_collate_refuses_a_bad_align_when_made_not_in_a_worker(align: Any) -> None:
+    with pytest.raises(ValueError, match="align must be a power of two"):
+        tc.packed_collate(align=align)
+
+
 def test_packed_collate_is_picklable_for_worker_processes() -> None:
     fn = tc.packed_collate(align=128)
     clone = pickle.loads(pickle.dumps(fn))

@@ -35,8 +35,8 @@ GIL:
 Nothing is ever queued from the hook, nor from a finaliser (NOTE [ Where a pass ends ] in
 ``loader.passes``): at exit the peers may be gone or exiting too. Besides the hook, only
 local clean-up runs at exit, file operations that wait on nothing: the shared-memory
-arenas' (``transport.shm``: a writer unlinks its segments, and a process sweeps those
-whose writer died).
+arenas' (``transport.shm``: a writer unlinks its segments but those a live reader has yet
+to map, and a process sweeps those whose writer died and that no live reader awaits).
 """
 
 from __future__ import annotations

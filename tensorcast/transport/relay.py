@@ -257,8 +257,6 @@ def told(source: bool, extra: dict[str, Any] | None, shm: bool | None) -> dict[s
         cap, error = 0, str(e)
     if source and not why and cap == 0:
         why = _shm.no_room()
-        if shm is None and not error and why.startswith("no free space"):
-            _shm.warn_wire(f"{why}, so payloads travel over the wire: {_shm.FIX}", stacklevel=4)
     # every rank's token: a rank may lead its host's arena (NOTE [ Several hosts ])
     return {
         **(extra or {}), "host": host_id(), "shm_why_not": why, "shm_error": error,
@@ -321,6 +319,8 @@ def arena(
     if why is not None:
         if shm:
             raise ValueError(f"{what}: shm=True, but the shared-memory lane cannot be used: {why}")
+        if rank == src and why == f"on rank {src}: {_shm.NO_FREE_SPACE}":  # too little room
+            _shm.warn_wire(f"{_shm.NO_FREE_SPACE}, so payloads travel over the wire: {_shm.FIX}")
         return None
     readers = [r for r in sorted(ranks) if r != src]
     if not readers:

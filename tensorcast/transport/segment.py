@@ -71,7 +71,8 @@ class MappedSegment:
             raise HeaderError("a shared-memory segment that is not tensorcast's")
         self.at, self.capacity, self.readers = at, capacity, readers
         words = np.frombuffer(self.mm, dtype=np.uint64, count=at // 8)
-        self.cells = words[LINE // 8 :].reshape(-1, LINE // 8)[:readers, :2]
+        # each reader's cells: mapped, released (its own), and its pid (the writer's)
+        self.cells = words[LINE // 8 :].reshape(-1, LINE // 8)[:readers, :3]
         self.shared = torch.frombuffer(self.mm, dtype=torch.uint8, count=capacity, offset=at)
         self.private: mmap.mmap | None = mmap.mmap(
             fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE

@@ -15,24 +15,25 @@ named by the channel's token (made by the source, told at the setup agreement) a
 number that is never reused. A segment is unlinked as soon as every reader mapped it, by
 whichever of the writer and the last reader sees that first (a writer that ends before a
 live reader mapped it leaves it to that reader: NOTE [ An arena that ends before its
-readers read ]), so a killed process leaves nothing behind; what a kill leaves before that, the survivors sweep by the token
-(:meth:`Writer.close`, :meth:`Reader.sweep`) when the lane breaks. What no survivor
-sweeps (every rank of the host killed at once, by SIGKILL or a SIGTERM Python does not
-catch, or survivors that ended on another error first) is swept by whichever process of
-the same PID namespace next makes an arena or ends with one: a token names its
-writer's namespace and pid, and a segment whose writer is dead is no one's
-(:func:`sweep_dead`).
+readers read ]), so a killed process leaves nothing behind; what a kill leaves before
+that, the survivors sweep by the token (:meth:`Writer.close`, :meth:`Reader.sweep`) when
+the lane breaks. What no survivor sweeps (every rank of the host killed at once, by
+SIGKILL or a SIGTERM Python does not catch, or survivors that ended on another error
+first) is swept by whichever process of the same PID namespace next makes an arena or
+ends with one: a token names its writer's namespace and pid, and a segment whose writer
+is dead, and that no live reader awaits, is no one's (:func:`sweep_dead`).
 
 # NOTE [ Shared-memory slots ]
 A segment's layout (little-endian; one 64-byte line per reader, so that no two writers
 of the cells share a cache line)::
 
     [0, 64)                magic b"TCSHM001", data offset u64, capacity u64, readers u64
-    [64 (1 + i), +64)      reader i's cells: mapped u64, released u64 (a generation)
+    [64 (1 + i), +64)      reader i's cells: mapped u64, released u64 (a generation),
+                           and its pid u64 (0: unknown), written by the writer
     [data offset, +cap)    the payload, at most ``capacity`` bytes
 
-Each cell is written by its reader only and read by the writer only; the writer writes
-the head and the data, the readers only read those. A slot's life, ``g`` the generation
+Each of the first two cells is written by its reader only and read by the writer only;
+the writer writes the head, the pids and the data, the readers only read those. A slot's life, ``g`` the generation
 of its last write (the writer's count, carried by the frame's :class:`Ref`):
 
     ======================  =====================  ======================================
@@ -85,15 +86,17 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from tensorcast._errors import HeaderError
-from tensorcast.transport.segment import HEAD, MAGIC, PAGE, MappedSegment, data_at
+from tensorcast.transport.segment import HEAD, LINE, MAGIC, PAGE, MappedSegment, data_at
 
 __all__ = [
     "FIX",
     "MIN_PAYLOAD",
+    "NO_FREE_SPACE",
     "REF_SIZE",
     "SHM_DIR",
     "Reader",
@@ -114,6 +117,10 @@ SHM_DIR = "/dev/shm"
 MIN_PAYLOAD = 256 << 10
 #: how many slots one arena holds at most
 MAX_SLOTS = 6
+_PID = struct.Struct("<Q")
+_PID_AT = 16  # a reader's pid in its line of cells: after mapped and released
+_CELLS = struct.Struct("<QQQ")  # mapped, released, pid
+_MAX_READERS = 1 << 16  # more in a file's head: no segment of ours (a sweep reads no more)
 _DEFAULT_SHARE = 4  # with no limit set, an arena takes at most 1/4 of /dev/shm's free space
 #: what to change where a payload cannot use the lane for want of room
 FIX = (
@@ -186,10 +193,32 @@ def sweep_dead() -> None:
         path = f"{SHM_DIR}/{name}"
         try:
             st = os.lstat(path)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not _alive(int(pid)):
+            if (
+                stat.S_ISREG(st.st_mode)
+                and st.st_uid == os.geteuid()
+                and not _alive(int(pid))
+                and not _awaited(_cells_of(path))
+            ):
                 os.unlink(path)
         except (OSError, OverflowError):  # gone meanwhile, not ours, a pid past any
             continue
+
+
+def _cells_of(path: str) -> list[tuple[int, int, int]]:
+    """A segment's readers' cells (mapped, released, pid), read from its file; none where
+    it is no segment of tensorcast's (nothing then awaits it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        head = os.pread(fd, HEAD.size, 0)
+        if len(head) < HEAD.size:
+            return []
+        magic, at, _capacity, readers = HEAD.unpack(head)
+        if magic != MAGIC or readers > _MAX_READERS or at != data_at(readers):
+            return []
+        lines = os.pread(fd, LINE * readers, LINE)
+    finally:
+        os.close(fd)
+    return [_CELLS.unpack_from(lines, LINE * i) for i in range(len(lines) // LINE)]
 
 
 def _alive(pid: int) -> bool:
@@ -246,11 +275,14 @@ def warn_wire(what: str, stacklevel: int = 5) -> None:
         warnings.warn(f"tensorcast: {what}", RuntimeWarning, stacklevel=stacklevel)
 
 
+#: why a source has no arena where no limit is set and ``/dev/shm`` is full
+NO_FREE_SPACE = f"no free space in {SHM_DIR}"
+
+
 def no_room() -> str:
     """Why a source whose :func:`limit` is 0 cannot write an arena."""
-    if (os.environ.get("TENSORCAST_SHM_LIMIT") or "").strip():
-        return "TENSORCAST_SHM_LIMIT=0 turns it off"
-    return f"no free space in {SHM_DIR}"
+    text = (os.environ.get("TENSORCAST_SHM_LIMIT") or "").strip()
+    return f"TENSORCAST_SHM_LIMIT={text} turns it off" if text else NO_FREE_SPACE
 
 
 def _leaves_half_free(grow: int) -> bool:
@@ -347,8 +379,10 @@ class Writer:
         self._segments = 0
         #: whether the last payload offered went into a slot (the encoder trims otherwise)
         self.last_used = False
-        pids = tuple(map(_pid_of, reader_tokens))
-        self._cleanup = weakref.finalize(self, _unlink_all, self._slots, os.getpid(), pids)
+        #: each reader's pid, written into every segment (NOTE [ An arena that ends
+        #: before its readers read ]); 0 where unknown
+        self._pids = [_pid_of(token) or 0 for token in reader_tokens]
+        self._cleanup = weakref.finalize(self, _unlink_all, self._slots, os.getpid())
         with _writers_lock:
             _writers.add(self)
             _first_arena()
@@ -479,6 +513,8 @@ class Writer:
             os.posix_fallocate(fd, 0, size)  # ENOSPC now, not SIGBUS on a later write
             head = HEAD.pack(MAGIC, data_at(self.readers), capacity, self.readers)
             os.pwrite(fd, head, 0)
+            for i, pid in enumerate(self._pids):
+                os.pwrite(fd, _PID.pack(pid), LINE * (1 + i) + _PID_AT)
             mapping = MappedSegment(fd, size)
         except BaseException:
             _unlink(path)
@@ -515,27 +551,31 @@ _writers: weakref.WeakSet[Writer] = weakref.WeakSet()
 _writers_lock = threading.Lock()
 
 
-def _unlink_all(slots: list[_Slot | None], pid: int, readers: tuple[int | None, ...]) -> None:
+def _unlink_all(slots: list[_Slot | None], pid: int) -> None:
     """An arena let go of, or its process ending: unlink its segments, but for one whose
     last payload went out and that a reader still alive has not mapped yet (NOTE [ An
     arena that ends before its readers read ])."""
     if os.getpid() != pid:  # a forked child (a DataLoader worker) leaves its parent's alone
         return
     for slot in slots:
-        if slot is not None and not slot.unlinked and not _awaited(slot, readers):
+        if slot is None or slot.unlinked:
+            continue
+        if not (slot.generation and _awaited(slot.mapping.cells)):
             _unlink(slot.path)
 
 
 # NOTE [ An arena that ends before its readers read ]
 # A source's call returns once its frame's first message went out, and its receivers map
 # the slot when they read that message: a source that ends its program at once (a
-# ``tensorcast.broadcast``, then exit) may end before they have. Its arena then leaves such
-# a slot's segment to them: the last reader to map it unlinks it as always, and a reader
-# that ends without mapping it sweeps it at its exit (its writer is dead: ``sweep_dead``).
-# A reader is waited for only while its process lives (its pid, from its token, in this
-# PID namespace); one of another namespace, or killed before it mapped, is not, so the
-# segment goes now. What is left for a reader that is killed later is swept by the next
-# process of the namespace that makes an arena or ends with one.
+# ``tensorcast.broadcast``, then exit) may end before they have. So a segment names its
+# readers' pids (in their cells, from the tokens they told at setup), and it is unlinked
+# neither by its arena as it goes nor by a sweep (:func:`sweep_dead`) while a reader that
+# has not mapped it is alive: the last reader to map it unlinks it as always, and one that
+# ends first sweeps it at its exit, as a process sweeps everything of dead writers that no
+# other live process awaits. A reader of another PID namespace is not waited for (its pid
+# means nothing here), nor is a zombie. What is left when the last process of the
+# namespace to end is such a reader, killed (SIGKILL) before it mapped it, the next process
+# of the namespace that makes an arena or ends with one sweeps.
 
 
 def _pid_of(token: str) -> int | None:
@@ -547,12 +587,21 @@ def _pid_of(token: str) -> int | None:
     return None
 
 
-def _awaited(slot: _Slot, readers: tuple[int | None, ...]) -> bool:
-    """Whether a reader still alive has yet to map ``slot``, whose payload went out."""
-    if not slot.generation:
-        return False
-    mapped = slot.mapping.cells[:, 0]
-    return any(pid is not None and not mapped[i] and _alive(pid) for i, pid in enumerate(readers))
+def _awaited(cells: Any) -> bool:
+    """Whether a segment whose readers' cells are ``cells`` (mapped, released, pid rows)
+    is awaited by a reader that has not mapped it and is still running (not this
+    process: a process sweeps as it starts, before anything names it, and as it ends)."""
+    me = os.getpid()
+    return any(not mapped and pid and pid != me and _running(int(pid)) for mapped, _, pid in cells)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` names a process that has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return _alive(pid)  # no /proc: a signal 0 tells alive from gone
 
 
 class Reader:

@@ -66,20 +66,53 @@ def _dead_pid() -> int:
     return int(done.stdout)
 
 
-def test_an_arena_let_go_of_leaves_a_sent_slot_to_a_live_reader_that_has_not_mapped_it() -> None:
-    token, alive = new_token(), new_token()  # this process's pid: a reader alive
-    writer = Writer(token, 1, 1 << 24, [alive])
+def _token_of(pid: int) -> str:
+    """A token as the process ``pid`` would make it."""
+    return new_token().replace(f"-{os.getpid()}-", f"-{pid}-")
+
+
+@pytest.fixture
+def reader_process() -> Iterator[subprocess.Popen[bytes]]:
+    """Another live process, standing in for a reader rank."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield process
+    process.kill()
+    process.wait()
+
+
+def test_an_arena_let_go_of_leaves_a_sent_slot_to_a_live_reader_that_has_not_mapped_it(
+    reader_process: subprocess.Popen[bytes],
+) -> None:
+    token = new_token()
+    writer = Writer(token, 1, 1 << 24, [_token_of(reader_process.pid)])
     ref = _send(writer, b"a" * 5000) or pytest.fail("no slot")
     writer.take(5000) or pytest.fail("no slot")  # taken, its frame never sent
     del writer  # the source's program ended before its reader read
     assert sorted(n for n in _mine() if n.startswith(token)) == [f"{token}-1"]
+    shm.sweep_dead()  # another process's sweep leaves it too, writer dead or alive
     reader = Reader(token, 0)
     assert bytes(reader.payload(ref, 5000).numpy()) == b"a" * 5000
     assert f"{token}-1" not in _mine()  # the last reader to map it unlinked it
 
 
+def test_a_sweep_takes_a_dead_writers_segment_once_no_live_reader_awaits_it(
+    reader_process: subprocess.Popen[bytes],
+) -> None:
+    token = _token_of(_dead_pid())  # the arena of a writer that has ended
+    writer = Writer(token, 1, 1 << 24, [_token_of(reader_process.pid)])
+    _send(writer, b"a" * 5000) or pytest.fail("no slot")
+    writer._cleanup.detach()  # as if its process had ended with the segment awaited
+    del writer
+    shm.sweep_dead()
+    assert f"{token}-1" in _mine(), "its reader lives and has not mapped it"
+    reader_process.kill()  # killed before it mapped it
+    reader_process.wait()
+    shm.sweep_dead()
+    assert f"{token}-1" not in _mine()
+
+
 def test_an_arena_let_go_of_unlinks_what_only_dead_or_unknown_readers_wait_for() -> None:
-    for readers in ([new_token().replace(f"-{os.getpid()}-", f"-{_dead_pid()}-")], []):
+    for readers in ([_token_of(_dead_pid())], [new_token()], []):  # dead, itself, unknown
         token = new_token()
         writer = Writer(token, 1, 1 << 24, readers)
         _send(writer, b"a" * 5000) or pytest.fail("no slot")
@@ -506,16 +539,30 @@ def test_a_limit_that_is_no_number_of_bytes_is_refused(
 def test_a_source_without_room_says_why_and_is_told_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm, "limit", lambda: 0)  # /dev/shm full: its free share is 0
     monkeypatch.setattr(shm, "available", lambda: None)
-    with pytest.warns(RuntimeWarning, match="no free space in /dev/shm, so payloads travel"):
-        told = relays.told(True, None, None)
+
+    def setup(src_told: dict[str, Any], *, rank: int = 0, host: str = "h") -> Any:
+        receiver = {"host": host, "shm_why_not": "", "shm_error": "", "shm_token": new_token()}
+        extras = {0: src_told, 1: receiver}
+        return relays.arena(None, (0, 1), 0, rank, extras, True, "a setup")
+
+    told = relays.told(True, None, None)
     assert told is not None and told["shm_why_not"] == "no free space in /dev/shm"
+    told["host"] = "h"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        relays.told(True, None, None)  # said once a process
+        assert setup(told, host="elsewhere") is None  # no lane anyway: nothing to say
+        assert setup(told, rank=1) is None  # a receiver: the source says it
+    with pytest.warns(RuntimeWarning, match="no free space in /dev/shm, so payloads travel"):
+        assert setup(told) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert setup(told) is None  # said once a process
         monkeypatch.setenv("TENSORCAST_SHM_LIMIT", "0")
         shm._wire_warned.clear()
         told = relays.told(True, None, None)  # the user turned it off: nothing to say
-    assert told is not None and "TENSORCAST_SHM_LIMIT=0" in told["shm_why_not"]
+        assert told is not None and told["shm_why_not"] == "TENSORCAST_SHM_LIMIT=0 turns it off"
+        told["host"] = "h"
+        assert setup(told) is None
 
 
 def test_a_forked_child_leaves_its_parents_segments() -> None:

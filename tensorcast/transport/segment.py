@@ -37,8 +37,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from tensorcast._errors import HeaderError
 from tensorcast.transport.pool import reusable
 
-__all__ = ["HEAD", "LINE", "MAGIC", "PAGE", "MappedSegment", "data_at"]
+__all__ = ["HEAD", "LINE", "MAGIC", "PAGE", "SHM_DIR", "MappedSegment", "data_at"]
 
+#: where segments live
+SHM_DIR = "/dev/shm"
 #: a segment's first bytes
 MAGIC = b"TCSHM001"
 #: its head: the magic, the data's offset, the capacity, the readers

@@ -78,20 +78,19 @@ import atexit
 import contextlib
 import glob
 import os
-import secrets
-import stat
 import struct
 import threading
 import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from tensorcast._errors import HeaderError
-from tensorcast.transport.segment import HEAD, LINE, MAGIC, PAGE, MappedSegment, data_at
+from tensorcast.transport import sweep as _sweep
+from tensorcast.transport.segment import HEAD, LINE, MAGIC, PAGE, SHM_DIR, MappedSegment, data_at
+from tensorcast.transport.sweep import new_token, sweep_dead
 
 __all__ = [
     "FIX",
@@ -111,16 +110,10 @@ __all__ = [
     "warn_wire",
 ]
 
-#: where arenas live
-SHM_DIR = "/dev/shm"
 #: payloads smaller than this travel on the wire (they mostly ride in the first message)
 MIN_PAYLOAD = 256 << 10
 #: how many slots one arena holds at most
 MAX_SLOTS = 6
-_PID = struct.Struct("<Q")
-_PID_AT = 16  # a reader's pid in its line of cells: after mapped and released
-_CELLS = struct.Struct("<QQQ")  # mapped, released, pid
-_MAX_READERS = 1 << 16  # more in a file's head: no segment of ours (a sweep reads no more)
 _DEFAULT_SHARE = 4  # with no limit set, an arena takes at most 1/4 of /dev/shm's free space
 #: what to change where a payload cannot use the lane for want of room
 FIX = (
@@ -154,81 +147,6 @@ class Ref:
 
 
 REF_SIZE = Ref._STRUCT.size
-
-
-def _pid_namespace() -> int:
-    """This process's PID namespace (the inode of ``/proc/self/ns/pid``), 0 if unknown."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def new_token() -> str:
-    """A name no other channel, job or host's arena has: its segments' common prefix. It
-    names the writer's PID namespace and pid (:func:`sweep_dead`)."""
-    return f"tensorcast-{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(6)}"
-
-
-def sweep_dead() -> None:
-    """Unlink the segments in ``/dev/shm`` whose writer is dead: those it made that not
-    every reader had mapped when every rank was killed. Only a writer of this PID
-    namespace is judged (another namespace's pids mean nothing here), and one whose pid
-    names a process, alive or a zombie (even another process that took the pid), is
-    left alone; only files of this user's (``/dev/shm`` is sticky: another user's are
-    theirs to sweep). Local, and never raises: it runs as an arena is made and at exit,
-    and a name anyone can make in ``/dev/shm`` must not stop either."""
-    namespace = _pid_namespace()
-    if not namespace:
-        return
-    prefix = f"tensorcast-{namespace}-"
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return
-    for name in names:
-        pid = name[len(prefix) :].partition("-")[0] if name.startswith(prefix) else ""
-        if not (pid.isascii() and pid.isdigit() and len(pid) <= 10):
-            continue
-        path = f"{SHM_DIR}/{name}"
-        try:
-            st = os.lstat(path)
-            if (
-                stat.S_ISREG(st.st_mode)
-                and st.st_uid == os.geteuid()
-                and not _alive(int(pid))
-                and not _awaited(_cells_of(path))
-            ):
-                os.unlink(path)
-        except (OSError, OverflowError):  # gone meanwhile, not ours, a pid past any
-            continue
-
-
-def _cells_of(path: str) -> list[tuple[int, int, int]]:
-    """A segment's readers' cells (mapped, released, pid), read from its file; none where
-    it is no segment of tensorcast's (nothing then awaits it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        head = os.pread(fd, HEAD.size, 0)
-        if len(head) < HEAD.size:
-            return []
-        magic, at, _capacity, readers = HEAD.unpack(head)
-        if magic != MAGIC or readers > _MAX_READERS or at != data_at(readers):
-            return []
-        lines = os.pread(fd, LINE * readers, LINE)
-    finally:
-        os.close(fd)
-    return [_CELLS.unpack_from(lines, LINE * i) for i in range(len(lines) // LINE)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: another user's process has the pid
-        return True
-    return True
 
 
 def _first_arena() -> None:
@@ -381,7 +299,7 @@ class Writer:
         self.last_used = False
         #: each reader's pid, written into every segment (NOTE [ An arena that ends
         #: before its readers read ]); 0 where unknown
-        self._pids = [_pid_of(token) or 0 for token in reader_tokens]
+        self._pids = [_sweep.pid_of(token) or 0 for token in reader_tokens]
         self._cleanup = weakref.finalize(self, _unlink_all, self._slots, os.getpid())
         with _writers_lock:
             _writers.add(self)
@@ -514,7 +432,7 @@ class Writer:
             head = HEAD.pack(MAGIC, data_at(self.readers), capacity, self.readers)
             os.pwrite(fd, head, 0)
             for i, pid in enumerate(self._pids):
-                os.pwrite(fd, _PID.pack(pid), LINE * (1 + i) + _PID_AT)
+                os.pwrite(fd, pid.to_bytes(8, "little"), LINE * (1 + i) + _sweep.PID_AT)
             mapping = MappedSegment(fd, size)
         except BaseException:
             _unlink(path)
@@ -560,48 +478,8 @@ def _unlink_all(slots: list[_Slot | None], pid: int) -> None:
     for slot in slots:
         if slot is None or slot.unlinked:
             continue
-        if not (slot.generation and _awaited(slot.mapping.cells)):
+        if not (slot.generation and _sweep.awaited(slot.mapping.cells)):
             _unlink(slot.path)
-
-
-# NOTE [ An arena that ends before its readers read ]
-# A source's call returns once its frame's first message went out, and its receivers map
-# the slot when they read that message: a source that ends its program at once (a
-# ``tensorcast.broadcast``, then exit) may end before they have. So a segment names its
-# readers' pids (in their cells, from the tokens they told at setup), and it is unlinked
-# neither by its arena as it goes nor by a sweep (:func:`sweep_dead`) while a reader that
-# has not mapped it is alive: the last reader to map it unlinks it as always, and one that
-# ends first sweeps it at its exit, as a process sweeps everything of dead writers that no
-# other live process awaits. A reader of another PID namespace is not waited for (its pid
-# means nothing here), nor is a zombie. What is left when the last process of the
-# namespace to end is such a reader, killed (SIGKILL) before it mapped it, the next process
-# of the namespace that makes an arena or ends with one sweeps.
-
-
-def _pid_of(token: str) -> int | None:
-    """The pid a :func:`new_token` of this PID namespace names, else None."""
-    parts = token.split("-")
-    namespace = _pid_namespace()
-    if len(parts) == 4 and namespace and parts[1] == str(namespace) and parts[2].isdigit():
-        return int(parts[2])
-    return None
-
-
-def _awaited(cells: Any) -> bool:
-    """Whether a segment whose readers' cells are ``cells`` (mapped, released, pid rows)
-    is awaited by a reader that has not mapped it and is still running (not this
-    process: a process sweeps as it starts, before anything names it, and as it ends)."""
-    me = os.getpid()
-    return any(not mapped and pid and pid != me and _running(int(pid)) for mapped, _, pid in cells)
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` names a process that has not exited (a zombie has)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return _alive(pid)  # no /proc: a signal 0 tells alive from gone
 
 
 class Reader:

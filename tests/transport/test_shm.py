@@ -21,7 +21,7 @@ from subprocs import run_killable
 
 import tensorcast as tc
 from tensorcast.transport import relay as relays
-from tensorcast.transport import shm
+from tensorcast.transport import shm, sweep
 from tensorcast.transport.frame import SHM_REF_BYTES, Flags, cut_frame
 from tensorcast.transport.shm import Reader, Ref, Writer, new_token
 
@@ -436,7 +436,7 @@ def test_only_what_a_dead_writer_of_this_pid_namespace_left_is_swept() -> None:
         [sys.executable, "-c", "import os; print(os.getpid())"],
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout.strip()  # fmt: skip
-    namespace = shm._pid_namespace()
+    namespace = sweep.pid_namespace()
     assert namespace, "no /proc/self/ns/pid here"
     names = {
         "dead": f"tensorcast-{namespace}-{dead}-0a1b-1",

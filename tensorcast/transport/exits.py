@@ -35,7 +35,7 @@ GIL:
 Nothing is ever queued from the hook, nor from a finaliser (NOTE [ Where a pass ends ] in
 ``loader.passes``): at exit the peers may be gone or exiting too. Besides the hook, only
 local clean-up runs at exit, file operations that wait on nothing: the shared-memory
-arenas. (``transport.shm``: a writer unlinks its segments but those a live reader has yet
+arenas' (``transport.shm``: a writer unlinks its segments but those a live reader has yet
 to map, and a process sweeps those whose writer died and that no live reader awaits).
 """
 

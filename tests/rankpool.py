@@ -138,9 +138,9 @@ def _worker(rank: int, world: int, tasks: Any, results: Any) -> None:
             faulthandler.cancel_dump_traceback_later()
             stacks.close()
             # A call's garbage goes here, not in a process the next call forks (a DataLoader
-            # worker), whose collection would free a process group that the garbage holds:
-            # gloo's destructor then joins threads the child does not have, and segfaults.
-            # A failed pass is such garbage: its exception's traceback refers to it.
+            # worker), whose collection would free a process group that the garbage holds
+            # (a test's mesh, once its default group is torn down): gloo's destructor then
+            # joins threads the child does not have, and segfaults.
             gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()

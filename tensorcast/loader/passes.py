@@ -382,9 +382,20 @@ class Pass(_OneCaller):
             # through what the caller does before the next pass (a set_epoch).
             ledger.state = None
         self._ending = None
-        if isinstance(item, Failure):
-            raise item.error
-        raise StopIteration
+        if not isinstance(item, Failure):
+            raise StopIteration
+        # Raised once, and held by nothing here after: the frames of its traceback refer
+        # to this pass and its items, so an item or a local that kept it would make a
+        # cycle that keeps the pass (its groups, a mesh, their process groups) until the
+        # garbage collector runs, possibly in a process forked meanwhile.
+        error, item.error = item.error, None
+        del item
+        if error is None:  # raised already
+            raise StopIteration
+        try:
+            raise error
+        finally:
+            del error
 
     def _close(self) -> None:
         if self._finished and not self._pending:

@@ -87,12 +87,13 @@ _NOTHING = object()  # no batch pulled and kept
 
 
 class Failure:
-    """The source failed: its very exception on the source, ``SourceError`` elsewhere."""
+    """The source failed: its very exception on the source, ``SourceError`` elsewhere
+    (None once the pass raised it: nothing of the pass refers to it after)."""
 
     __slots__ = ("error",)
 
     def __init__(self, error: BaseException) -> None:
-        self.error = error
+        self.error: BaseException | None = error
 
 
 class Item:
@@ -181,7 +182,7 @@ class SourceSteps(Steps):
         if batch is _NOTHING:
             try:
                 if self.start_error is not None:
-                    raise self.start_error
+                    raise self._start_failed()
                 if self.taken_over is not None:
                     raise self._taken_over(self.taken_over)
                 with sender.pulling:
@@ -233,6 +234,13 @@ class SourceSteps(Steps):
             f"take each other's batches. Over such a source run one pass at a time (finish "
             f"or close() this one first), or give each pass a source of its own"
         )
+
+    def _start_failed(self) -> BaseException:
+        """How ``iter(source)`` failed, given up: these steps keep no reference to it, as its
+        traceback's frames refer to them (a cycle would keep the pass until a collection)."""
+        error, self.start_error = self.start_error, None
+        assert error is not None, "asked only when iter(source) failed"
+        return error
 
     def _fail(self, error: BaseException, message: str) -> Failure:
         self.ended = True

@@ -4,6 +4,10 @@ close (NOTE [ An early close ]): a CLOSE frame both sides agree on, or a desync.
 
 from __future__ import annotations
 
+import gc
+import weakref
+from collections.abc import Iterator
+
 import pytest
 from pass_pairs import Counter, passes
 
@@ -44,6 +48,38 @@ def test_a_source_error_that_cannot_be_printed_still_reaches_every_rank(prefetch
     assert next(receiver_pass)["i"] == 0
     with pytest.raises(SourceError, match=r"failed: _Unprintable: <exception str\(\) failed>"):
         next(receiver_pass)
+
+
+class _CannotStart:
+    def __iter__(self) -> Iterator[dict[str, int]]:
+        raise ValueError("shard 3 is corrupt")
+
+
+@pytest.mark.parametrize(("prefetch", "at"), [(0, "start"), (1, "start"), (0, 1), (1, 1)])
+def test_a_failed_pass_is_freed_at_once_not_by_the_garbage_collector(
+    prefetch: int, at: object
+) -> None:
+    # Its failure, raised from the frames of its own traceback, made a cycle: the pass (its
+    # groups, a mesh, their process groups) lived until a collection, which a DataLoader
+    # worker forked meanwhile ran itself, freeing a process group in the child: a segfault.
+    def failing() -> Iterator[dict[str, int]]:
+        yield {"i": 0}
+        raise ValueError("shard 3 is corrupt")
+
+    source_pass, receiver_pass, _ = passes(_CannotStart() if at == "start" else failing(), prefetch)
+    gc.disable()
+    try:
+        if at != "start":
+            assert next(source_pass)["i"] == next(receiver_pass)["i"] == 0
+        with pytest.raises(ValueError, match="shard 3"):
+            next(source_pass)
+        with pytest.raises(SourceError, match="shard 3"):
+            next(receiver_pass)
+        left = [weakref.ref(source_pass), weakref.ref(receiver_pass)]
+        del source_pass, receiver_pass, _
+        assert [p() for p in left] == [None, None]
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])

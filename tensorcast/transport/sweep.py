@@ -45,12 +45,14 @@ def new_token() -> str:
 
 def sweep_dead() -> None:
     """Unlink the segments in ``/dev/shm`` whose writer is dead: those it made that not
-    every reader had mapped when every rank was killed. Only a writer of this PID
-    namespace is judged (another namespace's pids mean nothing here), and one whose pid
-    names a process, alive or a zombie (even another process that took the pid), is
-    left alone; only files of this user's (``/dev/shm`` is sticky: another user's are
-    theirs to sweep). Local, and never raises: it runs as an arena is made and at exit,
-    and a name anyone can make in ``/dev/shm`` must not stop either."""
+    every reader had mapped when every rank was killed, or that it left to a reader that
+    then ended without mapping them. Only a writer of this PID namespace is judged
+    (another namespace's pids mean nothing here), and one whose pid names a process,
+    alive or a zombie (even another process that took the pid), is left alone, as is a
+    segment that a running reader other than this process has yet to map (:func:`awaited`);
+    only files of this user's (``/dev/shm`` is sticky: another user's are theirs to
+    sweep). Local, and never raises: it runs as an arena is made and at exit, and a name
+    anyone can make in ``/dev/shm`` must not stop either."""
     namespace = pid_namespace()
     if not namespace:
         return

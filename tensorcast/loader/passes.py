@@ -388,10 +388,8 @@ class Pass(_OneCaller):
         # to this pass and its items, so an item or a local that kept it would make a
         # cycle that keeps the pass (its groups, a mesh, their process groups) until the
         # garbage collector runs, possibly in a process forked meanwhile.
-        error, item.error = item.error, None
-        del item
-        if error is None:  # raised already
-            raise StopIteration
+        error = item.error
+        del item.error, item
         try:
             raise error
         finally:

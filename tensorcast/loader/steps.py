@@ -88,12 +88,12 @@ _NOTHING = object()  # no batch pulled and kept
 
 class Failure:
     """The source failed: its very exception on the source, ``SourceError`` elsewhere
-    (None once the pass raised it: nothing of the pass refers to it after)."""
+    (deleted once the pass raised it: nothing of the pass refers to it after)."""
 
     __slots__ = ("error",)
 
     def __init__(self, error: BaseException) -> None:
-        self.error: BaseException | None = error
+        self.error = error
 
 
 class Item:

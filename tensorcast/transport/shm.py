@@ -33,8 +33,9 @@ of the cells share a cache line)::
     [data offset, +cap)    the payload, at most ``capacity`` bytes
 
 Each of the first two cells is written by its reader only and read by the writer only;
-the writer writes the head, the pids and the data, the readers only read those. A slot's life, ``g`` the generation
-of its last write (the writer's count, carried by the frame's :class:`Ref`):
+the writer writes the head, the pids and the data, the readers only read those. A slot's
+life, ``g`` the generation of its last write (the writer's count, carried by the frame's
+:class:`Ref`):
 
     ======================  =====================  ======================================
     state                   cells                  what happens next

@@ -97,6 +97,7 @@ def _cells_of(path: str) -> list[tuple[int, int, int]]:
 
 
 def alive(pid: int) -> bool:
+    """Whether ``pid`` names a process: alive, a zombie, or another user's that took it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -42,7 +42,7 @@ from tensorcast.codec.repad import Repad
 from tensorcast.codec.views import MAX_ITEMSIZE, Reuses, ViewSpec
 
 if TYPE_CHECKING:
-    from tensorcast.codec.repad import Trim
+    from tensorcast.codec.schema import Trim
 
 __all__ = ["Decoded", "Structure", "decode", "host_block", "leaf_views"]
 

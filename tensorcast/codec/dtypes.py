@@ -1,4 +1,4 @@
-"""The closed table of dtype codes that travel in headers.
+"""The closed table of dtype codes that travel in headers, and an element's bits.
 
 Codes are short ASCII strings in the spirit of safetensors (``"F32"``, ``"BF16"``,
 ``"F8_E4M3"``). A header never carries ``repr(dtype)``; an unknown code is a
@@ -15,6 +15,8 @@ __all__ = [
     "CODE_OF_TORCH",
     "NUMPY_CODES",
     "TORCH_CODES",
+    "WORD",
+    "as_words",
     "numpy_code",
 ]
 
@@ -69,3 +71,16 @@ CODE_ITEMSIZE: dict[str, int] = {
 def numpy_code(dtype: np.dtype) -> str | None:
     """The code of a native-byte-order numpy dtype, or None when it cannot travel."""
     return _CODE_OF_NUMPY.get(dtype) if dtype.isnative else None
+
+
+#: an element's bits as an integer of its width
+WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of the same width, bit for bit: a view, any strides.
+    A 16-byte element (complex128) becomes a trailing pair of int64."""
+    isz = t.element_size()
+    if isz == 16:
+        return torch.view_as_real(t).view(torch.int64)
+    return t.view(WORD[isz])

@@ -39,7 +39,8 @@ from tensorcast.codec.decode import leaf_views
 from tensorcast.codec.dtypes import CODE_ITEMSIZE
 from tensorcast.codec.flatten import BufferLeaf, flatten
 from tensorcast.codec.paths import render_path
-from tensorcast.codec.repad import Repad, Trim
+from tensorcast.codec.repad import Repad
+from tensorcast.codec.schema import Trim
 from tensorcast.codec.views import Reuses, ViewSpec
 
 __all__ = [

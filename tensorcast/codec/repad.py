@@ -2,12 +2,11 @@
 
 Trimming (NOTE [ Trimmed leaves ]) has two sides. The source's, :mod:`tensorcast.codec.trim`
 (probe, scan, decide, compact), runs on the source alone. This one runs on every rank: a
-receiver checks a header's side tables (:func:`check_trims`, before anything is
-allocated) and re-pads each trimmed leaf (:func:`repad`); a source re-pads its own
-tree's leaves the same way. So the vocabulary both sides share lives here: the side
-table (:class:`Trim`), the bounds a header must keep, and the bit views of an element
-(:func:`as_words`, :func:`row_pieces`). The record's bytes are specified in
-``docs/format.md``.
+receiver re-pads each trimmed leaf of a header whose side tables ``codec.schema`` checked
+(:class:`~tensorcast.codec.schema.Trim`, before anything is allocated); a source re-pads
+its own tree's leaves the same way. Both sides cut a leaf's rows into the same pieces
+(:func:`row_pieces`) and read its elements as integers (``codec.dtypes.as_words``). The
+record's bytes are specified in ``docs/format.md``.
 
 A :class:`Repad` is one leaf's re-pad with its memory taken (:meth:`Repad.taken`), left
 for its caller to run when it pays: a receiver at once, a source while its payload is on
@@ -17,97 +16,22 @@ its stream.
 
 from __future__ import annotations
 
-import itertools
 import math
-import os
-import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from tensorcast._errors import HeaderError
-from tensorcast.codec.dtypes import CODE_ITEMSIZE, NUMPY_CODES, TORCH_CODES
+from tensorcast.codec.dtypes import NUMPY_CODES, TORCH_CODES, WORD, as_words
+from tensorcast.codec.schema import Trim
 
-__all__ = [
-    "MAX_LEAF_BYTES",
-    "MAX_REBUILD_RATIO",
-    "REBUILD_LIMIT",
-    "REBUILD_LIMIT_ENV",
-    "WORD",
-    "Repad",
-    "Trim",
-    "check_rebuild",
-    "check_trims",
-    "repad",
-    "row_pieces",
-    "validate",
-    "as_words",
-]
-
-#: the largest full leaf a side table may describe (the format's buffer cap)
-MAX_LEAF_BYTES = 1 << 44
-#: a header's trimmed leaves rebuild to at most this many times the bytes that travelled
-#: (its buffer and the header itself): the encoder trims no leaf past it, receivers refuse
-#: a header past it (:func:`check_rebuild`, ``docs/format.md``)
-MAX_REBUILD_RATIO = 1024
-
-_HEX = re.compile(r"(?:[0-9a-f]{2})+")
+__all__ = ["Repad", "repad", "row_pieces"]
 
 
-@dataclass(frozen=True, slots=True)
-class Trim:
-    """A trimmed leaf's side table: what travels in the header beside its prefixes.
-
-    Attributes:
-        row_len: ``n = prod(shape[1:])`` (from the leaf table, not the record).
-        itemsize: the leaf's element size (from its dtype code, not the record).
-        runs: each row's run length in elements; the row keeps ``row_len - run``.
-        elements: the distinct run elements, ``itemsize`` bytes each, in increasing order.
-        which: each row's index into ``elements``; None when there is one element.
-        prefix_lens: each row's prefix length in elements, ``row_len - run`` (made
-            with the table).
-        nbytes: the bytes stored: every row's prefix (made with the table).
-        full_nbytes: the bytes of the full leaf (made with the table).
-        record: the JSON-able record the header carries (``docs/format.md``; made with
-            the table: the encoder sizes it, then the header holds it).
-    """
-
-    row_len: int
-    itemsize: int
-    runs: tuple[int, ...]
-    elements: bytes
-    which: tuple[int, ...] | None = None
-    prefix_lens: list[int] = field(init=False, compare=False, repr=False)
-    nbytes: int = field(init=False, compare=False, repr=False)
-    full_nbytes: int = field(init=False, compare=False, repr=False)
-    record: list[Any] = field(init=False, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        # plain fields, not properties: the re-pad and the encoder read them at every leaf
-        full = len(self.runs) * self.row_len
-        object.__setattr__(self, "prefix_lens", list(map(self.row_len.__sub__, self.runs)))
-        object.__setattr__(self, "nbytes", (full - sum(self.runs)) * self.itemsize)
-        object.__setattr__(self, "full_nbytes", full * self.itemsize)
-        which = None if self.which is None else list(self.which)
-        object.__setattr__(self, "record", [list(self.runs), self.elements.hex(), which])
-
-
-# --------------------------------------------------------------------------- bits
-
-#: an element's bits as an integer of its width
-WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def as_words(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements as integers of the same width, bit for bit: a view, any strides.
-    A 16-byte element (complex128) becomes a trailing pair of int64."""
-    isz = t.element_size()
-    if isz == 16:
-        return torch.view_as_real(t).view(torch.int64)
-    return t.view(WORD[isz])
+# --------------------------------------------------------------------------- rows
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -120,160 +44,17 @@ def row_pieces(
     t: torch.Tensor, prefix_lens: Sequence[int], row_len: int, itemsize: int
 ) -> tuple[torch.Tensor, ...]:
     """A leaf's bytes cut row by row into its (prefix, run) pieces, interleaved, the
-    prefixes ``[::2]`` and the runs ``[1::2]``: views of ``t`` when it is contiguous, else
-    of a contiguous copy made through :func:`as_words` (a bool copy would turn bytes other
-    than 0 / 1 into 1). One ``split``: what the encoder compacts from, and what the re-pad
-    writes into."""
+    prefixes ``[::2]`` and the runs ``[1::2]``: views of ``t`` when it is contiguous (as
+    the compaction's leaf and the re-pad's output are), else of a contiguous copy made
+    through ``as_words`` (a bool copy would turn bytes other than 0 / 1 into 1). One
+    ``split``: what the encoder compacts from, and what the re-pad writes into."""
     prefix_bytes = list(map(itemsize.__mul__, prefix_lens))
     both = [0] * (2 * len(prefix_bytes))
     both[::2] = prefix_bytes
     both[1::2] = map((row_len * itemsize).__sub__, prefix_bytes)
-    return _flat_bytes(as_words(t).contiguous()).split(both)
-
-
-# --------------------------------------------------------------------------- checks
-
-#: the environment variable that sets :func:`rebuild_limit`, in bytes
-REBUILD_LIMIT_ENV = "TENSORCAST_REBUILD_LIMIT"
-#: the most bytes one header's trimmed leaves rebuild to, unless the environment says
-REBUILD_LIMIT = 16 << 30
-
-
-def rebuild_limit() -> int:
-    """The most bytes one header's trimmed leaves may rebuild to on this process:
-    ``TENSORCAST_REBUILD_LIMIT`` when set (bytes), else :data:`REBUILD_LIMIT`.
-
-    Raises:
-        ValueError: the variable is set but not a non-negative int.
-    """
-    raw = os.environ.get(REBUILD_LIMIT_ENV)
-    if raw is None or not raw.strip():  # unset, or set empty: the default
-        return REBUILD_LIMIT
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = -1
-    if limit < 0:
-        raise ValueError(f"{REBUILD_LIMIT_ENV} must be a number of bytes, got {raw!r}")
-    return limit
-
-
-def check_rebuild(full: int, travelled: int, limit: int | None = None) -> None:
-    """Refuse a header whose trimmed leaves rebuild to ``full`` bytes when ``travelled``
-    bytes (its buffer and the header) came: over :data:`MAX_REBUILD_RATIO` times them, or
-    over ``limit`` (default :func:`rebuild_limit`). Checked before anything is allocated.
-
-    Raises:
-        HeaderError: over either bound.
-    """
-    if full > MAX_REBUILD_RATIO * travelled:
-        raise _invalid(
-            f"the trimmed leaves rebuild to {full} bytes from {travelled} bytes that "
-            f"travelled, over {MAX_REBUILD_RATIO} times them"
-        )
-    limit = rebuild_limit() if limit is None else limit
-    if full > limit:
-        raise HeaderError(
-            f"tensorcast header refused: its trimmed leaves rebuild to {full} bytes, over "
-            f"this process's limit of {limit} bytes: set {REBUILD_LIMIT_ENV} (bytes) higher "
-            f"for larger batches"
-        )
-
-
-def check_trims(records: list[Any], leaves: list[Any], travelled: int) -> dict[int, Trim] | None:
-    """A header's side tables by leaf index, each record checked against its leaf's row
-    (whose kind, dtype code and shape are valid; ``codec.schema``): their full leaves
-    within the format's buffer cap, and within a bounded multiple of the ``travelled``
-    bytes and the rebuild limit (:func:`check_rebuild`). None when no leaf is trimmed.
-
-    Raises:
-        HeaderError: a record is malformed, disagrees with its leaf, or is over a bound.
-    """
-    if not records:
-        return None
-    tables = {}
-    full = 0
-    for i, *record in records:
-        _kind, code, shape, _off, size = leaves[i]
-        table = validate(record, shape, CODE_ITEMSIZE[code], size)
-        full += table.full_nbytes
-        if full > MAX_LEAF_BYTES:
-            raise _invalid(f"the trimmed leaves rebuild to over {MAX_LEAF_BYTES} bytes")
-        tables[i] = table
-    try:
-        check_rebuild(full, travelled)
-    except ValueError as e:  # the limit's variable is set wrong: the header is not at fault
-        raise HeaderError(f"tensorcast cannot check a header's trimmed leaves: {e}") from None
-    return tables
-
-
-def validate(
-    record: Any,
-    shape: Sequence[int],
-    itemsize: int,
-    nbytes: int,
-    *,
-    max_bytes: int = MAX_LEAF_BYTES,
-) -> Trim:
-    """A header's side-table record, checked against its leaf before anything is allocated.
-
-    Args:
-        record: the JSON-decoded record ``[runs, elements, which]``.
-        shape: the leaf's full shape, from the leaf table (non-negative ints).
-        itemsize: the element size of the leaf's dtype code.
-        nbytes: the bytes the leaf table says the leaf stores.
-        max_bytes: the most bytes the full (rebuilt) leaf may have.
-
-    Raises:
-        HeaderError: the record is malformed or disagrees with the leaf.
-    """
-    if type(record) is not list or len(record) != 3:
-        raise _invalid("a trimmed leaf's record is not [runs, elements, which]")
-    runs, elements, which = record
-    if len(shape) < 2:
-        raise _invalid(f"a trimmed leaf must have 2 or more dims, got shape {list(shape)}")
-    rows, n = shape[0], math.prod(shape[1:])
-    if rows * n * itemsize > max_bytes:
-        raise _invalid(f"a trimmed leaf of shape {list(shape)} is over {max_bytes} bytes")
-    _check_ints(runs, rows, "run lengths")
-    if rows and (min(runs) < 0 or max(runs) > n):
-        raise _invalid(f"a trimmed leaf has a run length outside [0, {n}], its row length")
-    stored = (rows * n - sum(runs)) * itemsize
-    if stored != nbytes:
-        raise _invalid(
-            f"a trimmed leaf's prefixes hold {stored} bytes but the leaf table says {nbytes}"
-        )
-    if type(elements) is not str or _HEX.fullmatch(elements) is None:
-        raise _invalid("a trimmed leaf's elements are not a lowercase hex string")
-    raw = bytes.fromhex(elements)
-    k, rest = divmod(len(raw), itemsize)
-    if rest or k > max(rows, 1):
-        raise _invalid(
-            f"a trimmed leaf's elements hold {len(raw)} bytes, not up to {max(rows, 1)} "
-            f"elements of {itemsize} bytes"
-        )
-    pieces = [raw[i * itemsize : (i + 1) * itemsize] for i in range(k)]
-    if any(a >= b for a, b in itertools.pairwise(pieces)):
-        raise _invalid("a trimmed leaf's elements are not distinct and in increasing order")
-    if k == 1:
-        if which is not None:
-            raise _invalid("a trimmed leaf with one element has a `which` list, not null")
-        return Trim(n, itemsize, tuple(runs), raw)
-    _check_ints(which, rows, "element indices")
-    if min(which) < 0 or max(which) >= k:
-        raise _invalid(f"a trimmed leaf has an element index outside [0, {k})")
-    return Trim(n, itemsize, tuple(runs), raw, tuple(which))
-
-
-def _check_ints(values: Any, count: int, what: str) -> None:
-    if type(values) is not list or len(values) != count:
-        raise _invalid(f"a trimmed leaf's {what} are not a list of {count}, one per row")
-    if values and not set(map(type, values)) <= {int}:
-        raise _invalid(f"a trimmed leaf's {what} hold something other than ints")
-
-
-def _invalid(what: str) -> HeaderError:
-    return HeaderError(f"invalid tensorcast header: {what}")
+    if not t.is_contiguous():
+        t = as_words(t).contiguous()
+    return _flat_bytes(t).split(both)
 
 
 def repad(
@@ -299,7 +80,7 @@ def repad(
             (``codec.trim``) wrote them, on any device (copied to the output's device if elsewhere).
         shape: the leaf's full shape.
         dtype: the leaf's dtype.
-        trim: the leaf's side table (from :func:`validate`, on a receiver).
+        trim: the leaf's side table (from ``codec.schema.validate``, on a receiver).
         out: a contiguous tensor of ``shape`` and ``dtype`` to rebuild into: memory the
             caller reuses (a fresh tensor costs its page faults on a host).
         device: where to rebuild when ``out`` is None; default ``stored``'s device.

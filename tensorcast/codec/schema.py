@@ -1,4 +1,5 @@
-"""The header: its framing, its body, the leaf table, and their validation.
+"""The header: its framing, its body, the leaf table, the trimmed leaves' side tables,
+and their validation.
 
 A header is a 12-byte prefix (all integers little-endian) and a body::
 
@@ -28,18 +29,19 @@ parsing its values alone.
 
 from __future__ import annotations
 
+import itertools
 import json
 import json.scanner
 import math
+import os
+import re
 import struct
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from tensorcast._errors import HeaderError
-from tensorcast.codec import repad as _repad
 from tensorcast.codec.dtypes import CODE_ITEMSIZE, NUMPY_CODES
-from tensorcast.codec.repad import Trim
 
 __all__ = [
     "FORMAT_VERSION",
@@ -47,17 +49,26 @@ __all__ = [
     "MAX_ALIGN",
     "MAX_BUFFER_BYTES",
     "MAX_HEADER_BYTES",
+    "MAX_LEAF_BYTES",
+    "MAX_REBUILD_RATIO",
     "PREFIX_BYTES",
+    "REBUILD_LIMIT",
+    "REBUILD_LIMIT_ENV",
     "SUPPORTED_VERSIONS",
     "NO_TRIMS",
     "Body",
     "LeafSpec",
     "Schema",
+    "Trim",
+    "check_rebuild",
+    "check_trims",
     "dumps",
     "encode",
     "parse",
     "read_body",
+    "rebuild_limit",
     "structure_bytes",
+    "validate",
 ]
 
 MAGIC = b"TCST"
@@ -299,13 +310,13 @@ def read_body(header: bytes | bytearray | memoryview) -> Body:
         raise _fail(f"the leaves end at byte {end} but the buffer size is {nbytes}")
     if type(values) is not list:
         raise _fail("the small values are not a list")
-    side_tables = _repad.check_trims(trims, leaves, nbytes + len(header))
+    side_tables = check_trims(trims, leaves, nbytes + len(header))
     return Body(raw, nbytes, align, leaves, tokens, values, trimmed, side_tables)
 
 
 def _trimmed_indices(trims: Any, n_leaves: int) -> frozenset[int]:
     """The leaves ``trims`` says are trimmed: a list of records ``[index, ...]`` whose
-    indices are ints, in range and strictly increasing (the rest: ``repad.check_trims``)."""
+    indices are ints, in range and strictly increasing (the rest: :func:`check_trims`)."""
     if type(trims) is not list:
         raise _fail("the trims are not a list")
     prev = -1
@@ -359,7 +370,7 @@ def _check_leaf(
     # A zero-element leaf may still not claim dims whose strides would overflow int64.
     if math.prod(d for d in shape if d) * itemsize > MAX_BUFFER_BYTES:
         raise _fail(f"leaf {i} has dims {shape} too large for any buffer")
-    if trimmed:  # its side table checks its size (repad.check_trims)
+    if trimmed:  # its side table checks its size (check_trims)
         if kind not in ("tensor", "ndarray"):
             raise _fail(f"leaf {i} ({kind}) is trimmed, but only tensors and arrays can be")
     elif size != math.prod(shape) * itemsize:
@@ -372,3 +383,192 @@ def _check_leaf(
     if offset + size > nbytes:
         raise _fail(f"leaf {i} ends at byte {offset + size}, past the {nbytes}-byte buffer")
     return offset + size
+
+
+# --------------------------------------------------------------------------- trimmed leaves
+
+#: the largest full leaf a side table may describe (the format's buffer cap)
+MAX_LEAF_BYTES = 1 << 44
+#: a header's trimmed leaves rebuild to at most this many times the bytes that travelled
+#: (its buffer and the header itself): the encoder trims no leaf past it, receivers refuse
+#: a header past it (:func:`check_rebuild`, ``docs/format.md``)
+MAX_REBUILD_RATIO = 1024
+
+_HEX = re.compile(r"(?:[0-9a-f]{2})+")
+
+
+@dataclass(frozen=True, slots=True)
+class Trim:
+    """A trimmed leaf's side table: what travels in the header beside its prefixes.
+
+    Attributes:
+        row_len: ``n = prod(shape[1:])`` (from the leaf table, not the record).
+        itemsize: the leaf's element size (from its dtype code, not the record).
+        runs: each row's run length in elements; the row keeps ``row_len - run``.
+        elements: the distinct run elements, ``itemsize`` bytes each, in increasing order.
+        which: each row's index into ``elements``; None when there is one element.
+        prefix_lens: each row's prefix length in elements, ``row_len - run`` (made
+            with the table).
+        nbytes: the bytes stored: every row's prefix (made with the table).
+        full_nbytes: the bytes of the full leaf (made with the table).
+        record: the JSON-able record the header carries (``docs/format.md``; made with
+            the table: the encoder sizes it, then the header holds it).
+    """
+
+    row_len: int
+    itemsize: int
+    runs: tuple[int, ...]
+    elements: bytes
+    which: tuple[int, ...] | None = None
+    prefix_lens: list[int] = field(init=False, compare=False, repr=False)
+    nbytes: int = field(init=False, compare=False, repr=False)
+    full_nbytes: int = field(init=False, compare=False, repr=False)
+    record: list[Any] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # plain fields, not properties: the re-pad and the encoder read them at every leaf
+        full = len(self.runs) * self.row_len
+        object.__setattr__(self, "prefix_lens", list(map(self.row_len.__sub__, self.runs)))
+        object.__setattr__(self, "nbytes", (full - sum(self.runs)) * self.itemsize)
+        object.__setattr__(self, "full_nbytes", full * self.itemsize)
+        which = None if self.which is None else list(self.which)
+        object.__setattr__(self, "record", [list(self.runs), self.elements.hex(), which])
+
+
+#: the environment variable that sets :func:`rebuild_limit`, in bytes
+REBUILD_LIMIT_ENV = "TENSORCAST_REBUILD_LIMIT"
+#: the most bytes one header's trimmed leaves rebuild to, unless the environment says
+REBUILD_LIMIT = 16 << 30
+
+
+def rebuild_limit() -> int:
+    """The most bytes one header's trimmed leaves may rebuild to on this process:
+    ``TENSORCAST_REBUILD_LIMIT`` when set (bytes), else :data:`REBUILD_LIMIT`.
+
+    Raises:
+        ValueError: the variable is set but not a non-negative int.
+    """
+    raw = os.environ.get(REBUILD_LIMIT_ENV)
+    if raw is None or not raw.strip():  # unset, or set empty: the default
+        return REBUILD_LIMIT
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = -1
+    if limit < 0:
+        raise ValueError(f"{REBUILD_LIMIT_ENV} must be a number of bytes, got {raw!r}")
+    return limit
+
+
+def check_rebuild(full: int, travelled: int, limit: int | None = None) -> None:
+    """Refuse a header whose trimmed leaves rebuild to ``full`` bytes when ``travelled``
+    bytes (its buffer and the header) came: over :data:`MAX_REBUILD_RATIO` times them, or
+    over ``limit`` (default :func:`rebuild_limit`). Checked before anything is allocated.
+
+    Raises:
+        HeaderError: over either bound.
+    """
+    if full > MAX_REBUILD_RATIO * travelled:
+        raise _fail(
+            f"the trimmed leaves rebuild to {full} bytes from {travelled} bytes that "
+            f"travelled, over {MAX_REBUILD_RATIO} times them"
+        )
+    limit = rebuild_limit() if limit is None else limit
+    if full > limit:
+        raise HeaderError(
+            f"tensorcast header refused: its trimmed leaves rebuild to {full} bytes, over "
+            f"this process's limit of {limit} bytes: set {REBUILD_LIMIT_ENV} (bytes) higher "
+            f"for larger batches"
+        )
+
+
+def check_trims(records: list[Any], leaves: list[Any], travelled: int) -> dict[int, Trim] | None:
+    """A header's side tables by leaf index, each record checked against its leaf's row
+    (whose kind, dtype code and shape are valid; ``codec.schema``): their full leaves
+    within the format's buffer cap, and within a bounded multiple of the ``travelled``
+    bytes and the rebuild limit (:func:`check_rebuild`). None when no leaf is trimmed.
+
+    Raises:
+        HeaderError: a record is malformed, disagrees with its leaf, or is over a bound.
+    """
+    if not records:
+        return None
+    tables = {}
+    full = 0
+    for i, *record in records:
+        _kind, code, shape, _off, size = leaves[i]
+        table = validate(record, shape, CODE_ITEMSIZE[code], size)
+        full += table.full_nbytes
+        if full > MAX_LEAF_BYTES:
+            raise _fail(f"the trimmed leaves rebuild to over {MAX_LEAF_BYTES} bytes")
+        tables[i] = table
+    try:
+        check_rebuild(full, travelled)
+    except ValueError as e:  # the limit's variable is set wrong: the header is not at fault
+        raise HeaderError(f"tensorcast cannot check a header's trimmed leaves: {e}") from None
+    return tables
+
+
+def validate(
+    record: Any,
+    shape: Sequence[int],
+    itemsize: int,
+    nbytes: int,
+    *,
+    max_bytes: int = MAX_LEAF_BYTES,
+) -> Trim:
+    """A header's side-table record, checked against its leaf before anything is allocated.
+
+    Args:
+        record: the JSON-decoded record ``[runs, elements, which]``.
+        shape: the leaf's full shape, from the leaf table (non-negative ints).
+        itemsize: the element size of the leaf's dtype code.
+        nbytes: the bytes the leaf table says the leaf stores.
+        max_bytes: the most bytes the full (rebuilt) leaf may have.
+
+    Raises:
+        HeaderError: the record is malformed or disagrees with the leaf.
+    """
+    if type(record) is not list or len(record) != 3:
+        raise _fail("a trimmed leaf's record is not [runs, elements, which]")
+    runs, elements, which = record
+    if len(shape) < 2:
+        raise _fail(f"a trimmed leaf must have 2 or more dims, got shape {list(shape)}")
+    rows, n = shape[0], math.prod(shape[1:])
+    if rows * n * itemsize > max_bytes:
+        raise _fail(f"a trimmed leaf of shape {list(shape)} is over {max_bytes} bytes")
+    _check_ints(runs, rows, "run lengths")
+    if rows and (min(runs) < 0 or max(runs) > n):
+        raise _fail(f"a trimmed leaf has a run length outside [0, {n}], its row length")
+    stored = (rows * n - sum(runs)) * itemsize
+    if stored != nbytes:
+        raise _fail(
+            f"a trimmed leaf's prefixes hold {stored} bytes but the leaf table says {nbytes}"
+        )
+    if type(elements) is not str or _HEX.fullmatch(elements) is None:
+        raise _fail("a trimmed leaf's elements are not a lowercase hex string")
+    raw = bytes.fromhex(elements)
+    k, rest = divmod(len(raw), itemsize)
+    if rest or k > max(rows, 1):
+        raise _fail(
+            f"a trimmed leaf's elements hold {len(raw)} bytes, not up to {max(rows, 1)} "
+            f"elements of {itemsize} bytes"
+        )
+    pieces = [raw[i * itemsize : (i + 1) * itemsize] for i in range(k)]
+    if any(a >= b for a, b in itertools.pairwise(pieces)):
+        raise _fail("a trimmed leaf's elements are not distinct and in increasing order")
+    if k == 1:
+        if which is not None:
+            raise _fail("a trimmed leaf with one element has a `which` list, not null")
+        return Trim(n, itemsize, tuple(runs), raw)
+    _check_ints(which, rows, "element indices")
+    if min(which) < 0 or max(which) >= k:
+        raise _fail(f"a trimmed leaf has an element index outside [0, {k})")
+    return Trim(n, itemsize, tuple(runs), raw, tuple(which))
+
+
+def _check_ints(values: Any, count: int, what: str) -> None:
+    if type(values) is not list or len(values) != count:
+        raise _fail(f"a trimmed leaf's {what} are not a list of {count}, one per row")
+    if values and not set(map(type, values)) <= {int}:
+        raise _fail(f"a trimmed leaf's {what} hold something other than ints")

@@ -35,7 +35,7 @@ are in ``docs/design.md``).
                       chunks, then one chunk a row compared element by element
 :func:`decide`        the side table, if trimming clears the floor and pays (else None)
 :func:`compact_into`  the prefixes, back to back, into the packed buffer's slice
-``repad.validate``    a side table from the header, checked before anything is allocated
+``schema.validate``   a side table from the header, checked before anything is allocated
 ``repad.repad``       the full leaf: on a host, the runs set and a memcpy a row; on a
                       device, a fill and a masked scatter, with no host sync (every size
                       is known on the host)
@@ -52,11 +52,13 @@ second shape of record. Rows stay along dim 0: the contract defines them so; spe
 batches are mono in lhotse's and NeMo's collates (a multichannel ``(B, T, C)`` layout, as
 features ``(B, T, F)``, already trims fully); and a later format version can add a field
 for the number of leading dims that make a row without changing anything here but
-``repad.validate``.
+``schema.validate``.
 
 The side table's bytes in the header are specified in ``docs/format.md`` (Trimmed
-leaves); :mod:`tensorcast.codec.repad` checks a record and re-pads the leaf from it, on
-both roles: the side table (``Trim``) and the bit views of an element live there.
+leaves). The side table (``Trim``) and its checks are the header's
+(:mod:`tensorcast.codec.schema`), an element's bits are its dtype's
+(``codec.dtypes.as_words``), and :mod:`tensorcast.codec.repad` re-pads the leaf on both
+roles.
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorcast.codec.repad import MAX_REBUILD_RATIO, Trim, as_words, row_pieces
+from tensorcast.codec.dtypes import as_words
+from tensorcast.codec.repad import row_pieces
+from tensorcast.codec.schema import MAX_REBUILD_RATIO, Trim
 
 __all__ = [
     "HOST_MIN_SAVED_BYTES",
@@ -383,7 +387,7 @@ def decide(runs: Runs, *, receiver: str = "host") -> Trim | None:
 def _within_bound(table: Trim) -> Trim:
     """``table`` with every row keeping enough of its run that the prefixes alone hold
     ``1 / MAX_REBUILD_RATIO`` of the leaf: a leaf (nearly) all padding stays within the
-    bound its receivers check (``repad.check_rebuild``) and still drops all but that."""
+    bound its receivers check (``schema.check_rebuild``) and still drops all but that."""
     rows = len(table.runs)
     least = -(-table.full_nbytes // (MAX_REBUILD_RATIO * table.itemsize * rows))  # elements
     runs = np.minimum(np.asarray(table.runs, np.int64), table.row_len - least)

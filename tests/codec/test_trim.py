@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorcast import HeaderError
+from tensorcast.codec import dtypes as D
 from tensorcast.codec import repad as R
+from tensorcast.codec import schema as S
 from tensorcast.codec import trim as T
 from tensorcast.codec.dtypes import CODE_ITEMSIZE, NUMPY_CODES, TORCH_CODES
 
@@ -55,7 +57,7 @@ def brute_kept(x: torch.Tensor | np.ndarray) -> list[int]:
     return out
 
 
-def round_trip(x, table: R.Trim, *, masked: bool = False) -> torch.Tensor:
+def round_trip(x, table: S.Trim, *, masked: bool = False) -> torch.Tensor:
     """``x`` compacted and rebuilt: as a host rebuilds it, or as a device does (through a
     mask of the kept elements: the same ops on the CPU)."""
     stored = torch.empty(table.nbytes, dtype=torch.uint8)
@@ -195,6 +197,24 @@ def test_masked_rebuild_of_an_unaligned_slice() -> None:
     assert raw(out) == raw(x)
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.complex128])
+def test_row_pieces_are_the_rows_bytes_whatever_the_strides(dtype: torch.dtype) -> None:
+    # the pieces, back to back, are the leaf's bytes in row order: views of a contiguous
+    # leaf, a copy of the bits of a strided one (a mask's byte 2 stays 2, not True)
+    rows = torch.arange(4 * 6, dtype=torch.uint8).view(4, 6) % 3
+    strided = rows.T.contiguous().T  # the same values, column-major
+    leaf, strided = (x.view(dtype) if dtype == torch.bool else x.to(dtype) for x in (rows, strided))
+    assert not strided.is_contiguous()
+    prefix_lens = [6, 0, 2, 5]
+    for t in (leaf, strided):
+        pieces = R.row_pieces(t, prefix_lens, 6, t.element_size())
+        assert bytes(torch.cat(pieces).numpy()) == bytes(D.as_words(leaf).contiguous().numpy())
+        assert [p.numel() for p in pieces[::2]] == [n * t.element_size() for n in prefix_lens]
+    assert R.row_pieces(leaf, prefix_lens, 6, leaf.element_size())[0].data_ptr() == (
+        leaf.data_ptr()
+    )
+
+
 def test_rebuild_and_compact_reject_what_does_not_fit() -> None:
     x = padded_audio()
     table = T.find(x, receiver="device")
@@ -234,7 +254,7 @@ def test_record_round_trips_through_json() -> None:
     table = T.side_table(T.scan(x))
     record = json.loads(json.dumps(table.record, separators=(",", ":")))
     assert record == [[50, 90, 100], "000001020201", [2, 1, 0]]
-    assert R.validate(record, (3, 100), 2, table.nbytes) == table
+    assert S.validate(record, (3, 100), 2, table.nbytes) == table
 
 
 # --------------------------------------------------------------------------- validate
@@ -244,8 +264,8 @@ GOOD = ([[2, 0, 4], "0000803f", None], (3, 2, 2), 4, (12 - 6) * 4)  # float32 1.
 
 def test_validate_accepts_a_good_record() -> None:
     record, shape, isz, nbytes = GOOD
-    table = R.validate(record, shape, isz, nbytes)
-    assert table == R.Trim(4, 4, (2, 0, 4), bytes.fromhex("0000803f"))
+    table = S.validate(record, shape, isz, nbytes)
+    assert table == S.Trim(4, 4, (2, 0, 4), bytes.fromhex("0000803f"))
     assert table.prefix_lens == [2, 4, 0]
 
 
@@ -282,7 +302,7 @@ def test_validate_accepts_a_good_record() -> None:
 def test_validate_rejects(record, shape, nbytes, message) -> None:
     good_record, good_shape, isz, good_nbytes = GOOD
     with pytest.raises(HeaderError, match=message):
-        R.validate(
+        S.validate(
             good_record if record is None else record,
             good_shape if shape is None else shape,
             isz,
@@ -332,7 +352,7 @@ def padded_leaves(draw: st.DrawFn, max_dim: int = 9) -> torch.Tensor | np.ndarra
         nc = torch.empty((*x.shape[:-1], 2 * x.shape[-1]), dtype=dtype)[..., ::2]
     else:
         nc = torch.empty(x.shape, dtype=dtype)
-    R.as_words(nc).copy_(R.as_words(x))  # bit for bit, whatever the dtype
+    D.as_words(nc).copy_(D.as_words(x))  # bit for bit, whatever the dtype
     return nc.numpy() if as_array else nc
 
 
@@ -356,7 +376,7 @@ def test_law_the_record_validates_to_the_table(x) -> None:
     """``validate(json(record(t))) == t``: what the encoder writes, a receiver accepts."""
     table = T.side_table(T.scan(x), min_elements=1)
     record = json.loads(json.dumps(table.record))
-    assert R.validate(record, tuple(x.shape), x.itemsize, table.nbytes) == table
+    assert S.validate(record, tuple(x.shape), x.itemsize, table.nbytes) == table
 
 
 @st.composite
@@ -413,5 +433,5 @@ def test_law_two_level_scan_is_exact(dtype, rows, seed, cuts) -> None:
     chunk = T._CHUNK_BYTES // dtype.itemsize
     for i in range(rows):
         cut = [0, n, 17, 17 + chunk, n - chunk, n * cuts[i] // 100][cuts[i] % 6]
-        R.as_words(x)[i, cut:] = R.as_words(x)[i, -1]
+        D.as_words(x)[i, cut:] = D.as_words(x)[i, -1]
     assert T.scan(x).prefix_lens.tolist() == brute_kept(x)

@@ -21,6 +21,7 @@ from trees import assert_same
 
 import tensorcast as tc
 from tensorcast.codec import repad as R
+from tensorcast.codec import schema as S
 from tensorcast.codec import trim as T
 
 FEW = settings(deadline=None, print_blob=True, max_examples=30)
@@ -129,15 +130,15 @@ def test_a_header_over_the_rebuild_limit_is_refused(monkeypatch: pytest.MonkeyPa
     leaf = torch.from_numpy(padded(n=40_000))
     packed = tc.pack({"x": leaf})
     assert tc.read_header(packed.header).leaves[0].trimmed
-    monkeypatch.setenv(R.REBUILD_LIMIT_ENV, str(leaf.nbytes - 1))
-    with pytest.raises(tc.HeaderError, match=R.REBUILD_LIMIT_ENV):
+    monkeypatch.setenv(S.REBUILD_LIMIT_ENV, str(leaf.nbytes - 1))
+    with pytest.raises(tc.HeaderError, match=S.REBUILD_LIMIT_ENV):
         tc.unpack(packed)
-    monkeypatch.setenv(R.REBUILD_LIMIT_ENV, str(leaf.nbytes))
+    monkeypatch.setenv(S.REBUILD_LIMIT_ENV, str(leaf.nbytes))
     assert_same(tc.unpack(packed), {"x": leaf})
-    monkeypatch.setenv(R.REBUILD_LIMIT_ENV, " ")  # set empty: the default
+    monkeypatch.setenv(S.REBUILD_LIMIT_ENV, " ")  # set empty: the default
     assert_same(tc.unpack(packed), {"x": leaf})
     for bad in ("abc", "-1", "1e9"):  # the setting is wrong, not the header: says which
-        monkeypatch.setenv(R.REBUILD_LIMIT_ENV, bad)
+        monkeypatch.setenv(S.REBUILD_LIMIT_ENV, bad)
         with pytest.raises(tc.HeaderError, match=r"cannot check a header's trimmed leaves: "):
             tc.unpack(packed)
 
@@ -153,8 +154,8 @@ def test_a_leaf_nearly_all_padding_keeps_just_enough_for_its_receivers_bound(rea
     packed = tc.pack({"x": leaf})
     spec = tc.read_header(packed.header).leaves[0]
     assert spec.trimmed
-    assert leaf.nbytes <= R.MAX_REBUILD_RATIO * (packed.nbytes + len(packed.header))
-    assert packed.nbytes <= max(leaf.nbytes // R.MAX_REBUILD_RATIO, 4 * real * 4) + 64
+    assert leaf.nbytes <= S.MAX_REBUILD_RATIO * (packed.nbytes + len(packed.header))
+    assert packed.nbytes <= max(leaf.nbytes // S.MAX_REBUILD_RATIO, 4 * real * 4) + 64
     assert_same(tc.unpack(packed), {"x": leaf})
 
 
@@ -174,15 +175,15 @@ def test_a_failing_allocation_is_a_header_error_naming_the_leaf(
         tc.unpack(packed)
 
 
-def _table(rows: int, n: int, itemsize: int, seed: int, pads: int) -> R.Trim:
+def _table(rows: int, n: int, itemsize: int, seed: int, pads: int) -> S.Trim:
     g = np.random.default_rng(seed)
     runs = tuple(int(r) for r in g.integers(0, n + 1, rows))
     elements = b"".join(bytes([k + 1]) * itemsize for k in range(pads))
     which = None if pads == 1 else tuple(int(w) for w in g.integers(0, pads, rows))
-    return R.Trim(n, itemsize, runs, elements, which)
+    return S.Trim(n, itemsize, runs, elements, which)
 
 
-def _reference(stored: torch.Tensor, table: R.Trim, dtype: torch.dtype) -> bytes:
+def _reference(stored: torch.Tensor, table: S.Trim, dtype: torch.dtype) -> bytes:
     """The leaf row by row in Python: the prefix, then the run's element."""
     isz, out, at = table.itemsize, bytearray(), 0
     data = stored.numpy().tobytes()
@@ -227,7 +228,7 @@ def test_many_short_rows_rebuild_with_no_view_per_row(monkeypatch: pytest.Monkey
     """A header of many rows (at the header cap, millions) rebuilds in time bounded by its
     bytes: no Python object, tensor view or list entry per row on either path."""
     rows, n = 100_000, 16
-    table = R.Trim(n, 4, tuple([n // 2] * rows), bytes(4))
+    table = S.Trim(n, 4, tuple([n // 2] * rows), bytes(4))
     stored = torch.zeros(table.nbytes, dtype=torch.uint8)
     lists: list[int] = []
     for name in ("_foreach_copy_", "_foreach_zero_"):

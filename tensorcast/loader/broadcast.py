@@ -5,6 +5,10 @@ NOTE [ One ordered lane ]): this rank's role sends or receives the batch, and th
 is handed out on the caller's thread. The caller's group (or mesh) only says which
 ranks; nothing travels on it. A role is opened once per ``(group, src)`` (or per mesh and
 axes) and kept with tensorcast's state for the default group.
+
+The arguments these two share with ``BroadcastingDataLoader`` (timeouts, output devices,
+``src``, ``shm``, packed batches) are checked by the functions at the end, which the
+loader imports from here.
 """
 
 from __future__ import annotations
@@ -17,13 +21,13 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from tensorcast._errors import SourceError, describe
-from tensorcast.codec import check_trim
+from tensorcast.codec import Packed, check_trim, resolve_device, unpack
 from tensorcast.loader import mesh as _mesh
-from tensorcast.loader.args import check_shm, check_src, distributed, output_device, to_timedelta
 from tensorcast.transport import (
     CLOSE,
     END,
@@ -39,7 +43,16 @@ from tensorcast.transport import (
     world as _world,
 )
 
-__all__ = ["broadcast", "broadcast_batch"]
+__all__ = [
+    "broadcast",
+    "broadcast_batch",
+    "check_shm",
+    "check_src",
+    "distributed",
+    "output_device",
+    "to_timedelta",
+    "unpack_if_packed",
+]
 
 _ATTR = "_tensorcast_roles"  # on a mesh: its roles by axes
 _lock = threading.Lock()
@@ -106,10 +119,9 @@ def broadcast(
         check_trim(trim)
         if not distributed():
             raise RuntimeError(_NOT_DISTRIBUTED)
-        wait = None if timeout is None else to_timedelta(timeout)
-        dev = None if device is None else output_device(device)
-        if shm is not None:
-            check_shm(shm)
+        wait = to_timedelta(timeout)
+        dev = output_device(device)
+        check_shm(shm)
         src = check_src(src)
     role = known if known is not None else _broadcast_role(group, src, wait, shm)
     assert role is not None  # opened where it was not
@@ -319,3 +331,99 @@ def _mesh_role(device_mesh: Any, axes: Sequence[str] | str, shm: Any) -> Role | 
     if hit is None or hit[0]() is not _world():
         return None
     return hit[1]  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------- arguments
+# The arguments both entry points (these two and ``BroadcastingDataLoader``) take alike:
+# timeouts, output devices, ``src``, ``shm``, packed batches.
+
+_AVAILABLE = dist.is_available()  # fixed by how torch was built
+_MAX_TIMEOUT_S = 10.0**9  # about 32 years: past it, a timedelta overflows
+#: where output tensors may land
+_OUTPUT_DEVICES = ("cpu", "cuda")
+
+
+def distributed() -> bool:
+    """Whether ``torch.distributed`` is built and initialized."""
+    return _AVAILABLE and dist.is_initialized()
+
+
+# The shortest timeout: the waits below count in milliseconds (a shorter one was 0, the
+# default's, there).
+_SHORTEST_S = 1e-3
+_SHORTEST = datetime.timedelta(seconds=_SHORTEST_S)
+
+
+def to_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
+    """A timeout in seconds (or a timedelta) as a timedelta; None stays None.
+
+    Raises:
+        ValueError: not a positive number of seconds.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        if not _SHORTEST <= timeout < datetime.timedelta(seconds=_MAX_TIMEOUT_S):
+            raise ValueError(
+                f"timeout must be a timedelta of 1 ms to {_MAX_TIMEOUT_S:.0e} s, got "
+                f"{timeout!r} (None: the default process group's timeout)"
+            )
+        return timeout
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not _SHORTEST_S <= timeout < _MAX_TIMEOUT_S  # NaN too
+    ):
+        raise ValueError(
+            f"timeout must be a positive number of seconds, 0.001 (1 ms: the waits' "
+            f"resolution) or more, and finite, got {timeout!r} "
+            f"(None: the default process group's timeout)"
+        )
+    return datetime.timedelta(seconds=timeout)
+
+
+def check_src(src: Any) -> int:
+    """``src`` as a plain int (a numpy integer too: it goes into the setup's JSON).
+
+    Raises:
+        TypeError: ``src`` is not an integer (a bool, a float, a str).
+    """
+    if isinstance(src, bool) or not isinstance(src, (int, np.integer)):
+        raise TypeError(
+            f"src must be an int, a global rank as in torch.distributed.broadcast, got "
+            f"{type(src).__name__} {src!r}"
+        )
+    return int(src)
+
+
+def check_shm(shm: object) -> None:
+    """``shm=`` is None, True or False.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if shm is not None and type(shm) is not bool:
+        raise TypeError(f"shm must be None (automatic), True or False, got {shm!r}")
+
+
+def output_device(device: torch.device | str | int | None) -> torch.device | None:
+    """Where output tensors land: ``device`` normalised, a bare ``"cuda"`` meaning this
+    rank's GPU: the one ``init_process_group(device_id=)`` bound, else the current one."""
+    if device is None:
+        return None
+    dev = torch.device(device) if not isinstance(device, int) else None
+    if dev is not None and dev.type not in _OUTPUT_DEVICES:  # before anything is sent
+        raise ValueError(
+            f"device={device!r}: a batch lands on the CPU or a CUDA device; pass device=None "
+            f"(the group's transfer device), 'cpu' or 'cuda'"
+        )
+    if dev is not None and dev.type == "cuda" and dev.index is None and distributed():
+        bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+        if bound is not None and bound.type == "cuda":
+            return resolve_device(bound)
+    return resolve_device(device)
+
+
+def unpack_if_packed(batch: Any) -> Any:
+    """A pre-packed batch rebuilt as a tree; anything else unchanged."""
+    return unpack(batch) if isinstance(batch, Packed) else batch

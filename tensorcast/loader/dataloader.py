@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from tensorcast._errors import SourceError, describe
 from tensorcast.loader import mesh as _mesh
-from tensorcast.loader.args import (
+from tensorcast.loader.broadcast import (
     check_shm,
     check_src,
     output_device,

@@ -43,11 +43,21 @@ class Packed:
         return Packed(self.header, self.buffer.pin_memory())
 
 
+_CPU = torch.device("cpu")
+
+
 def resolve_device(device: torch.device | str | int | None) -> torch.device | None:
-    """Normalise a device argument; a bare ``"cuda"`` means the current CUDA device."""
+    """Normalise a device argument: a bare ``"cuda"`` (or an int, as torch reads one) means
+    a CUDA device, the current one when no index is given; a CPU is ``cpu`` whatever its
+    index (``torch.device("cpu", 0) != torch.device("cpu")``, and a tensor's CPU has none).
+    """
     if device is None:
         return None
-    dev = torch.device(device)
+    if isinstance(device, bool):
+        raise TypeError(f"device must be a torch.device, a str or an int, got {device!r}")
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type == "cpu":
+        return _CPU
     if dev.type == "meta":
         # a meta tensor holds no data: every leaf would arrive as its shape alone
         raise ValueError(

@@ -633,14 +633,23 @@ def test_bad_align_is_rejected(align: Any) -> None:
 
 def test_device_argument_on_cpu() -> None:
     tree = {"x": torch.randn(5), "n": np.arange(3)}
-    for dev in (None, "cpu", torch.device("cpu")):
+    for dev in (None, "cpu", torch.device("cpu"), "cpu:0", torch.device("cpu", 1)):
         packed = tc.pack(tree, device=dev)
-        assert packed.buffer.device.type == "cpu"
+        assert packed.buffer.device == torch.device("cpu")
         out = tc.unpack(packed, device=dev)
         assert_same(out, tree)
         # Same device as the buffer: still views, not copies.
         assert is_view_into(out["x"], packed)
         assert type(out["n"]) is np.ndarray
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_an_int_device_is_a_cuda_index_and_a_bool_no_device() -> None:
+    packed = tc.pack({"x": torch.randn(5)})
+    with pytest.raises(ValueError, match="device=0 asks for CUDA"):
+        tc.unpack(packed, device=0)
+    with pytest.raises(TypeError, match="device must be"):
+        tc.unpack(packed, device=True)
 
 
 def test_the_meta_device_is_refused_as_it_would_drop_every_leaf_s_data() -> None:

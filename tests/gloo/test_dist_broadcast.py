@@ -250,10 +250,14 @@ def _rank_two(
     check_same(out, want, "large leaves, inputs changed afterwards")
     assert not out["w"].requires_grad and out["grid"].is_contiguous()
 
-    for device in ("cpu", torch.device("cpu")):
+    # a CPU with an index is the CPU (torch.device("cpu", 0) != torch.device("cpu")): on one
+    # rank only, too, and the next call still agrees
+    for device in ("cpu", torch.device("cpu"), "cpu:0", torch.device("cpu", 0)):
         out = tc.broadcast(large() if rank == 1 else None, 1, device=device)
         check_same(out, large(), f"device={device!r}")
         assert all(t.device == torch.device("cpu") for t in tensors_of(out))
+        out = tc.broadcast(tiny() if rank == 0 else None, 0, device=device if rank else None)
+        check_same(out, tiny(), f"device={device!r} on rank 1 only")
 
     # timeout= in seconds or as a timedelta; a bad one is refused before anything travels.
     for timeout in (30, 30.0, datetime.timedelta(seconds=30)):

@@ -115,7 +115,8 @@ def broadcast(
         TypeError: ``trim`` is not a bool.
     """
     known = _known(functools.partial(_broadcast_role, group, src, None, shm, open_new=False))
-    with _taking_part(known, timeout):
+    meant = known if known is not None else _known(functools.partial(_meant_role, group, src, shm))
+    with _taking_part(meant, timeout):
         check_trim(trim)
         if not distributed():
             raise RuntimeError(_NOT_DISTRIBUTED)
@@ -123,6 +124,8 @@ def broadcast(
         dev = output_device(device)
         check_shm(shm)
         src = check_src(src)
+        if meant is not known:  # src or shm picks no channel: a src outside the group, say so
+            _mesh.group_ranks(group, src)
     role = known if known is not None else _broadcast_role(group, src, wait, shm)
     assert role is not None  # opened where it was not
     return _run(role, tree, dev, wait, trim)
@@ -137,9 +140,12 @@ def broadcast(
 # Where the call's channel exists, a call whose own arguments fail still takes its part,
 # then raises its own error: a source sends an ERROR frame (its receivers raise
 # ``SourceError`` naming the mistake), a receiver reads the frame and drops it. A first
-# call has no channel yet: its peers fail at the setup's agreement instead. Nor does a
-# call whose arguments that pick the channel (``src``, ``group``, ``shm``, axes) are
-# themselves wrong: it cannot tell which channel it was meant for, and raises only.
+# call has no channel yet: its peers fail at the setup's agreement instead. A call whose
+# ``src`` or ``shm`` is itself wrong (not an int, not a rank of the group; not None nor a
+# bool) still names its channel where this rank has exactly one over the group's ranks
+# (the mesh's axes) that its other arguments fit: it can only have meant that one, and
+# takes its part there. Where it has none or several, or the group or the axes are wrong,
+# the call cannot tell which channel it was meant for, and raises only.
 #
 # A setup that fails on a rank because its peers did not come (a later call with another
 # ``src`` or axes on that rank only) leaves every group of this rank's that shares a peer
@@ -149,6 +155,29 @@ def broadcast(
 # (``lane.settle_suspects``). The store says only that they came, not what they sent
 # before: a peer whose own first call of that setup comes late, after it went on over the
 # same ranks, and before this rank's next job there, is not told apart.
+
+
+def _meant_role(group: Any, src: Any, shm: Any) -> Role | None:
+    """Where ``src`` or ``shm`` is itself wrong, the one role of this rank's over
+    ``group``'s ranks that the call's other arguments fit: the channel it can only have
+    meant (NOTE [ A call that does not take its part ]). None where both are valid (the
+    call names its channel), or where this rank has none or several that fit."""
+    try:
+        src_ok = _mesh.group_ranks(group, check_src(src)) is not None
+    except (TypeError, ValueError):
+        src_ok = False
+    shm_ok = shm is None or type(shm) is bool
+    if src_ok and shm_ok:
+        return None
+    ranks = _mesh.group_ranks(group, None)
+    with _lock:
+        keys = list(_roles.get(_world(), {}).items())
+    fits = [
+        role
+        for (on, from_, lane), role in keys
+        if on == ranks and (not src_ok or from_ == src) and (not shm_ok or lane is shm)
+    ]
+    return fits[0] if len(fits) == 1 else None
 
 
 def _known(find: Callable[[], Role | None]) -> Role | None:
@@ -326,11 +355,18 @@ def broadcast_batch(
 
 
 def _mesh_role(device_mesh: Any, axes: Sequence[str] | str, shm: Any) -> Role | None:
-    """The role ``broadcast_batch`` has on ``device_mesh`` for ``axes``, if set up."""
-    hit = vars(device_mesh).get(_ATTR, {}).get((_mesh.normalize_axes(axes), shm))
-    if hit is None or hit[0]() is not _world():
+    """The role ``broadcast_batch`` has on ``device_mesh`` for ``axes``, if set up; where
+    ``shm`` is itself wrong, the one set up for ``axes``, if there is one only
+    (:func:`_meant_role`)."""
+    names = _mesh.normalize_axes(axes)
+    cache = vars(device_mesh).get(_ATTR, {})
+    if shm is None or type(shm) is bool:
+        hits = [cache.get((names, shm))]
+    else:
+        hits = [hit for (on, _), hit in cache.items() if on == names]
+    if len(hits) != 1 or hits[0] is None or hits[0][0]() is not _world():
         return None
-    return hit[1]  # type: ignore[no-any-return]
+    return hits[0][1]  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------- arguments

@@ -316,9 +316,9 @@ def submesh_rows(device_mesh: Any, spanning: tuple[str, ...]) -> list[tuple[int,
     return [tuple(int(r) for r in row) for row in rows]
 
 
-def group_ranks(group: Any, src: int) -> tuple[int, ...]:
+def group_ranks(group: Any, src: int | None) -> tuple[int, ...]:
     """The global ranks of ``group`` (None: every rank), sorted; ``src`` (an int: the
-    callers' ``args.check_src``) must be one, and so must this rank.
+    callers' ``check_src``; None: not asked) must be one, and so must this rank.
 
     Raises:
         TypeError: ``group`` is not a process group nor None.
@@ -340,7 +340,7 @@ def group_ranks(group: Any, src: int) -> tuple[int, ...]:
         ranks = tuple(range(dist.get_world_size()))
     else:
         ranks = tuple(sorted(dist.get_process_group_ranks(group)))
-    if src not in ranks:
+    if src is not None and src not in ranks:
         raise ValueError(
             f"src={src} is not a rank of the group (global ranks {list(ranks)}); src is a "
             f"global rank, as in torch.distributed.broadcast"

@@ -412,6 +412,52 @@ def test_a_call_that_fails_on_one_rank_still_takes_its_part(pool2: RankPool) -> 
     assert source[3] == "4: 4" and receiver[3].startswith("4: RuntimeError: Expected one of")
 
 
+def _rank_one_rank_mispicks(rank: int, world: int) -> list[str]:
+    """As above, with an argument that picks the channel wrong on one rank (``src`` that
+    is no int or no rank of the group, ``shm`` that is no bool), where this rank has one
+    channel over the group's ranks, then on a mesh: the call can only have meant that one."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = []
+    bad = {2: (0, {"src": True}), 4: (1, {"shm": "auto"}), 6: (1, {"src": 5}), 8: (0, {"src": "0"})}
+    for step in range(1, 10):
+        who, kw = bad.get(step, (None, {}))
+        args: dict[str, Any] = {"src": 0, **(kw if who == rank else {})}
+        try:
+            got = tc.broadcast({"step": step} if rank == 0 else None, timeout=20, **args)
+            out.append(f"{step}: {got['step']}")
+        except Exception as e:
+            out.append(f"{step}: {type(e).__name__}: {e}"[:120])
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    for step, shm in ((10, None), (11, "auto" if rank == 1 else None), (12, None)):
+        try:
+            got = tc.broadcast_batch({"step": step}, mesh, timeout=20, shm=shm)
+            out.append(f"{step}: {got['step']}")
+        except Exception as e:
+            out.append(f"{step}: {type(e).__name__}: {e}"[:120])
+    return out
+
+
+def test_a_call_whose_channel_arguments_are_wrong_on_one_rank_takes_its_part_where_it_can(
+    pool2: RankPool,
+) -> None:
+    """Such a call used to raise only, and the other rank's every later step was another
+    step's batch, with no error anywhere (NOTE [ A call that does not take its part ])."""
+    source, receiver = (
+        dict(line.split(": ", 1) for line in out)
+        for out in pool2.run(_rank_one_rank_mispicks, timeout=TIMEOUT)
+    )
+    for step in ("1", "3", "5", "7", "9", "10", "12"):
+        assert source[step] == receiver[step] == step, (source, receiver)
+    told = "SourceError: source rank 0 reported: its call failed before sending: "
+    assert source["2"].startswith("TypeError: src must be an int"), source
+    assert receiver["2"].startswith(told) and receiver["8"].startswith(told), receiver
+    assert source["4"] == "4" and receiver["4"].startswith("TypeError: shm must be None")
+    assert source["6"] == "6" and receiver["6"].startswith("ValueError: src=5 is not a rank")
+    assert source["8"].startswith("TypeError: src must be an int"), source
+    assert source["11"] == "11" and receiver["11"].startswith("TypeError: shm must be None")
+
+
 def _rank_later_setup_alone(rank: int, world: int) -> list[str]:
     """After a step from rank 0, the last rank alone calls with itself as ``src`` (a new
     channel its peers never set up), then every rank calls from rank 0 again; the group is

@@ -36,6 +36,7 @@ from tensorcast.transport import (
     Sender,
     World,
     hand_out,
+    made_world,
     open_role,
     ranks_name,
 )
@@ -170,8 +171,8 @@ def _meant_role(group: Any, src: Any, shm: Any) -> Role | None:
     if src_ok and shm_ok:
         return None
     ranks = _mesh.group_ranks(group, None)
-    with _lock:
-        keys = list(_roles.get(_world(), {}).items())
+    with _lock:  # this world's roles, if it has any: made by a call with valid arguments
+        keys = [kv for w, roles in _roles.items() if w.current() for kv in roles.items()]
     fits = [
         role
         for (on, from_, lane), role in keys
@@ -281,7 +282,9 @@ def _broadcast_role(
     ):
         return hit  # type: ignore[no-any-return]
     ranks = _mesh.group_ranks(group, src)
-    world = _world()
+    world = _world(setup) if open_new else made_world()
+    if world is None:  # no call made it yet: nothing is set up
+        return None
     key = (ranks, src, shm)
     with _lock:
         roles = _roles.setdefault(world, {})

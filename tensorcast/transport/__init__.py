@@ -36,7 +36,7 @@ from __future__ import annotations
 from tensorcast.transport.agreement import ranks_name
 from tensorcast.transport.device import DevicePart, hand_out, post
 from tensorcast.transport.frame import Stamp
-from tensorcast.transport.groups import Role, World, open_role, world
+from tensorcast.transport.groups import Role, World, made_world, open_role, world
 from tensorcast.transport.interrupts import points as interrupt_points
 from tensorcast.transport.lane import Job, Lane
 from tensorcast.transport.receiver import CLOSE, END, End, Receiver
@@ -57,6 +57,7 @@ __all__ = [
     "World",
     "hand_out",
     "interrupt_points",
+    "made_world",
     "open_role",
     "post",
     "ranks_name",

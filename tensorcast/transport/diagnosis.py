@@ -28,12 +28,14 @@ The store may live in the source's own process (a TCPStore hosted by rank 0 unde
 the c10d client's own timeout (the process group's, often 30 minutes) is no bound (a
 clone's ``set_timeout`` was seen not to bound a read from a stopped server either).
 Every request runs on a helper thread and is given up after a few seconds; the helper is
-left to the client's own timeout.
+left to the client's own timeout. A setup's requests go the same way (:class:`Asker`, the
+agreement's store), each given up once the setup's timeout has passed.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import queue
 import threading
 import time
@@ -42,7 +44,7 @@ from typing import Any
 from tensorcast.transport import exits as _exits
 from tensorcast.transport.liveness import SLOW_MAX_S, Beat, key
 
-__all__ = ["diagnose", "failed_after", "timed_out"]
+__all__ = ["STORE_OPS", "Asker", "Silent", "diagnose", "failed_after", "timed_out"]
 
 _CLOSED = ("connection reset", "connection closed", "broken pipe", "connection refused")
 
@@ -58,8 +60,8 @@ def failed_after(error: BaseException, waited_s: float, timeout_s: float) -> str
     )
 
 
-class _Silent(Exception):
-    """The store did not answer a request within the limit."""
+class Silent(RuntimeError):
+    """The store did not answer a request within the limit (its host is stopped or gone)."""
 
 
 def timed_out(error: BaseException) -> bool:
@@ -68,17 +70,33 @@ def timed_out(error: BaseException) -> bool:
     return not any(s in text for s in _CLOSED)
 
 
-class _Asker:
-    """Store requests, each answered within ``limit_s`` seconds or :class:`_Silent`."""
+#: the requests an :class:`Asker` bounds when it stands for its store
+STORE_OPS = frozenset(
+    ("add", "append", "check", "compare_set", "delete_key", "get", "multi_get", "set", "wait")
+)
+
+
+class Asker:
+    """Store requests, each answered within ``limit_s`` seconds or :class:`Silent` (NOTE
+    [ A store that does not answer ]). It stands for ``store`` where a store is wanted: its
+    requests (:data:`STORE_OPS`) go through :meth:`__call__`, anything else is the store's.
+    """
 
     def __init__(self, store: Any, limit_s: float) -> None:
         self.store = store
         self.limit_s = limit_s
         self._silent = False
 
+    def __getattr__(self, name: str) -> Any:
+        if name in STORE_OPS:
+            return functools.partial(self, name)
+        return getattr(self.store, name)  # a prefix store's underlying store, say
+
     def __call__(self, op: str, *args: Any, limit_s: float | None = None) -> Any:
         if self._silent:  # a request still hangs: the next would queue behind it
-            raise _Silent(op)
+            raise Silent(
+                f"the store has not answered an earlier request; this {op} would wait behind it"
+            )
         box: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
 
         def run() -> None:
@@ -94,7 +112,10 @@ class _Asker:
             ok, value = box.get(timeout=limit_s or self.limit_s)
         except queue.Empty:
             self._silent = True
-            raise _Silent(op) from None
+            raise Silent(
+                f"the store did not answer its {op} request within "
+                f"{limit_s or self.limit_s:g} s: the process that hosts it is stopped or gone"
+            ) from None
         if not ok:
             raise value
         return value
@@ -123,7 +144,7 @@ def diagnose(
         timeout_s: how long the receiver waited.
         timed_out: the wait ran out of time (else the source's connection closed).
     """
-    ask = _Asker(store, max(2.0, min(10.0, timeout_s / 4)))
+    ask = Asker(store, max(2.0, min(10.0, timeout_s / 4)))
     hold = min(30.0, max(5.0, timeout_s)) if timed_out else 0.0
     verdict = f"verdict/{src}/{frame[0]:x}/{frame[1]}/{frame[2]}"
     try:
@@ -145,7 +166,7 @@ def diagnose(
         text = f"{text} (seen by rank {rank})"
         ask("set", verdict, text)  # the other receivers wait for it
         return text
-    except _Silent:
+    except Silent:
         return _unread(src, store, f"did not answer within {ask.limit_s:g} s")
     except RuntimeError as e:
         first = str(e).splitlines()[0] if str(e) else ""
@@ -153,7 +174,7 @@ def diagnose(
 
 
 def _watch(
-    ask: _Asker, src: int, channel: int, hold: float, timed_out: bool, timeout_s: float
+    ask: Asker, src: int, channel: int, hold: float, timed_out: bool, timeout_s: float
 ) -> str:
     first = ask.beat(src)
     if first is None:

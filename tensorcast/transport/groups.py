@@ -46,7 +46,7 @@ from tensorcast._errors import DesyncError, PeerError
 from tensorcast.transport import exits as _exits
 from tensorcast.transport import relay as _relay
 from tensorcast.transport.agreement import Agreement, ranks_name, store_failed
-from tensorcast.transport.diagnosis import diagnose, timed_out
+from tensorcast.transport.diagnosis import Asker, diagnose, timed_out
 from tensorcast.transport.frame import FRAMES_VERSION, INITIAL_CAPACITY, promises_enabled
 from tensorcast.transport.lane import Lane
 from tensorcast.transport.liveness import Heartbeat
@@ -72,8 +72,15 @@ _wraps: list[Callable[[Wire], Wire]] = []  # see wrapping_wires
 _WATCH_S = 0.5  # how often a world with groups looks whether its default group is gone
 
 
-def world() -> World:
-    """tensorcast's state for the current default process group (made on first use).
+def made_world() -> World | None:
+    """tensorcast's state for the current default process group, if a call made it."""
+    with _lock:
+        return _worlds.get(dist.distributed_c10d._get_default_group())
+
+
+def world(setup: datetime.timedelta | None = None) -> World:
+    """tensorcast's state for the current default process group (made on first use, its
+    store's answers waited for up to ``setup``: None, the default group's timeout).
 
     Making one closes, here and now, the worlds of earlier default groups that are still
     open (their watch looks every ``_WATCH_S``): after a re-initialisation, what tensorcast
@@ -85,7 +92,7 @@ def world() -> World:
         if state is not None:
             return state
         stale = [w for w in _worlds.values() if w.closed is None]
-        state = _worlds[default] = World(default)
+        state = _worlds[default] = World(default, setup)
     for old in stale:
         if not old.current():
             old.close(_DESTROYED)
@@ -123,7 +130,7 @@ class Group:
 class World:
     """The default group's store, its agreement, and tensorcast's groups."""
 
-    def __init__(self, default: Any) -> None:
+    def __init__(self, default: Any, setup: datetime.timedelta | None = None) -> None:
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
         self.backend = str(dist.get_backend()).lower()
@@ -132,12 +139,16 @@ class World:
         # A store outlives a re-initialised group in some launchers: number this world's
         # keys by how many worlds this rank has made on it.
         try:
-            generation = base.add(f"tensorcast/generation/{self.rank}", 1)
-        except RuntimeError as e:  # the store's host exited
+            asked = Asker(base, (setup or self.timeout).total_seconds())
+            generation = asked("add", f"tensorcast/generation/{self.rank}", 1)
+        except RuntimeError as e:  # the store's host exited, or is stopped
             raise store_failed(base, self.rank, "setting up tensorcast", e) from e
         self.store = dist.PrefixStore(f"tensorcast/{generation}/", base)
+        #: the setups' store: each request answered within the setup's timeout, or a
+        #: ``PeerError`` (NOTE [ A store that does not answer ] in ``transport.diagnosis``)
+        self.asked = Asker(self.store, self.timeout.total_seconds())
         #: compares setups before a group is made (and before a channel on one opens)
-        self.agreement = Agreement(self.store, self.rank, self.timeout, exits=base)
+        self.agreement = Agreement(self.asked, self.rank, self.timeout, exits=base)
         #: the store as receivers' diagnoses reach it; let go of when the world closes, so
         #: that a role kept past destroy_process_group() keeps no socket to the old store
         self.reach = _Reach(self.store)
@@ -384,7 +395,8 @@ def open_role(
         DesyncError: the ranks disagree, or one did not come within the timeout.
         ValueError: ``shm=True`` where the lane cannot be (on every rank, saying why).
     """
-    state, promises, wait = world(), promises_enabled(), setup_timeout or timeout
+    wait = setup_timeout or timeout
+    state, promises = world(wait), promises_enabled()
     versions = {"format": codec.FORMAT_VERSION, "frames": FRAMES_VERSION, "promises": promises}
     told, setup = _relay.told(state.rank == src, extra, shm), {**setup, **versions, "shm": shm}
     channel_id, extras = _agree(state, scope, group, what, setup, told, first, wait)
@@ -417,6 +429,7 @@ def _agree(
 ) -> tuple[int, dict[int, dict[str, Any]]]:
     """``Agreement.agree``; where this rank's peers did not come, its groups that share a
     peer with them are suspect (NOTE [ A call that does not take its part ])."""
+    state.asked.limit_s = (wait or state.timeout).total_seconds()
     try:
         return state.agreement.agree(scope, group, what, setup, told, first=first, timeout=wait)
     except DesyncError as e:

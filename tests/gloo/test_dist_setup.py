@@ -221,6 +221,50 @@ def test_a_store_whose_host_exited_is_a_peer_error_naming_it(tmp_path: Path) -> 
         ), outs[rank]
 
 
+_STORE_HOST_STOPS = """
+import signal
+import tensorcast as tc
+
+if RANK == 0:
+    with open("pid0", "w") as f:
+        f.write(str(os.getpid()))
+pair = dist.new_group([0, 2])
+if RANK != 1:  # rank 2's tensorcast state is made before the host stops; rank 1's after
+    tc.broadcast({"x": 1} if RANK == 0 else None, 0, pair, timeout=30)
+dist.barrier()
+if RANK == 0:  # stopped, and the TCPStore it hosts with it (a debugger, a paused container)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    os._exit(0)  # once rank 1 lets it go on
+time.sleep(0.5)
+start = time.monotonic()
+try:
+    if RANK == 1:
+        tc.broadcast(None, 0, timeout=2)
+    else:
+        tc.BroadcastingDataLoader(None, group=dist.group.WORLD, src=0, timeout=2)
+except Exception as e:
+    print(f"RAISED after {time.monotonic() - start:.1f} s: {type(e).__name__}: {e}", flush=True)
+if RANK == 1:
+    time.sleep(0.5)
+    with open("pid0") as f:
+        os.kill(int(f.read()), signal.SIGCONT)
+os._exit(0)  # no teardown through the store
+"""
+
+
+def test_a_store_whose_host_is_stopped_fails_a_setup_within_its_timeout(tmp_path: Path) -> None:
+    """A TCPStore client waits for ever on a host that is alive but stopped, whatever its
+    own timeout: a first setup (its first store request) and a loader's used to hang on
+    it. Each raises PeerError naming the store within the call's timeout."""
+    outs = run_ranks(_STORE_HOST_STOPS, 3, tmp_path, timeout=CALL_TIMEOUT, pg_timeout=30)
+    for rank in (1, 2):
+        said = outs[rank][1]
+        took = float(said.split("RAISED after ")[1].split(" s")[0])
+        assert "PeerError" in said and "a TCPStore at 127.0.0.1:" in said, outs[rank]
+        assert "did not answer its" in said and "stopped or gone" in said, said
+        assert took < 2.0 + MARGIN, (rank, said)
+
+
 _NEVER_COMES = """
 import tensorcast as tc
 

@@ -95,8 +95,13 @@ def _named_dims(device_mesh: Any, what: str) -> tuple[str, ...]:
 # iterate its own loader. Raising would break the valid meshes whose TP dim is simply
 # absent, so it is a warning, once per process for each (mesh dims, axes): a training loop
 # calls broadcast_batch every step. The set grows with the distinct meshes a job builds,
-# never with the world size.
+# never with the world size. Where some of the axes are in the mesh and one is not, the
+# missing one is a mistake only where the mesh has a dimension of size > 1 named like it
+# (``"TP"`` for ``"tp"``, ``"tensor"`` or ``"tensor_parallel"`` for ``"tp"``, ``"context"``
+# for ``"cp"``), as on a ``("dp", "cp", "tensor")`` mesh with cp 1: an axis simply absent
+# (no ``"cp"`` on a ``("dp", "tp")`` mesh, an expert-parallel dimension beside) is not.
 _NOT_SHARING = ("dp", "data", "pp", "pipe")
+_ALSO_NAMED = {"tp": "tensor", "cp": "context"}  # what a dimension named like an axis starts with
 _warned: set[tuple[tuple[str, ...], tuple[str, ...]]] = set()
 _warned_lock = threading.Lock()
 
@@ -104,24 +109,35 @@ _warned_lock = threading.Lock()
 def _warn_if_axes_miss(
     device_mesh: Any, names: tuple[str, ...], wanted: tuple[str, ...], what: str, stacklevel: int
 ) -> None:
-    others = [n for n in names if not n.lower().startswith(_NOT_SHARING)]
-    sizes = {n: _axis_size(device_mesh, n) for n in others}
-    if not any(size > 1 for size in sizes.values()):
+    others = [n for n in names if n not in wanted and not n.lower().startswith(_NOT_SHARING)]
+    missing = [a for a in wanted if a not in names]
+    if len(missing) < len(wanted):  # some are in the mesh: the dims named like a missing one
+        others = [n for n in others if any(_named_like(n, a) for a in missing)]
+    big = [n for n in others if _axis_size(device_mesh, n) > 1]
+    if not big:
         return
     with _warned_lock:
         if (names, wanted) in _warned:
             return
         _warned.add((names, wanted))
-    big = [n for n, size in sizes.items() if size > 1]
+    some = "none" if len(missing) == len(wanted) else f"{missing!r}"
     warnings.warn(
-        f"{what}: none of axes={wanted!r} is a dimension of the device mesh, whose dims "
-        f"are {names!r}, so it does nothing and every rank is its own source: ranks along "
-        f"{big!r} (size > 1) iterate their own loaders and get different batches. Name the "
-        f"dimensions that share a batch, e.g. axes={tuple(big)!r}; if this job really has "
-        f"no tensor/context parallelism, ignore this (warned once per process)",
+        f"{what}: {some} of axes={wanted!r} is a dimension of the device mesh, whose dims "
+        f"are {names!r}, so ranks along {big!r} (size > 1) are their own sources: they "
+        f"iterate their own loaders and get different batches. Name the dimensions that "
+        f"share a batch, e.g. axes={tuple(a for a in names if a in wanted or a in big)!r}; "
+        f"if this job really has no tensor/context parallelism, ignore this (warned once "
+        f"per process)",
         UserWarning,
         stacklevel=stacklevel + 1,
     )
+
+
+def _named_like(dim: str, axis: str) -> bool:
+    """Whether the mesh dimension ``dim`` is named like the axis ``axis``: the same but for
+    case, or starting with the word the axis stands for (NOTE [ Axes that miss the mesh ])."""
+    word = _ALSO_NAMED.get(axis.lower())
+    return dim.lower() == axis.lower() or (word is not None and dim.lower().startswith(word))
 
 
 def present_axes(
@@ -142,7 +158,7 @@ def present_axes(
     names = _named_dims(device_mesh, what)
     wanted = normalize_axes(axes)
     present = tuple(n for n in names if n in wanted)
-    if not present and wanted:
+    if wanted and len(present) < len(wanted):
         _warn_if_axes_miss(device_mesh, names, wanted, what, stacklevel + 1)
     return present
 

@@ -166,6 +166,40 @@ def test_axes_that_miss_a_mesh_with_another_big_dim_warn_once(
 
 
 @pytest.mark.parametrize(
+    ("shape", "names", "axes", "big"),
+    [
+        ((1, 1, 2), ("dp", "cp", "tensor_w2"), ("cp", "tp"), "tensor_w2"),  # cp 1, tp misnamed
+        ((1, 2, 1), ("dp", "context_w2", "tp"), ("cp", "tp"), "context_w2"),
+        ((1, 1, 2), ("dp", "cp", "tp"), ("cp", "TP"), "tp"),  # a wrong case beside a present axis
+    ],
+)
+def test_an_axis_that_misses_a_mesh_dim_named_like_it_warns_though_another_is_there(
+    shape: tuple[int, ...], names: tuple[str, ...], axes: tuple[str, ...], big: str
+) -> None:
+    """A mistake beside an axis that is in the mesh (of size 1, as cp often is) is no
+    silent no-op either: the dim named like the missing axis is said, once."""
+    with pytest.warns(UserWarning) as record:
+        assert sources(shape, names, axes) == list(range(math.prod(shape)))
+        assert sources(shape, names, axes) == list(range(math.prod(shape)))
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert repr(names) in message and f"ranks along {[big]!r}" in message, message
+
+
+@pytest.mark.parametrize(
+    ("shape", "names"),
+    [((2, 2, 2), ("dp", "tp", "ep")), ((2, 2, 2), ("dp", "cp", "experts")), ((2, 2), ("dp", "tp"))],
+)
+def test_an_axis_simply_absent_beside_one_that_is_there_says_nothing(
+    shape: tuple[int, ...], names: tuple[str, ...]
+) -> None:
+    """No cp on a (dp, tp) mesh, an expert-parallel dim beside: not a mistake."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tc.is_dp_source_rank(grid(shape, names, 0))
+
+
+@pytest.mark.parametrize(
     ("shape", "names"),
     [
         ((4, 1, 1), ("dp", "cp", "tp")),

@@ -120,9 +120,12 @@ def _warn_if_axes_miss(
         if (names, wanted) in _warned:
             return
         _warned.add((names, wanted))
-    some = "none" if len(missing) == len(wanted) else f"{missing!r}"
+    if len(missing) == len(wanted):
+        some = f"none of axes={wanted!r} is"
+    else:
+        some = f"{missing!r} of axes={wanted!r} {'is' if len(missing) == 1 else 'are'} not"
     warnings.warn(
-        f"{what}: {some} of axes={wanted!r} is a dimension of the device mesh, whose dims "
+        f"{what}: {some} a dimension of the device mesh, whose dims "
         f"are {names!r}, so ranks along {big!r} (size > 1) are their own sources: they "
         f"iterate their own loaders and get different batches. Name the dimensions that "
         f"share a batch, e.g. axes={tuple(a for a in names if a in wanted or a in big)!r}; "

@@ -102,8 +102,7 @@ def broadcast(
             leaf whole. Read on the source only.
         shm: where every rank of the group shares the source's host, payloads go through
             shared memory, not the wire (None: where it can; False: never; True: required,
-            a ``ValueError`` at the setup saying why it cannot be). Every rank passes the
-            same value.
+            a ``ValueError`` at setup saying why not). The same on every rank.
 
     Returns:
         The rebuilt tree, on every rank including the source.

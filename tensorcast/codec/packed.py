@@ -6,6 +6,7 @@ A batch tree <-> a header and ONE packed, aligned uint8 buffer, with no process 
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -55,7 +56,10 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device | No
         return None
     if isinstance(device, bool):
         raise TypeError(f"device must be a torch.device, a str or an int, got {device!r}")
-    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if isinstance(device, numbers.Integral):  # a numpy integer too
+        dev = torch.device("cuda", int(device))
+    else:
+        dev = torch.device(device)
     if dev.type == "cpu":
         return _CPU
     if dev.type == "meta":

@@ -142,10 +142,12 @@ def broadcast(
 # ``SourceError`` naming the mistake), a receiver reads the frame and drops it. A first
 # call has no channel yet: its peers fail at the setup's agreement instead. A call whose
 # ``src`` or ``shm`` is itself wrong (not an int, not a rank of the group; not None nor a
-# bool) still names its channel where this rank has exactly one over the group's ranks
-# (the mesh's axes) that its other arguments fit: it can only have meant that one, and
-# takes its part there. Where it has none or several, or the group or the axes are wrong,
-# the call cannot tell which channel it was meant for, and raises only.
+# bool) takes its part on the channel it most likely meant: the one this rank has over the
+# group's ranks (the mesh's axes) that its other arguments fit, where there is exactly one.
+# Where its peers were setting up another instead (their first call with a new ``src``),
+# it waits there for its timeout and raises, as they do. Where it has none or several, or
+# the group or the axes are wrong, the call cannot tell which channel it was meant for,
+# and raises only.
 #
 # A setup that fails on a rank because its peers did not come (a later call with another
 # ``src`` or axes on that rank only) leaves every group of this rank's that shares a peer
@@ -296,7 +298,8 @@ def _broadcast_role(
         role, _ = open_role(
             ranks_name(ranks), ranks, src, what, {"src": src}, setup_timeout=setup, shm=shm
         )
-        roles[key] = role
+        with _lock:  # read whole by _meant_role
+            roles[key] = role
     # The role too, weakly: it lives with its world, which goes with the default group.
     _last = (
         None if group is None else weakref.ref(group),
@@ -324,8 +327,8 @@ def broadcast_batch(
     (tensorcast's own, made on the first call and reused). Returns ``batch`` itself, the
     very same object, when there is nothing to do: ``torch.distributed`` not initialized,
     ``device_mesh`` None, no named axis in the mesh, or every present named axis of size 1.
-    A mesh without dimension names is a ``TypeError``; axes that miss a mesh with another
-    dimension of size > 1 (not data- or pipeline-parallel) warn once per process.
+    A mesh without dimension names is a ``TypeError``; axes that miss a dimension of size
+    > 1 they likely meant warn once per process (NOTE [ Axes that miss the mesh ]).
 
     Every rank of the mesh must make the first call together (it sets up the groups).
     ``timeout`` (seconds or a timedelta) bounds every wait of the call, the first call's
@@ -366,14 +369,12 @@ def _mesh_role(device_mesh: Any, axes: Sequence[str] | str, shm: Any) -> Role | 
         hits = [cache.get((names, shm))]
     else:
         hits = [hit for (on, _), hit in cache.items() if on == names]
-    if len(hits) != 1 or hits[0] is None or hits[0][0]() is not _world():
+    if len(hits) != 1 or hits[0] is None or hits[0][0]() is not made_world():
         return None
     return hits[0][1]  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------- arguments
-# The arguments both entry points (these two and ``BroadcastingDataLoader``) take alike:
-# timeouts, output devices, ``src``, ``shm``, packed batches.
 
 _AVAILABLE = dist.is_available()  # fixed by how torch was built
 _MAX_TIMEOUT_S = 10.0**9  # about 32 years: past it, a timedelta overflows

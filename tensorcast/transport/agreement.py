@@ -98,8 +98,8 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 def store_failed(store: Any, rank: int, doing: str, error: BaseException) -> PeerError:
-    """The error for a store request that failed (not a wait's timeout: tensorcast polls):
-    names the store and the process that hosts it, whose exit is the usual cause."""
+    """The error for a store request that failed, or was not answered in time (not a
+    wait's timeout: tensorcast polls): names the store and the process that hosts it."""
     base = getattr(store, "_underlying_non_prefix_store", store)
     if hasattr(base, "host") and hasattr(base, "port"):
         where = f"the c10d store (a TCPStore at {base.host}:{base.port})"

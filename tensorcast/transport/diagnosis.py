@@ -34,11 +34,13 @@ agreement's store), each given up once the setup's timeout has passed.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from tensorcast.transport import exits as _exits
@@ -77,15 +79,36 @@ STORE_OPS = frozenset(
 
 
 class Asker:
-    """Store requests, each answered within ``limit_s`` seconds or :class:`Silent` (NOTE
-    [ A store that does not answer ]). It stands for ``store`` where a store is wanted: its
-    requests (:data:`STORE_OPS`) go through :meth:`__call__`, anything else is the store's.
+    """Store requests, each answered within a limit or :class:`Silent` (NOTE [ A store that
+    does not answer ]). It stands for ``store`` where a store is wanted: its requests
+    (:data:`STORE_OPS`) go through :meth:`__call__`, anything else is the store's.
+
+    The limit is ``limit_s``, or what :meth:`bounded` sets for the calling thread (a
+    setup's timeout: setups on two threads each keep their own). While a request given up
+    still has not come back, the next fails at once: it would queue behind it in the
+    client; once it came back, the store is asked again.
     """
 
     def __init__(self, store: Any, limit_s: float) -> None:
         self.store = store
-        self.limit_s = limit_s
-        self._silent = False
+        self._limit_s = limit_s
+        self._local = threading.local()
+        self._hung: threading.Thread | None = None
+
+    @property
+    def limit_s(self) -> float:
+        return getattr(self._local, "limit_s", None) or self._limit_s
+
+    @contextlib.contextmanager
+    def bounded(self, limit_s: float | None) -> Iterator[None]:
+        """Within, this thread's requests are given up after ``limit_s`` (None: the
+        default)."""
+        before = getattr(self._local, "limit_s", None)
+        self._local.limit_s = limit_s
+        try:
+            yield
+        finally:
+            self._local.limit_s = before
 
     def __getattr__(self, name: str) -> Any:
         if name in STORE_OPS:
@@ -93,7 +116,8 @@ class Asker:
         return getattr(self.store, name)  # a prefix store's underlying store, say
 
     def __call__(self, op: str, *args: Any, limit_s: float | None = None) -> Any:
-        if self._silent:  # a request still hangs: the next would queue behind it
+        hung = self._hung
+        if hung is not None and hung.is_alive():  # the next would queue behind it
             raise Silent(
                 f"the store has not answered an earlier request; this {op} would wait behind it"
             )
@@ -105,13 +129,13 @@ class Asker:
             except BaseException as e:  # handed to the asking thread
                 box.put((False, e))
 
-        helper = threading.Thread(target=run, name="tensorcast-diagnosis", daemon=True)
+        helper = threading.Thread(target=run, name="tensorcast-store", daemon=True)
         _exits.asking(helper)  # no store request at exit while this one may hang
         helper.start()
         try:
             ok, value = box.get(timeout=limit_s or self.limit_s)
         except queue.Empty:
-            self._silent = True
+            self._hung = helper
             raise Silent(
                 f"the store did not answer its {op} request within "
                 f"{limit_s or self.limit_s:g} s: the process that hosts it is stopped or gone"

@@ -46,7 +46,7 @@ from tensorcast._errors import DesyncError, PeerError
 from tensorcast.transport import exits as _exits
 from tensorcast.transport import relay as _relay
 from tensorcast.transport.agreement import Agreement, ranks_name, store_failed
-from tensorcast.transport.diagnosis import Asker, diagnose, timed_out
+from tensorcast.transport.diagnosis import Asker, Silent, diagnose, timed_out
 from tensorcast.transport.frame import FRAMES_VERSION, INITIAL_CAPACITY, promises_enabled
 from tensorcast.transport.lane import Lane
 from tensorcast.transport.liveness import Heartbeat
@@ -68,6 +68,9 @@ Role = Sender | Receiver
 
 _lock = threading.Lock()
 _worlds: weakref.WeakKeyDictionary[Any, World] = weakref.WeakKeyDictionary()
+# Default groups whose first store request was given up (a stopped store): the request may
+# still land, numbering this rank's keys past its peers', so no world is made on them again.
+_given_up: weakref.WeakKeyDictionary[Any, PeerError] = weakref.WeakKeyDictionary()
 _wraps: list[Callable[[Wire], Wire]] = []  # see wrapping_wires
 _WATCH_S = 0.5  # how often a world with groups looks whether its default group is gone
 
@@ -136,19 +139,25 @@ class World:
         self.backend = str(dist.get_backend()).lower()
         self.timeout = _default_timeout(default)
         base = dist.distributed_c10d._get_default_store()
+        if default in _given_up:  # its number may still land: this rank's keys would differ
+            raise _given_up[default]
         # A store outlives a re-initialised group in some launchers: number this world's
         # keys by how many worlds this rank has made on it.
         try:
             asked = Asker(base, (setup or self.timeout).total_seconds())
             generation = asked("add", f"tensorcast/generation/{self.rank}", 1)
         except RuntimeError as e:  # the store's host exited, or is stopped
-            raise store_failed(base, self.rank, "setting up tensorcast", e) from e
+            error = store_failed(base, self.rank, "setting up tensorcast", e)
+            if isinstance(e, Silent):
+                _given_up[default] = error
+            raise error from e
         self.store = dist.PrefixStore(f"tensorcast/{generation}/", base)
         #: the setups' store: each request answered within the setup's timeout, or a
         #: ``PeerError`` (NOTE [ A store that does not answer ] in ``transport.diagnosis``)
         self.asked = Asker(self.store, self.timeout.total_seconds())
         #: compares setups before a group is made (and before a channel on one opens)
-        self.agreement = Agreement(self.asked, self.rank, self.timeout, exits=base)
+        exits = Asker(base, self.timeout.total_seconds())  # where exited ranks are marked
+        self.agreement = Agreement(self.asked, self.rank, self.timeout, exits=exits)
         #: the store as receivers' diagnoses reach it; let go of when the world closes, so
         #: that a role kept past destroy_process_group() keeps no socket to the old store
         self.reach = _Reach(self.store)
@@ -429,9 +438,9 @@ def _agree(
 ) -> tuple[int, dict[int, dict[str, Any]]]:
     """``Agreement.agree``; where this rank's peers did not come, its groups that share a
     peer with them are suspect (NOTE [ A call that does not take its part ])."""
-    state.asked.limit_s = (wait or state.timeout).total_seconds()
     try:
-        return state.agreement.agree(scope, group, what, setup, told, first=first, timeout=wait)
+        with state.asked.bounded((wait or state.timeout).total_seconds()):
+            return state.agreement.agree(scope, group, what, setup, told, first=first, timeout=wait)
     except DesyncError as e:
         came = getattr(e, "came", None)  # set where peers did not come: they may come late
         if came is not None:

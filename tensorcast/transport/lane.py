@@ -488,7 +488,7 @@ def settle_suspects(lane: Lane) -> None:
     still have not, they went on without this rank, and what it would read or send here
     next would pair with another call, so the lane breaks (NOTE [ A call that does not
     take its part ] in ``loader/broadcast.py``). On the caller's thread; each ``came()``
-    is a store read, bounded by the store's timeout."""
+    is a store read, given up after the default group's timeout (``diagnosis.Asker``)."""
     with lane._lock:
         suspects, lane.suspects = lane.suspects, []
     for cause, came in suspects:

@@ -9,9 +9,10 @@ import threading
 import time
 from typing import Any
 
+import pytest
 import torch.distributed as dist
 
-from tensorcast.transport.diagnosis import diagnose, failed_after
+from tensorcast.transport.diagnosis import Asker, Silent, diagnose, failed_after
 from tensorcast.transport.liveness import Heartbeat
 
 
@@ -75,3 +76,46 @@ def test_a_wait_that_failed_says_how_and_after_how_long() -> None:
     assert said.startswith("failed after 1.0 s, its connection closed"), said
     late = RuntimeError("Timed out waiting 1800000ms for recv operation to complete")
     assert failed_after(late, 1800.2, 1800.0).startswith("timed out after 1800.2 s"), said
+
+
+class _Stalls:
+    """A store whose ``check`` waits ``stall`` seconds the first time."""
+
+    def __init__(self, stall: float) -> None:
+        self.stall, self.checks = stall, 0
+
+    def check(self, keys: list[str]) -> bool:
+        self.checks += 1
+        if self.checks == 1:
+            time.sleep(self.stall)
+        return True
+
+
+def test_an_asker_asks_again_once_a_request_it_gave_up_came_back() -> None:
+    """Given up, a request that still has not come back makes the next fail at once (it
+    would queue behind it); once it came back, the store is asked again: one slow answer
+    does not silence the store for good."""
+    asked = Asker(_Stalls(0.5), 60.0)
+    with asked.bounded(0.1), pytest.raises(Silent, match="did not answer its check request"):
+        asked.check(["k"])
+    with pytest.raises(Silent, match="earlier request"):
+        asked.check(["k"])
+    time.sleep(0.6)
+    assert asked.check(["k"]) is True
+
+
+def test_setups_on_two_threads_keep_their_own_limits() -> None:
+    asked = Asker(_Stalls(0.0), 60.0)
+    seen: dict[str, float] = {}
+
+    def setup(name: str, limit: float) -> None:
+        with asked.bounded(limit):
+            time.sleep(0.05)  # the other thread sets its own meanwhile
+            seen[name] = asked.limit_s
+
+    threads = [threading.Thread(target=setup, args=(n, s)) for n, s in (("a", 2.0), ("b", 9.0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == {"a": 2.0, "b": 9.0} and asked.limit_s == 60.0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import numbers
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -165,10 +166,11 @@ def _meant_role(group: Any, src: Any, shm: Any) -> Role | None:
     meant (NOTE [ A call that does not take its part ]). None where both are valid (the
     call names its channel), or where this rank has none or several that fit."""
     try:
-        src_ok = _mesh.group_ranks(group, check_src(src)) is not None
+        _mesh.group_ranks(group, check_src(src))
+        src_ok = True
     except (TypeError, ValueError):
         src_ok = False
-    shm_ok = shm is None or type(shm) is bool
+    shm_ok = _shm_ok(shm)
     if src_ok and shm_ok:
         return None
     ranks = _mesh.group_ranks(group, None)
@@ -365,7 +367,7 @@ def _mesh_role(device_mesh: Any, axes: Sequence[str] | str, shm: Any) -> Role | 
     (:func:`_meant_role`)."""
     names = _mesh.normalize_axes(axes)
     cache = vars(device_mesh).get(_ATTR, {})
-    if shm is None or type(shm) is bool:
+    if _shm_ok(shm):
         hits = [cache.get((names, shm))]
     else:
         hits = [hit for (on, _), hit in cache.items() if on == names]
@@ -435,13 +437,17 @@ def check_src(src: Any) -> int:
     return int(src)
 
 
+def _shm_ok(shm: object) -> bool:
+    return shm is None or type(shm) is bool
+
+
 def check_shm(shm: object) -> None:
     """``shm=`` is None, True or False.
 
     Raises:
         TypeError: anything else.
     """
-    if shm is not None and type(shm) is not bool:
+    if not _shm_ok(shm):
         raise TypeError(f"shm must be None (automatic), True or False, got {shm!r}")
 
 
@@ -450,7 +456,7 @@ def output_device(device: torch.device | str | int | None) -> torch.device | Non
     rank's GPU: the one ``init_process_group(device_id=)`` bound, else the current one."""
     if device is None:
         return None
-    dev = torch.device(device) if not isinstance(device, int) else None
+    dev = None if isinstance(device, numbers.Integral) else torch.device(device)  # ints: CUDA
     if dev is not None and dev.type not in _OUTPUT_DEVICES:  # before anything is sent
         raise ValueError(
             f"device={device!r}: a batch lands on the CPU or a CUDA device; pass device=None "

@@ -139,13 +139,16 @@ class World:
         self.backend = str(dist.get_backend()).lower()
         self.timeout = _default_timeout(default)
         base = dist.distributed_c10d._get_default_store()
+        #: the default store's requests of this world (its number, ranks that exited), each
+        #: answered in time or ``Silent`` (NOTE [ A store that does not answer ])
+        asked_base = Asker(base, self.timeout.total_seconds())
         if default in _given_up:  # its number may still land: this rank's keys would differ
             raise _given_up[default]
         # A store outlives a re-initialised group in some launchers: number this world's
         # keys by how many worlds this rank has made on it.
         try:
-            asked = Asker(base, (setup or self.timeout).total_seconds())
-            generation = asked("add", f"tensorcast/generation/{self.rank}", 1)
+            with asked_base.bounded(None if setup is None else setup.total_seconds()):
+                generation = asked_base.add(f"tensorcast/generation/{self.rank}", 1)
         except RuntimeError as e:  # the store's host exited, or is stopped
             error = store_failed(base, self.rank, "setting up tensorcast", e)
             if isinstance(e, Silent):
@@ -156,8 +159,7 @@ class World:
         #: ``PeerError`` (NOTE [ A store that does not answer ] in ``transport.diagnosis``)
         self.asked = Asker(self.store, self.timeout.total_seconds())
         #: compares setups before a group is made (and before a channel on one opens)
-        exits = Asker(base, self.timeout.total_seconds())  # where exited ranks are marked
-        self.agreement = Agreement(self.asked, self.rank, self.timeout, exits=exits)
+        self.agreement = Agreement(self.asked, self.rank, self.timeout, exits=asked_base)
         #: the store as receivers' diagnoses reach it; let go of when the world closes, so
         #: that a role kept past destroy_process_group() keeps no socket to the old store
         self.reach = _Reach(self.store)
